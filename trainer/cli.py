@@ -1,0 +1,169 @@
+"""Command line: `python -m trainer COMMAND ...`.
+
+  run PRESET_OR_FILE [--set k=v ...] [--out DIR] [--resume DIR]   train, with a progress display
+  control RUN_DIR (--set k=v ... | --pause | --resume | --stop)   steer a running run
+  knobs [--json]                                                   the parameter schema
+  presets [--json]                                                 shipped presets
+  reward --dataset D.jsonl --completions C.jsonl                   score completions
+  warmup [--out DIR]                                               rebuild the built-in model
+  bench learn|... [--json]                                         benchmarks
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from trainer import config as config_mod
+
+
+def _cmd_run(args) -> int:
+    from trainer.controls import FileControlSource
+    from trainer.metrics import ConsoleSink, JsonlSink, MultiSink
+    from trainer.runner import Runner, prepare_run_dir
+
+    if args.resume:
+        run_dir = Path(args.resume)
+        saved = run_dir / "config.toml"
+        if not saved.is_file():
+            raise config_mod.ConfigError({"--resume": f"{run_dir} has no config.toml: not a run directory"})
+        cfg = config_mod.apply_overrides(config_mod.loads_toml(saved.read_text()), args.set)
+        overridden = {config_mod.parse_override(s)[0] for s in args.set}
+    else:
+        if not args.config:
+            raise config_mod.ConfigError({"config": "name a preset or a .toml file (presets: "
+                                          + ", ".join(config_mod.preset_names()) + ")"})
+        cfg = config_mod.load(args.config, args.set)
+        out = args.out or f"runs/{Path(args.config).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
+        run_dir = prepare_run_dir(out, overwrite=args.overwrite)
+        overridden = set()
+    sink = MultiSink([JsonlSink(run_dir), ConsoleSink(cfg.run.max_steps)])
+    print(f"run directory: {run_dir}", flush=True)
+    runner = Runner(cfg, run_dir, sink=sink, controls=FileControlSource(run_dir),
+                    resume=bool(args.resume), keep_knobs=overridden)
+    try:
+        with runner:
+            status = runner.run()
+    except KeyboardInterrupt:
+        print("interrupted; resume with: python -m trainer run --resume " + str(run_dir))
+        return 130
+    finally:
+        sink.close()
+    print(json.dumps({"status": status, **runner.summary()}))
+    return 0
+
+
+def _cmd_control(args) -> int:
+    from trainer.controls import PAUSE, RESUME, SET_KNOBS, STOP, Command, send
+
+    commands = []
+    if args.set:
+        knobs = dict(config_mod.parse_override(s) for s in args.set)
+        for key, value in knobs.items():  # reject here what the trainer would reject later
+            spec = config_mod.param_spec(key)
+            if not spec.tunable:
+                raise config_mod.ConfigError({key: "cannot change during a run; tunable keys: "
+                                              + ", ".join(p.name for p in config_mod.knobs())})
+            spec.coerce(value)
+        commands.append(Command(SET_KNOBS, knobs=knobs))
+    for flag, kind in (("pause", PAUSE), ("resume", RESUME), ("stop", STOP)):
+        if getattr(args, flag):
+            commands.append(Command(kind))
+    if not commands:
+        raise config_mod.ConfigError({"control": "give --set k=v, --pause, --resume or --stop"})
+    for c in commands:
+        send(args.run_dir, c)
+        print(f"sent {c.kind} {c.knobs or ''} (id {c.id})".rstrip())
+    return 0
+
+
+def _cmd_knobs(args) -> int:
+    specs = config_mod.schema() if args.all else config_mod.knobs()
+    if args.json:
+        print(json.dumps([p.as_json() for p in specs], indent=2))
+        return 0
+    for p in specs:
+        flag = " [tunable]" if p.tunable else ""
+        print(f"{p.name} = {p.default!r}  ({p.allowed()}){flag}\n    {p.help}")
+    return 0
+
+
+def _cmd_presets(args) -> int:
+    data = {name: config_mod.load(name).to_dict() for name in config_mod.preset_names()}
+    if args.json:
+        print(json.dumps(data, indent=2))
+    else:
+        for name in data:
+            print(name)
+    return 0
+
+
+def _cmd_warmup(args) -> int:
+    from trainer.model import builtin_dir
+    from trainer.warmup import warmup
+
+    out = args.out or str(builtin_dir())
+    info = warmup(out, steps=args.steps, seed=args.seed)
+    print(json.dumps({"out": out, **info}))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m trainer", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    r = sub.add_parser("run", help="train")
+    r.add_argument("config", nargs="?", help="preset name or .toml file")
+    r.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    r.add_argument("--out", help="run directory (default runs/<preset>-<time>)")
+    r.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its latest checkpoint")
+    r.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
+    r.set_defaults(func=_cmd_run)
+
+    c = sub.add_parser("control", help="steer a running run")
+    c.add_argument("run_dir")
+    c.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    c.add_argument("--pause", action="store_true")
+    c.add_argument("--resume", action="store_true")
+    c.add_argument("--stop", action="store_true")
+    c.set_defaults(func=_cmd_control)
+
+    k = sub.add_parser("knobs", help="print the parameter schema")
+    k.add_argument("--all", action="store_true", help="every parameter, not only tunable ones")
+    k.add_argument("--json", action="store_true")
+    k.set_defaults(func=_cmd_knobs)
+
+    pr = sub.add_parser("presets", help="list presets")
+    pr.add_argument("--json", action="store_true")
+    pr.set_defaults(func=_cmd_presets)
+
+    w = sub.add_parser("warmup", help="rebuild the built-in model (supervised warm-up)")
+    w.add_argument("--out", help="directory (default: the shipped trainer/assets/builtin-sum)")
+    w.add_argument("--steps", type=int, default=1000)
+    w.add_argument("--seed", type=int, default=0)
+    w.set_defaults(func=_cmd_warmup)
+
+    from trainer import bench, reward_cli
+    reward_cli.add_parser(sub)
+    bench.add_parser(sub)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except config_mod.ConfigError as e:
+        for key, msg in e.errors.items():
+            print(f"error: {key}: {msg}", file=sys.stderr)
+        return 2
+    except (FileNotFoundError, FileExistsError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,440 @@
+"""The one schema of rlpilot's configuration.
+
+Every parameter is declared exactly once, below, as a dataclass field made with `param()`:
+its type, default, allowed range or choices, one line of help, and whether it may change while
+a run is going ("tunable", i.e. a knob). The CLI, the launch form, the live-tuning panel and the
+JSON API all read this schema through `schema()`; nothing else lists parameters.
+
+Configs are loaded from TOML (a preset shipped in `trainer/presets/` or a file) and then
+overridden with dotted `section.key=value` pairs. Anything wrong -- an unknown key, a wrong
+type, a value out of range -- raises `ConfigError` whose `errors` maps each dotted key to a
+message that names the allowed values.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+import tomllib
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any, Iterable
+
+PRESETS_PACKAGE = "trainer.presets"
+
+
+class ConfigError(ValueError):
+    """Invalid configuration. `errors` maps a dotted key ('optim.lr') to what is wrong."""
+
+    def __init__(self, errors: dict[str, str]):
+        self.errors = dict(errors)
+        super().__init__("; ".join(f"{k}: {v}" for k, v in self.errors.items()))
+
+
+def param(default, *, help: str, min=None, max=None, choices=None, tunable=False):
+    """Declare one parameter. `min`/`max` are inclusive bounds."""
+    meta = {"help": help, "min": min, "max": max, "choices": tuple(choices) if choices else None,
+            "tunable": tunable}
+    return field(default=default, metadata=meta)
+
+
+# ---------------------------------------------------------------------------------------------
+# Sections
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class ModelConfig:
+    path: str = param("builtin", help="'builtin' (the small CPU model shipped with rlpilot) or a "
+                      "local directory holding a Hugging Face causal LM and its tokenizer")
+    device: str = param("auto", choices=["auto", "cpu", "cuda"],
+                        help="where the trainer and the embedded engine run; auto = cuda if present")
+    dtype: str = param("auto", choices=["auto", "float32", "bfloat16", "float16"],
+                       help="parameter dtype; auto = bfloat16 on cuda, float32 on cpu")
+    threads: int = param(0, min=0, max=256, help="torch CPU threads (0 = leave torch's default)")
+
+
+@dataclass
+class DataConfig:
+    task: str = param("sum", choices=["sum", "math", "code"],
+                      help="built-in list-sum task, or a JSONL file of math or code problems")
+    path: str = param("", help="JSONL file for task=math ({prompt, answer}) or task=code "
+                      "({prompt, tests, entry_point})")
+    eval_path: str = param("", help="math/code: JSONL of held-out problems (empty = evaluate on "
+                           "the first training rows)")
+    train_size: int = param(4096, min=1, max=10_000_000,
+                            help="sum task: distinct training problems (drawn in shuffled epochs)")
+    max_list_len: int = param(24, min=1, max=64, help="sum task: longest list")
+    length_alpha: float = param(1.0, min=0.1, max=10.0,
+                                help="sum task: Pareto shape of the list length (smaller = heavier tail)")
+    max_operand: int = param(9, min=1, max=999, help="sum task: largest list element")
+    prompt_template: str = param("{prompt}", help="math/code: how a problem becomes a prompt; "
+                                 "'{prompt}' is replaced by the problem text")
+
+
+@dataclass
+class RolloutConfig:
+    engine: str = param("embedded", choices=["embedded"], help="rollout engine")
+    n_samples_per_prompt: int = param(8, min=1, max=256, help="responses per prompt (group size G)")
+    rollout_batch_size: int = param(32, min=1, max=4096, help="groups (prompts) trained per step (N)")
+    max_response_len: int = param(256, min=1, max=32768, help="most tokens in one response")
+    max_slots: int = param(128, min=1, max=4096,
+                           help="sequences the engine decodes at once (continuous batching)")
+    temperature: float = param(1.0, min=0.05, max=2.0, tunable=True, help="sampling temperature")
+    top_p: float = param(1.0, min=0.01, max=1.0, tunable=True, help="nucleus sampling threshold")
+    recompute_kv_on_update: bool = param(False, help="recompute in-flight sequences' KV cache "
+                                         "under new weights at a weight update")
+
+
+@dataclass
+class AlgoConfig:
+    clip_low: float = param(0.2, min=0.0, max=1.0, tunable=True,
+                            help="PPO clip range below 1 (ratio >= 1 - clip_low)")
+    clip_high: float = param(0.28, min=0.0, max=10.0, tunable=True,
+                             help="PPO clip range above 1 (DAPO clip-higher)")
+    kl_coef: float = param(0.0, min=0.0, max=10.0, tunable=True,
+                           help="weight of the k3 KL penalty to the frozen reference policy")
+    track_kl: bool = param(True, help="compute KL to the reference even when kl_coef is 0 "
+                           "(one extra forward pass per step)")
+    scale_adv_by_std: bool = param(True, help="divide group-centred rewards by the group std (GRPO); "
+                                   "false = Dr. GRPO")
+    skip_zero_adv: bool = param(True, help="leave groups whose rewards are all equal out of the update")
+    overlong_penalty: bool = param(False, tunable=True,
+                                   help="DAPO soft penalty for responses near max_response_len")
+    overlong_buffer: int = param(64, min=1, max=32768, tunable=True,
+                                 help="length of the penalty ramp before max_response_len (tokens)")
+    overlong_penalty_factor: float = param(1.0, min=0.0, max=10.0, tunable=True,
+                                           help="largest overlong penalty")
+    recompute_old_logprobs: bool = param(False, help="recompute pi_old with the trainer instead of "
+                                         "using the engine's logprobs (use with bf16 engines)")
+
+
+@dataclass
+class OptimConfig:
+    lr: float = param(1e-4, min=0.0, max=1.0, tunable=True, help="learning rate (AdamW)")
+    weight_decay: float = param(0.0, min=0.0, max=1.0, help="AdamW weight decay")
+    grad_clip: float = param(1.0, min=0.0, max=1000.0, tunable=True,
+                             help="max global gradient norm (0 = no clipping)")
+    micro_batch_tokens: int = param(8192, min=64, max=10_000_000,
+                                    help="tokens per forward/backward micro-batch")
+    mini_batches: int = param(1, min=1, max=64, help="optimizer updates per step (PPO mini-batches)")
+
+
+@dataclass
+class RunConfig:
+    max_steps: int = param(200, min=1, max=10_000_000, help="training steps")
+    seed: int = param(0, min=0, max=2**31 - 1, help="seed for data, sampling and init")
+    checkpoint_every: int = param(25, min=0, max=10_000_000,
+                                  help="save a checkpoint every N steps (0 = only at the end)")
+    keep_checkpoints: int = param(2, min=1, max=1000, help="checkpoints kept on disk")
+    eval_every: int = param(0, min=0, max=10_000_000, help="held-out evaluation every N steps (0 = never)")
+    eval_size: int = param(256, min=1, max=100_000, help="held-out prompts per evaluation")
+    eval_temperature: float = param(1.0, min=0.0, max=2.0,
+                                    help="sampling temperature of evaluations (0 = greedy)")
+    time_budget_s: float = param(0.0, min=0.0, max=1e9, help="stop after this many seconds (0 = no limit)")
+    reward_workers: int = param(1, min=0, max=64,
+                                help="reward processes (0 = score in the trainer process)")
+    reward_timeout_s: float = param(10.0, min=0.1, max=3600.0, help="time limit for one reward batch")
+
+
+SECTIONS: dict[str, type] = {
+    "model": ModelConfig,
+    "data": DataConfig,
+    "rollout": RolloutConfig,
+    "algo": AlgoConfig,
+    "optim": OptimConfig,
+    "run": RunConfig,
+}
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return {name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS}
+
+    def get(self, key: str):
+        section, name = _split_key(key)
+        return getattr(getattr(self, section), name)
+
+    def set(self, key: str, value) -> None:
+        """Set one validated value (raises ConfigError)."""
+        spec = param_spec(key)
+        section, name = _split_key(key)
+        setattr(getattr(self, section), name, spec.coerce(value))
+
+    def knob_values(self) -> dict[str, Any]:
+        return {p.name: self.get(p.name) for p in schema() if p.tunable}
+
+    def copy(self) -> "Config":
+        return copy.deepcopy(self)
+
+
+# ---------------------------------------------------------------------------------------------
+# The schema, derived from the dataclasses above
+# ---------------------------------------------------------------------------------------------
+
+_TYPE_NAMES = {bool: "bool", int: "int", float: "float", str: "str"}
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    name: str  # dotted: "optim.lr"
+    type: type
+    default: Any
+    help: str
+    min: float | None = None
+    max: float | None = None
+    choices: tuple | None = None
+    tunable: bool = False
+
+    def as_json(self) -> dict[str, Any]:
+        return {"name": self.name, "type": _TYPE_NAMES[self.type], "default": self.default,
+                "min": self.min, "max": self.max,
+                "choices": list(self.choices) if self.choices else None,
+                "help": self.help, "tunable": self.tunable}
+
+    def allowed(self) -> str:
+        if self.choices:
+            return "one of " + ", ".join(repr(c) for c in self.choices)
+        if self.type is bool:
+            return "true or false"
+        lo = "-inf" if self.min is None else self.min
+        hi = "inf" if self.max is None else self.max
+        if self.type in (int, float):
+            return f"{'an integer' if self.type is int else 'a number'} in [{lo}, {hi}]"
+        return "a string"
+
+    def coerce(self, value):
+        """Return `value` as this parameter's type, or raise ConfigError naming the key."""
+        err = ConfigError({self.name: f"got {value!r}; expected {self.allowed()}"})
+        t = self.type
+        if t is bool:
+            if isinstance(value, bool):
+                out = value
+            elif isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+                out = value.lower() in ("true", "1", "yes")
+            else:
+                raise err
+        elif t is int:
+            if isinstance(value, bool):
+                raise err
+            if isinstance(value, int):
+                out = value
+            elif isinstance(value, float) and value.is_integer():
+                out = int(value)
+            elif isinstance(value, str):
+                try:
+                    out = int(value.strip())
+                except ValueError:
+                    raise err from None
+            else:
+                raise err
+        elif t is float:
+            if isinstance(value, bool):
+                raise err
+            if isinstance(value, (int, float)):
+                out = float(value)
+            elif isinstance(value, str):
+                try:
+                    out = float(value.strip())
+                except ValueError:
+                    raise err from None
+            else:
+                raise err
+            if not math.isfinite(out):
+                raise err
+        else:
+            if not isinstance(value, str):
+                raise err
+            out = value
+        if self.choices and out not in self.choices:
+            raise err
+        if self.min is not None and out < self.min:
+            raise err
+        if self.max is not None and out > self.max:
+            raise err
+        return out
+
+
+def _split_key(key: str) -> tuple[str, str]:
+    if not isinstance(key, str) or key.count(".") != 1:
+        raise ConfigError({str(key): "expected a key of the form section.name, e.g. optim.lr"})
+    return tuple(key.split("."))  # type: ignore[return-value]
+
+
+_SCHEMA: list[ParamSpec] | None = None
+
+
+def schema() -> list[ParamSpec]:
+    """Every parameter, in declaration order."""
+    global _SCHEMA
+    if _SCHEMA is None:
+        specs = []
+        for section, cls in SECTIONS.items():
+            for f in dataclasses.fields(cls):
+                m = f.metadata
+                specs.append(ParamSpec(name=f"{section}.{f.name}", type=_field_type(f),
+                                       default=f.default, help=m["help"], min=m["min"], max=m["max"],
+                                       choices=m["choices"], tunable=m["tunable"]))
+        _SCHEMA = specs
+    return _SCHEMA
+
+
+def _field_type(f: dataclasses.Field) -> type:
+    t = f.type if isinstance(f.type, type) else {"str": str, "int": int, "float": float,
+                                                   "bool": bool}[f.type]
+    return t
+
+
+def param_spec(key: str) -> ParamSpec:
+    section, name = _split_key(key)
+    for p in schema():
+        if p.name == key:
+            return p
+    if section not in SECTIONS:
+        raise ConfigError({key: f"unknown section {section!r}; sections are "
+                                + ", ".join(SECTIONS)})
+    names = [p.name.split(".")[1] for p in schema() if p.name.startswith(section + ".")]
+    raise ConfigError({key: f"unknown key {name!r} in [{section}]; known keys: " + ", ".join(names)})
+
+
+def knobs() -> list[ParamSpec]:
+    return [p for p in schema() if p.tunable]
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+# ---------------------------------------------------------------------------------------------
+
+def preset_names() -> list[str]:
+    return sorted(p.name[:-5] for p in resources.files(PRESETS_PACKAGE).iterdir()
+                  if p.name.endswith(".toml"))
+
+
+def preset_dict(name: str) -> dict[str, dict[str, Any]]:
+    if name not in preset_names():
+        raise ConfigError({"preset": f"unknown preset {name!r}; presets: " + ", ".join(preset_names())})
+    text = resources.files(PRESETS_PACKAGE).joinpath(name + ".toml").read_text()
+    return tomllib.loads(text)
+
+
+def from_dict(data: dict[str, Any], base: Config | None = None) -> Config:
+    """Apply a nested {section: {key: value}} mapping to `base` (defaults if None).
+
+    Every error is collected, so the user sees all of them at once."""
+    cfg = base.copy() if base is not None else Config()
+    errors: dict[str, str] = {}
+    if not isinstance(data, dict):
+        raise ConfigError({"config": "expected a table of sections"})
+    for section, values in data.items():
+        if section not in SECTIONS:
+            errors[section] = "unknown section; sections are " + ", ".join(SECTIONS)
+            continue
+        if not isinstance(values, dict):
+            errors[section] = "expected a table of keys"
+            continue
+        for name, value in values.items():
+            try:
+                cfg.set(f"{section}.{name}", value)
+            except ConfigError as e:
+                errors.update(e.errors)
+    if errors:
+        raise ConfigError(errors)
+    check(cfg)
+    return cfg
+
+
+def loads_toml(text: str, base: Config | None = None) -> Config:
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError({"toml": f"not valid TOML: {e}"}) from None
+    return from_dict(data, base)
+
+
+def parse_override(item: str) -> tuple[str, Any]:
+    """'optim.lr=3e-5' -> ('optim.lr', 3e-5). The value is read as a TOML value when it parses
+    as one (numbers, booleans, quoted strings), otherwise taken as a bare string."""
+    if "=" not in item:
+        raise ConfigError({item: "expected section.key=value"})
+    key, raw = item.split("=", 1)
+    key, raw = key.strip(), raw.strip()
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw
+    return key, value
+
+
+def apply_overrides(cfg: Config, overrides: dict[str, Any] | Iterable[str]) -> Config:
+    """Apply dotted overrides ({'optim.lr': 1e-5} or ['optim.lr=1e-5']), collecting all errors."""
+    if not isinstance(overrides, dict):
+        pairs = [parse_override(o) for o in overrides]
+    else:
+        pairs = list(overrides.items())
+    cfg = cfg.copy()
+    errors: dict[str, str] = {}
+    for key, value in pairs:
+        try:
+            cfg.set(key, value)
+        except ConfigError as e:
+            errors.update(e.errors)
+    if errors:
+        raise ConfigError(errors)
+    check(cfg)
+    return cfg
+
+
+def load(source: str, overrides: dict[str, Any] | Iterable[str] = ()) -> Config:
+    """Load a preset name or a TOML file path, then apply overrides."""
+    path = Path(source)
+    if source in preset_names():
+        cfg = from_dict(preset_dict(source))
+    elif path.suffix == ".toml" and path.is_file():
+        cfg = loads_toml(path.read_text())
+    else:
+        raise ConfigError({"config": f"{source!r} is neither a preset ({', '.join(preset_names())}) "
+                                     "nor an existing .toml file"})
+    return apply_overrides(cfg, overrides)
+
+
+def check(cfg: Config) -> None:
+    """Rules that involve more than one parameter."""
+    errors: dict[str, str] = {}
+    if cfg.data.task in ("math", "code") and not cfg.data.path:
+        errors["data.path"] = f"task={cfg.data.task!r} needs a JSONL file in data.path"
+    if cfg.data.task == "sum" and cfg.data.path:
+        errors["data.path"] = "the built-in sum task reads no file; leave data.path empty"
+    if "{prompt}" not in cfg.data.prompt_template:
+        errors["data.prompt_template"] = "must contain '{prompt}'"
+    if cfg.algo.overlong_buffer >= cfg.rollout.max_response_len and cfg.algo.overlong_penalty:
+        errors["algo.overlong_buffer"] = (f"must be smaller than rollout.max_response_len "
+                                          f"({cfg.rollout.max_response_len})")
+    if errors:
+        raise ConfigError(errors)
+
+
+def to_toml(cfg: Config) -> str:
+    """Serialise a config as TOML (round-trips through loads_toml)."""
+    lines = []
+    for section, values in cfg.to_dict().items():
+        lines.append(f"[{section}]")
+        for k, v in values.items():
+            lines.append(f"{k} = {_toml_value(v)}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _toml_value(v) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'

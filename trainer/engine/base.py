@@ -1,0 +1,120 @@
+"""The rollout-engine interface, shared by the embedded torch engine and the SGLang client.
+
+A `Sample` is one response being generated for one prompt. It carries, per generated token,
+the token id, its log-probability under the behaviour policy, and the policy version that
+produced it. A sample can be stopped part-way (abort, or the per-step segment limit) and
+submitted again later: generation continues from its last token, and the lists only grow.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+# finish reasons
+STOP = "stop"          # produced an end-of-sequence token
+LENGTH = "length"      # reached max_new_tokens
+SEGMENT = "segment"    # reached the per-segment limit (APRIL parks it; it is not finished)
+ABORT = "abort"        # stopped from outside (APRIL early termination, shutdown)
+DONE_REASONS = (STOP, LENGTH)
+
+_ids = itertools.count()
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 1.0          # 0 = greedy
+    top_p: float = 1.0
+    max_new_tokens: int = 256         # the whole response's budget, over all segments
+    segment_max_tokens: int | None = None  # at most this many new tokens per submission
+
+
+@dataclass
+class Sample:
+    prompt_ids: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    response_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    segment_tokens: int = 0           # tokens generated since the last submission
+    request_id: int = field(default_factory=lambda: next(_ids))
+    meta: dict[str, Any] = field(default_factory=dict)  # owner's data (group, problem, ...)
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason in DONE_REASONS
+
+    @property
+    def remaining(self) -> int:
+        return self.params.max_new_tokens - len(self.response_ids)
+
+    def check(self) -> None:
+        """The per-token lists must always agree."""
+        n = len(self.response_ids)
+        if len(self.logprobs) != n or len(self.versions) != n:
+            raise AssertionError(f"sample {self.request_id}: {n} tokens, {len(self.logprobs)} "
+                                 f"logprobs, {len(self.versions)} versions")
+
+
+@dataclass
+class EngineStats:
+    decode_steps: int = 0
+    slot_steps_used: int = 0      # sum over decode steps of active sequences
+    slot_steps_capacity: int = 0  # sum over decode steps of the slots that could have run
+    generated_tokens: int = 0
+    prefill_tokens: int = 0
+
+    def idle_slot_frac(self) -> float:
+        if self.slot_steps_capacity == 0:
+            return 0.0
+        return 1.0 - self.slot_steps_used / self.slot_steps_capacity
+
+    def minus(self, other: "EngineStats") -> "EngineStats":
+        return EngineStats(*(a - b for a, b in zip(self.astuple(), other.astuple())))
+
+    def astuple(self):
+        return (self.decode_steps, self.slot_steps_used, self.slot_steps_capacity,
+                self.generated_tokens, self.prefill_tokens)
+
+
+class RolloutEngine:
+    """What the trainer needs from an engine."""
+
+    version: int = 0
+    stats: EngineStats
+
+    def submit(self, samples: Iterable[Sample]) -> None:
+        """Queue new or partial samples (a partial one continues from its last token)."""
+        raise NotImplementedError
+
+    def step(self) -> list[Sample]:
+        """Advance generation a little; return the samples that left the engine (finished,
+        or stopped at their segment limit)."""
+        raise NotImplementedError
+
+    def abort(self, request_ids: Iterable[int] | None = None) -> list[Sample]:
+        """Stop the given (default: all) samples, queued or running, and return them as they
+        are, with finish_reason 'abort'."""
+        raise NotImplementedError
+
+    def update_weights(self, named_tensors, version: int, recompute_kv: bool = False) -> None:
+        """Load new policy weights between decode steps; later tokens carry `version`."""
+        raise NotImplementedError
+
+    @property
+    def num_pending(self) -> int:
+        """Samples queued or running."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+    def generate(self, samples: list[Sample]) -> list[Sample]:
+        """Run `samples` until each finishes or stops at its segment limit (the synchronous
+        pattern). Returns them in the order they left the engine."""
+        self.submit(samples)
+        out: list[Sample] = []
+        while self.num_pending:
+            out.extend(self.step())
+        return out

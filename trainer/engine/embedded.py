@@ -1,0 +1,211 @@
+"""The embedded rollout engine: continuous batching over a per-slot KV cache, in torch.
+
+Each decode step runs every active sequence one token forward. A sequence that finishes leaves
+its slot at once and a queued one is prefilled into it, so no slot waits for the batch's
+longest answer. Every sampled token is recorded with its log-probability (under the
+temperature-scaled distribution) and the policy version of the weights that produced it.
+
+State of an active slot: the cache holds `cached` positions; `pending` is the last token of the
+sequence, not yet in the cache. A decode step feeds the pending tokens and samples the next.
+Admission prefills every token of prompt + response except the last, which becomes pending, so
+new samples and partial ones resumed after an abort take the same path.
+"""
+from __future__ import annotations
+
+import threading
+from collections import deque
+from typing import Iterable
+
+import torch
+
+from trainer.engine.base import (ABORT, LENGTH, SEGMENT, STOP, EngineStats, RolloutEngine,
+                                 Sample)
+from trainer.engine.decoder import Decoder
+
+
+class EmbeddedEngine(RolloutEngine):
+    def __init__(self, model, *, eos_token_ids: Iterable[int], max_slots: int = 64,
+                 max_seq_len: int = 512, seed: int = 0, device: torch.device | None = None,
+                 dtype: torch.dtype | None = None, prefill_tokens: int = 8192):
+        params = next(model.parameters())
+        self.device = device or params.device
+        self.dtype = dtype or params.dtype
+        self.decoder = Decoder(model, self.device, self.dtype)
+        self.max_slots, self.max_seq_len = max_slots, max_seq_len
+        self.cache = self.decoder.new_cache(max_slots, max_seq_len)
+        self.eos = torch.tensor(sorted(set(eos_token_ids)), device=self.device)
+        self.prefill_budget = prefill_tokens
+        self.generator = torch.Generator(device=self.device)
+        self.generator.manual_seed(seed)
+        self.version = 0
+        self.stats = EngineStats()
+        self.lock = threading.RLock()  # step() and update_weights() never interleave
+        self.queue: deque[Sample] = deque()
+        self.slots: list[Sample] = []      # active samples, slot i holds slots[i]
+        self.cached: list[int] = []        # cached positions per active slot
+
+    # --- public interface -----------------------------------------------------------------------
+    def submit(self, samples: Iterable[Sample]) -> None:
+        with self.lock:
+            for s in samples:
+                s.check()
+                total = len(s.prompt_ids) + s.params.max_new_tokens
+                if total > self.max_seq_len:
+                    raise ValueError(f"prompt ({len(s.prompt_ids)} tokens) + max_new_tokens "
+                                     f"({s.params.max_new_tokens}) exceeds the engine's "
+                                     f"max_seq_len {self.max_seq_len}")
+                if not s.prompt_ids:
+                    raise ValueError("empty prompt")
+                s.finish_reason = None
+                s.segment_tokens = 0
+                if s.remaining <= 0:  # nothing left to generate: it is finished already
+                    s.finish_reason = LENGTH
+                self.queue.append(s)
+
+    @property
+    def num_pending(self) -> int:
+        return len(self.queue) + len(self.slots)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.slots)
+
+    def step(self) -> list[Sample]:
+        with self.lock:
+            out = self._admit()
+            if self.slots:
+                out.extend(self._decode())
+            return out
+
+    def abort(self, request_ids: Iterable[int] | None = None) -> list[Sample]:
+        with self.lock:
+            wanted = None if request_ids is None else set(request_ids)
+            out = []
+            keep_q: deque[Sample] = deque()
+            for s in self.queue:
+                if wanted is None or s.request_id in wanted:
+                    s.finish_reason = ABORT
+                    out.append(s)
+                else:
+                    keep_q.append(s)
+            self.queue = keep_q
+            for i in reversed(range(len(self.slots))):
+                if wanted is None or self.slots[i].request_id in wanted:
+                    s = self._evict(i)
+                    s.finish_reason = ABORT
+                    out.append(s)
+            return out
+
+    def update_weights(self, named_tensors, version: int, recompute_kv: bool = False) -> None:
+        """Swap weights between decode steps. In-flight sequences keep their cache (computed
+        by the old weights) unless `recompute_kv`, which re-prefills them under the new ones."""
+        with self.lock:
+            self.decoder.load(named_tensors)
+            self.version = version
+            if recompute_kv and self.slots:
+                self._prefill(list(range(len(self.slots))))
+
+    def close(self) -> None:
+        with self.lock:
+            self.queue.clear()
+            self.slots.clear()
+            self.cached.clear()
+
+    # --- internals --------------------------------------------------------------------------------
+    def _tokens(self, s: Sample) -> list[int]:
+        return s.prompt_ids + s.response_ids
+
+    def _admit(self) -> list[Sample]:
+        """Move queued samples into free slots and prefill them, within the token budget."""
+        done, new = [], []
+        budget = self.prefill_budget
+        while self.queue and len(self.slots) < self.max_slots:
+            s = self.queue[0]
+            if s.finish_reason == LENGTH:  # submitted with no budget left
+                done.append(self.queue.popleft())
+                continue
+            n = len(s.prompt_ids) + len(s.response_ids) - 1
+            if new and n > budget:
+                break
+            budget -= n
+            self.queue.popleft()
+            self.slots.append(s)
+            self.cached.append(0)
+            new.append(len(self.slots) - 1)
+        if new:
+            self._prefill(new)
+        return done
+
+    def _prefill(self, slot_ids: list[int]) -> None:
+        rows = [self._tokens(self.slots[i])[:-1] for i in slot_ids]
+        todo = [(i, r) for i, r in zip(slot_ids, rows) if r]
+        if todo:
+            self.decoder.prefill(self.cache, [i for i, _ in todo], [r for _, r in todo])
+            self.stats.prefill_tokens += sum(len(r) for _, r in todo)
+        for i, r in zip(slot_ids, rows):
+            self.cached[i] = len(r)
+
+    def _evict(self, i: int) -> Sample:
+        """Remove slot i, moving the last active slot into its place (slots stay compact)."""
+        s = self.slots[i]
+        last = len(self.slots) - 1
+        if i != last:
+            self.cache.move(last, i, self.cached[last])
+            self.slots[i], self.cached[i] = self.slots[last], self.cached[last]
+        self.slots.pop()
+        self.cached.pop()
+        return s
+
+    def _decode(self) -> list[Sample]:
+        B = len(self.slots)
+        tokens = torch.tensor([self._tokens(s)[-1] for s in self.slots], device=self.device)
+        lengths = torch.tensor(self.cached, device=self.device)
+        logits = self.decoder.decode(self.cache, tokens, lengths)
+        new_tokens, logprobs = self._sample(logits)
+        stop = torch.isin(new_tokens, self.eos)
+        new_tokens, logprobs, stop = new_tokens.tolist(), logprobs.tolist(), stop.tolist()
+
+        self.stats.decode_steps += 1
+        self.stats.slot_steps_used += B
+        self.stats.slot_steps_capacity += self.max_slots
+        self.stats.generated_tokens += B
+
+        finished = []
+        for i, s in enumerate(self.slots):
+            s.response_ids.append(new_tokens[i])
+            s.logprobs.append(logprobs[i])
+            s.versions.append(self.version)
+            s.segment_tokens += 1
+            self.cached[i] += 1
+            if stop[i]:
+                s.finish_reason = STOP
+            elif s.remaining <= 0:
+                s.finish_reason = LENGTH
+            elif (s.params.segment_max_tokens is not None
+                  and s.segment_tokens >= s.params.segment_max_tokens):
+                s.finish_reason = SEGMENT
+            if s.finish_reason is not None:
+                finished.append(i)
+        return [self._evict(i) for i in sorted(finished, reverse=True)][::-1]
+
+    def _sample(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sample one token per row; return it and its log-probability under the
+        temperature-scaled distribution (what the trainer recomputes)."""
+        temps = torch.tensor([s.params.temperature for s in self.slots], device=self.device)
+        greedy = temps <= 0
+        scaled = logits / torch.where(greedy, torch.ones_like(temps), temps).unsqueeze(1)
+        logp = torch.log_softmax(scaled, dim=-1)
+        probs = logp.exp()
+        top_p = torch.tensor([s.params.top_p for s in self.slots], device=self.device)
+        if bool((top_p < 1).any()):
+            probs = _top_p_filter(probs, top_p)
+        choice = torch.multinomial(probs, 1, generator=self.generator).squeeze(1)
+        choice = torch.where(greedy, logits.argmax(dim=-1), choice)
+        return choice, logp.gather(1, choice.unsqueeze(1)).squeeze(1)
+
+
+def _top_p_filter(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    sorted_p, idx = probs.sort(dim=-1, descending=True)
+    before = sorted_p.cumsum(dim=-1) - sorted_p  # mass of strictly more likely tokens
+    sorted_p = sorted_p.masked_fill(before >= top_p.unsqueeze(1), 0.0)
+    return torch.zeros_like(probs).scatter(1, idx, sorted_p)

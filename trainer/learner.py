@@ -1,0 +1,159 @@
+"""The training side: the policy, its frozen reference, the optimizer, and one GRPO update.
+
+Sequences are packed into length-sorted micro-batches of at most `micro_batch_tokens` padded
+tokens; gradients accumulate so that the loss is the token mean over the whole mini-batch
+(see trainer/algo/grpo.py).
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+
+import torch
+
+from trainer.algo import grpo
+
+
+@dataclass
+class TrainSequence:
+    prompt_ids: list[int]
+    response_ids: list[int]
+    old_logprobs: list[float]     # behaviour policy, per response token
+    advantage: float
+    temperature: float
+    weights: list[float] = field(default_factory=list)  # per response token; default all 1
+
+    def __post_init__(self):
+        if not self.weights:
+            self.weights = [1.0] * len(self.response_ids)
+        n = len(self.response_ids)
+        if len(self.old_logprobs) != n or len(self.weights) != n:
+            raise ValueError("response_ids, old_logprobs and weights must have one entry per token")
+
+    @property
+    def length(self) -> int:
+        return len(self.prompt_ids) + len(self.response_ids)
+
+
+def micro_batches(seqs: list[TrainSequence], max_tokens: int) -> list[list[TrainSequence]]:
+    """Length-sorted groups whose padded size (rows x longest) stays within max_tokens."""
+    out, cur, longest = [], [], 0
+    for s in sorted(seqs, key=lambda s: s.length):
+        longest_new = max(longest, s.length)
+        if cur and longest_new * (len(cur) + 1) > max_tokens:
+            out.append(cur)
+            cur, longest_new = [], s.length
+        cur.append(s)
+        longest = longest_new
+    if cur:
+        out.append(cur)
+    return out
+
+
+class Learner:
+    def __init__(self, model, *, lr: float, weight_decay: float, track_reference: bool,
+                 reference=None):
+        self.model = model
+        self.device = next(model.parameters()).device
+        self.reference = None
+        if track_reference:
+            self.reference = reference if reference is not None else copy.deepcopy(model)
+            self.reference.eval().requires_grad_(False)
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay,
+                                           betas=(0.9, 0.999), eps=1e-8)
+
+    def _pack(self, batch: list[TrainSequence], pad_id: int):
+        """Right-padded ids plus per-position tensors aligned with the shifted targets."""
+        B, T = len(batch), max(s.length for s in batch)
+        ids = torch.full((B, T), pad_id, dtype=torch.long)
+        attn = torch.zeros((B, T), dtype=torch.long)
+        old = torch.zeros((B, T - 1))
+        adv = torch.zeros((B, T - 1))
+        w = torch.zeros((B, T - 1))
+        for b, s in enumerate(batch):
+            seq = s.prompt_ids + s.response_ids
+            ids[b, :len(seq)] = torch.tensor(seq)
+            attn[b, :len(seq)] = 1
+            start, end = len(s.prompt_ids) - 1, len(seq) - 1  # logits at t predict token t+1
+            old[b, start:end] = torch.tensor(s.old_logprobs)
+            adv[b, start:end] = s.advantage
+            w[b, start:end] = torch.tensor(s.weights)
+        temps = torch.tensor([s.temperature for s in batch]).view(B, 1, 1)
+        dev = self.device
+        return ids.to(dev), attn.to(dev), old.to(dev), adv.to(dev), w.to(dev), temps.to(dev)
+
+    @staticmethod
+    def _token_logprobs(model, ids, attn, temps, with_entropy=False):
+        logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float() / temps
+        logp_all = torch.log_softmax(logits, dim=-1)
+        logp = logp_all.gather(2, ids[:, 1:].unsqueeze(2)).squeeze(2)
+        entropy = None
+        if with_entropy:
+            with torch.no_grad():
+                entropy = -(logp_all.exp() * logp_all).sum(-1)
+        return logp, entropy
+
+    @torch.no_grad()
+    def logprobs(self, seqs: list[TrainSequence], pad_id: int, max_tokens: int,
+                 reference: bool = False) -> list[list[float]]:
+        """Per-response-token log-probabilities under the policy (or the reference)."""
+        model = self.reference if reference else self.model
+        out: dict[int, list[float]] = {}
+        for mb in micro_batches(seqs, max_tokens):
+            ids, attn, _, _, _, temps = self._pack(mb, pad_id)
+            logp, _ = self._token_logprobs(model, ids, attn, temps)
+            for b, s in enumerate(mb):
+                start = len(s.prompt_ids) - 1
+                out[id(s)] = logp[b, start:start + len(s.response_ids)].tolist()
+        return [out[id(s)] for s in seqs]
+
+    def update(self, seqs: list[TrainSequence], *, pad_id: int, lr: float, grad_clip: float,
+               clip_low: float, clip_high: float, kl_coef: float, micro_batch_tokens: int,
+               mini_batches: int = 1) -> dict[str, float]:
+        """One GRPO step over `seqs` (split into `mini_batches` optimizer updates)."""
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+        self.model.train()
+        sums = {"pg_loss": 0.0, "clipped": 0.0, "ratio": 0.0, "kl": 0.0, "entropy": 0.0}
+        tokens_total, grad_norms = 0.0, []
+        chunks = [seqs[i::mini_batches] for i in range(mini_batches)]
+        for chunk in (c for c in chunks if c):
+            total = sum(sum(s.weights) for s in chunk)
+            if total <= 0:
+                continue
+            self.optimizer.zero_grad(set_to_none=True)
+            for mb in micro_batches(chunk, micro_batch_tokens):
+                ids, attn, old, adv, w, temps = self._pack(mb, pad_id)
+                logp, entropy = self._token_logprobs(self.model, ids, attn, temps, True)
+                ref = None
+                if self.reference is not None:
+                    with torch.no_grad():
+                        ref, _ = self._token_logprobs(self.reference, ids, attn, temps)
+                loss, stats = grpo.token_loss(logp, old, adv, w, clip_low=clip_low,
+                                              clip_high=clip_high, ref_logp=ref, kl_coef=kl_coef,
+                                              total_tokens=total)
+                loss.backward()
+                for k, v in stats.items():
+                    sums[k] += float(v)
+                sums["entropy"] += float((entropy * w).sum())
+            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(),
+                                                  grad_clip if grad_clip > 0 else float("inf"))
+            grad_norms.append(float(norm))
+            if torch.isfinite(norm):
+                self.optimizer.step()
+            tokens_total += total
+        self.model.eval()
+        n = max(tokens_total, 1e-9)
+        metrics = {"actor/pg_loss": sums["pg_loss"] / n, "actor/clip_ratio": sums["clipped"] / n,
+                   "actor/importance_weight": sums["ratio"] / n, "actor/entropy": sums["entropy"] / n,
+                   "actor/grad_norm": max(grad_norms) if grad_norms else 0.0, "actor/lr": lr,
+                   "actor/loss_tokens": tokens_total}
+        if self.reference is not None:
+            metrics["actor/kl"] = sums["kl"] / n
+        return metrics
+
+    def state_dict(self) -> dict:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state)

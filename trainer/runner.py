@@ -1,0 +1,390 @@
+"""The Runner: one training run, start to finish.
+
+    runner = Runner(cfg, run_dir, sink=..., controls=...)
+    status = runner.run()      # "finished" | "stopped"; raises on failure (after an event)
+
+Each step: apply controls (knob changes, pause, stop) -> rollout -> rewards -> advantages ->
+update -> push weights to the engine -> metrics -> maybe evaluate / checkpoint.
+The runner never imports Django; the web app gives it a database sink and control source.
+"""
+from __future__ import annotations
+
+import copy
+import shutil
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trainer import checkpoint
+from trainer import config as config_mod
+from trainer.algo import grpo
+from trainer.controls import PAUSE, RESUME, SET_KNOBS, STOP, Command, ControlSource
+from trainer.engine.base import LENGTH, SamplingParams
+from trainer.engine.embedded import EmbeddedEngine
+from trainer.evaluate import evaluate
+from trainer.learner import Learner, TrainSequence
+from trainer.metrics import MetricsSink, histogram, length_edges, percentile
+from trainer.model import load_model, load_tokenizer, resolve_device, resolve_dtype
+from trainer.rollout import Group, PromptSource, SyncRollout
+from trainer.system import SystemSampler
+from trainer.tasks.base import build_task
+
+FINISHED, STOPPED = "finished", "stopped"
+
+
+class Runner:
+    def __init__(self, cfg: config_mod.Config, run_dir: str | Path, *,
+                 sink: MetricsSink | None = None, controls: ControlSource | None = None,
+                 resume: bool = False, keep_knobs=(), system_telemetry: bool = True, log=print):
+        self.cfg = cfg.copy()
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.sink = sink or MetricsSink()
+        self.controls = controls or ControlSource()
+        self.log = log
+        self.step = 0
+        self.version = 0
+        self.totals = {"samples": 0, "gen_tokens": 0, "trained_tokens": 0, "reward_errors": 0,
+                       "reward_timeouts": 0}
+        self.best_eval: float | None = None
+        self.last_eval: float | None = None
+        self._stop_requested = False
+
+        ckpt_state = ckpt_tensors = None
+        if resume:
+            path = checkpoint.latest(self.run_dir)
+            ckpt_state, ckpt_tensors = checkpoint.load(path)
+            # knob values changed during the run win over the saved config's starting values,
+            # except the ones the caller sets explicitly for the resumed run (keep_knobs)
+            self.cfg = config_mod.apply_overrides(self.cfg, {
+                k: v for k, v in ckpt_state["knobs"].items() if k not in set(keep_knobs)})
+        if self.cfg.model.threads:
+            torch.set_num_threads(self.cfg.model.threads)
+        torch.manual_seed(self.cfg.run.seed)
+
+        self.device = resolve_device(self.cfg.model.device)
+        self.dtype = resolve_dtype(self.cfg.model.dtype, self.device)
+        self.tokenizer = load_tokenizer(self.cfg.model.path)
+        policy_path = str(path / "model") if resume else self.cfg.model.path
+        self.model = load_model(policy_path, self.device, self.dtype).eval()
+        reference = None
+        if resume and (self.cfg.algo.track_kl or self.cfg.algo.kl_coef > 0):
+            reference = load_model(self.cfg.model.path, self.device, self.dtype)
+        self.learner = Learner(self.model, lr=self.cfg.optim.lr,
+                               weight_decay=self.cfg.optim.weight_decay,
+                               track_reference=self.cfg.algo.track_kl or self.cfg.algo.kl_coef > 0,
+                               reference=reference)
+        self.task = build_task(self.cfg)
+        self.prompts = PromptSource(self.task)
+        self.engine = EmbeddedEngine(
+            self.model, eos_token_ids=[self.tokenizer.eos_token_id],
+            max_slots=self.cfg.rollout.max_slots, max_seq_len=self._max_seq_len(),
+            seed=self.cfg.run.seed, device=self.device, dtype=self.dtype)
+        self.rollout = SyncRollout(self.engine, self.tokenizer, self.prompts)
+
+        from trainer.rewards import RewardService  # process pool: start after the model loads
+        self.rewards = RewardService(workers=self.cfg.run.reward_workers,
+                                     timeout_s=self.cfg.run.reward_timeout_s)
+        self.system = SystemSampler(use_gpu=self.device.type == "cuda") if system_telemetry else None
+
+        if ckpt_state is not None:
+            self._restore(ckpt_state, ckpt_tensors)
+        else:
+            (self.run_dir / "config.toml").write_text(config_mod.to_toml(self.cfg))
+
+    # --- setup helpers ----------------------------------------------------------------------------
+    def _max_seq_len(self) -> int:
+        longest_prompt = max(len(self.tokenizer(p.prompt).input_ids)
+                             for p in self.task.eval_problems(64))
+        if self.cfg.data.task == "sum":  # the longest possible list prompt
+            longest_prompt = max(longest_prompt, 2 + self.cfg.data.max_list_len
+                                 * (len(str(self.cfg.data.max_operand)) + 1))
+        return longest_prompt * 2 + self.cfg.rollout.max_response_len + 8
+
+    def _sampling_params(self) -> SamplingParams:
+        r = self.cfg.rollout
+        return SamplingParams(temperature=r.temperature, top_p=r.top_p,
+                              max_new_tokens=r.max_response_len)
+
+    # --- the loop -----------------------------------------------------------------------------------
+    def run(self) -> str:
+        t_start = time.monotonic()
+        if self.system is not None:
+            self.system.start()
+        self.sink.event(self.step, "run_started" if self.step == 0 else "run_resumed",
+                        {"max_steps": self.cfg.run.max_steps, "device": str(self.device)})
+        status = FINISHED
+        try:
+            if self.step == 0 and self.cfg.run.eval_every:
+                self.evaluate()
+            while self.step < self.cfg.run.max_steps:
+                if not self._apply_controls():
+                    status = STOPPED
+                    break
+                self.train_step()
+                if self.cfg.run.eval_every and self.step % self.cfg.run.eval_every == 0:
+                    self.evaluate()
+                if self.cfg.run.checkpoint_every and self.step % self.cfg.run.checkpoint_every == 0:
+                    self.save_checkpoint()
+                budget = self.cfg.run.time_budget_s
+                if budget and time.monotonic() - t_start >= budget:
+                    self.sink.event(self.step, "time_budget_reached", {"seconds": budget})
+                    break
+            self.save_checkpoint()
+            self.sink.event(self.step, "run_" + status, self.summary())
+            return status
+        except BaseException as e:
+            self.sink.event(self.step, "error", {"message": f"{type(e).__name__}: {e}",
+                                                 "traceback": traceback.format_exc(limit=8)})
+            raise
+        finally:
+            if self.system is not None:
+                self.system.close()
+            self.sink.flush()
+
+    def __enter__(self) -> "Runner":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Release the engine, the reward processes and the telemetry thread."""
+        if self.system is not None:
+            self.system.close()
+        self.rewards.close()
+        self.engine.close()
+        self.sink.flush()
+
+    # --- controls ---------------------------------------------------------------------------------
+    def _apply_controls(self) -> bool:
+        """Apply pending commands at this step boundary; hold here while paused.
+        Returns False when the run must stop."""
+        paused = False
+        while True:
+            for cmd in self.controls.poll():
+                if cmd.kind == SET_KNOBS:
+                    self.apply_knobs(cmd)
+                elif cmd.kind == PAUSE and not paused:
+                    paused = True
+                    self.sink.event(self.step, "paused", {"requested_by": cmd.requested_by})
+                    self.controls.acknowledge(cmd, self.step, True)
+                elif cmd.kind == RESUME and paused:
+                    paused = False
+                    self.sink.event(self.step, "resumed", {"requested_by": cmd.requested_by})
+                    self.controls.acknowledge(cmd, self.step, True)
+                elif cmd.kind == STOP:
+                    self.sink.event(self.step, "stop_requested", {"requested_by": cmd.requested_by})
+                    self.controls.acknowledge(cmd, self.step, True)
+                    return False
+                else:
+                    self.controls.acknowledge(cmd, self.step, True, "no effect in this state")
+            if not paused:
+                return True
+            self.sink.flush()
+            time.sleep(0.2)
+
+    def apply_knobs(self, cmd: Command) -> None:
+        """Validate and apply a knob change as a whole (all keys or none), and record it."""
+        errors = {}
+        for key, value in cmd.knobs.items():
+            try:
+                spec = config_mod.param_spec(key)
+                if not spec.tunable:
+                    raise config_mod.ConfigError({key: "cannot change during a run"})
+                spec.coerce(value)
+            except config_mod.ConfigError as e:
+                errors.update(e.errors)
+        if not errors:
+            try:
+                new_cfg = config_mod.apply_overrides(self.cfg, cmd.knobs)
+            except config_mod.ConfigError as e:
+                errors.update(e.errors)
+        if errors:
+            self.sink.event(self.step, "knob_rejected", {"change_id": cmd.id, "errors": errors,
+                                                         "requested_by": cmd.requested_by})
+            self.controls.acknowledge(cmd, self.step, False, "; ".join(errors.values()))
+            return
+        changes = {k: {"old": self.cfg.get(k), "new": new_cfg.get(k)} for k in cmd.knobs}
+        self.cfg = new_cfg
+        self.sink.event(self.step, "knob_applied", {
+            "change_id": cmd.id, "changes": changes, "requested_by": cmd.requested_by,
+            "requested_at": cmd.requested_at, "applied_at": time.time()})
+        self.controls.acknowledge(cmd, self.step, True)
+
+    # --- one step -----------------------------------------------------------------------------------
+    def train_step(self) -> dict[str, float]:
+        cfg = self.cfg
+        t_step = time.monotonic()
+        stats0 = copy.copy(self.engine.stats)
+        result = self.rollout.collect(cfg.rollout.rollout_batch_size, cfg.rollout.n_samples_per_prompt,
+                                      self._sampling_params())
+        groups = result.groups
+        engine_stats = self.engine.stats.minus(stats0)
+
+        t0 = time.monotonic()
+        reward_metrics = self._score(groups)
+        reward_s = time.monotonic() - t0
+
+        t0 = time.monotonic()
+        seqs, adv_metrics = self._train_sequences(groups)
+        train_metrics = {}
+        if seqs:
+            train_metrics = self.learner.update(
+                seqs, pad_id=self.tokenizer.pad_token_id, lr=cfg.optim.lr,
+                grad_clip=cfg.optim.grad_clip, clip_low=cfg.algo.clip_low,
+                clip_high=cfg.algo.clip_high, kl_coef=cfg.algo.kl_coef,
+                micro_batch_tokens=cfg.optim.micro_batch_tokens, mini_batches=cfg.optim.mini_batches)
+            if not all(map(_finite, train_metrics.values())):
+                self.sink.event(self.step + 1, "warning", {"message": "non-finite loss or gradient; "
+                                                           "the update was skipped"})
+        train_s = time.monotonic() - t0
+
+        t0 = time.monotonic()
+        self.version += 1
+        self.engine.update_weights(self.model.state_dict(), self.version,
+                                   recompute_kv=cfg.rollout.recompute_kv_on_update)
+        sync_s = time.monotonic() - t0
+        self.step += 1
+
+        lengths = [len(s.response_ids) for g in groups for s in g.samples]
+        trained_tokens = sum(len(s.response_ids) for s in seqs)
+        step_s = time.monotonic() - t_step
+        self.totals["samples"] += len(lengths)
+        self.totals["gen_tokens"] += engine_stats.generated_tokens
+        self.totals["trained_tokens"] += trained_tokens
+        m: dict[str, float] = {
+            **reward_metrics, **adv_metrics, **train_metrics, **result.metrics,
+            "rollout/response_len/mean": sum(lengths) / max(len(lengths), 1),
+            "rollout/response_len/p50": percentile(lengths, 0.5),
+            "rollout/response_len/p90": percentile(lengths, 0.9),
+            "rollout/response_len/max": max(lengths, default=0),
+            "rollout/truncated_ratio": sum(s.finish_reason == LENGTH for g in groups
+                                           for s in g.samples) / max(len(lengths), 1),
+            "rollout/idle_slot_frac": engine_stats.idle_slot_frac(),
+            "rollout/decode_steps": engine_stats.decode_steps,
+            "perf/gen_tokens_per_s": engine_stats.generated_tokens / max(result.gen_seconds, 1e-9),
+            "perf/trained_tokens_per_s": trained_tokens / max(step_s, 1e-9),
+            "timing/gen_s": result.gen_seconds, "timing/reward_s": reward_s,
+            "timing/train_s": train_s, "timing/weight_sync_s": sync_s, "timing/step_s": step_s,
+            "train/policy_version": self.version,
+            "train/samples_total": self.totals["samples"],
+            "train/gen_tokens_total": self.totals["gen_tokens"],
+            "train/trained_tokens_total": self.totals["trained_tokens"],
+        }
+        if self.system is not None:
+            m.update(self.system.summary())
+        self.sink.scalars(self.step, m)
+        self.sink.histogram(self.step, "rollout/response_len",
+                            histogram(lengths, length_edges(cfg.rollout.max_response_len)))
+        return m
+
+    def _score(self, groups: list[Group]) -> dict[str, float]:
+        """Rewards for every sample (plus the optional overlong penalty), stored on the groups."""
+        cfg = self.cfg
+        problems = [g.problem for g in groups for _ in g.samples]
+        completions = [self.tokenizer.decode(s.response_ids, skip_special_tokens=True)
+                       for g in groups for s in g.samples]
+        batch = self.rewards.score_batch(problems, completions)
+        scores = list(batch.scores)
+        correct = sum(1 for r in scores if r >= 1.0)
+        if cfg.algo.overlong_penalty:
+            lengths = torch.tensor([len(s.response_ids) for g in groups for s in g.samples])
+            pen = grpo.overlong_penalty(lengths, cfg.rollout.max_response_len,
+                                        cfg.algo.overlong_buffer, cfg.algo.overlong_penalty_factor)
+            scores = [r + float(p) for r, p in zip(scores, pen)]
+        i = 0
+        for g in groups:
+            g.rewards = scores[i:i + len(g.samples)]
+            i += len(g.samples)
+        self.totals["reward_errors"] += batch.errors
+        self.totals["reward_timeouts"] += batch.timeouts
+        n = max(len(scores), 1)
+        return {"reward/mean": sum(scores) / n, "reward/accuracy": correct / n,
+                "reward/errors": batch.errors, "reward/timeouts": batch.timeouts}
+
+    def _train_sequences(self, groups: list[Group]) -> tuple[list[TrainSequence], dict[str, float]]:
+        cfg = self.cfg
+        rewards = torch.tensor([g.rewards for g in groups], dtype=torch.float32)
+        adv = grpo.group_advantages(rewards, scale_by_std=cfg.algo.scale_adv_by_std)
+        zero_var = [g.zero_variance for g in groups]
+        seqs = []
+        for gi, g in enumerate(groups):
+            if zero_var[gi] and cfg.algo.skip_zero_adv:
+                continue
+            for si, s in enumerate(g.samples):
+                seqs.append(TrainSequence(s.prompt_ids, s.response_ids, s.logprobs,
+                                          float(adv[gi, si]), s.params.temperature))
+        if cfg.algo.recompute_old_logprobs and seqs:
+            olds = self.learner.logprobs(seqs, self.tokenizer.pad_token_id,
+                                         cfg.optim.micro_batch_tokens)
+            for s, old in zip(seqs, olds):
+                s.old_logprobs = old
+        all_correct = sum(1 for g in groups if g.zero_variance and g.rewards[0] >= 1.0)
+        all_wrong = sum(1 for g in groups if g.zero_variance and g.rewards[0] <= 0.0)
+        n = max(len(groups), 1)
+        return seqs, {"rollout/zero_var_ratio": sum(zero_var) / n,
+                      "rollout/zero_var_ratio/all_correct": all_correct / n,
+                      "rollout/zero_var_ratio/all_wrong": all_wrong / n,
+                      "rollout/effective_groups": n - sum(zero_var) if cfg.algo.skip_zero_adv else n,
+                      "actor/advantage_abs_mean": float(adv.abs().mean()) if adv.numel() else 0.0}
+
+    # --- evaluation ---------------------------------------------------------------------------------
+    def evaluate(self) -> float:
+        cfg = self.cfg
+        problems = self.task.eval_problems(cfg.run.eval_size)
+        res = evaluate(self.engine, self.tokenizer, problems,
+                       lambda ps, cs: self.rewards.score_batch(ps, cs).scores,
+                       temperature=cfg.run.eval_temperature, max_new_tokens=cfg.rollout.max_response_len)
+        self.last_eval = res["accuracy"]
+        self.best_eval = max(self.best_eval or 0.0, res["accuracy"])
+        self.sink.scalars(self.step, {"eval/accuracy": res["accuracy"],
+                                      "eval/reward_mean": res["reward_mean"],
+                                      "eval/response_len_mean": res["response_len_mean"]})
+        return res["accuracy"]
+
+    def summary(self) -> dict[str, Any]:
+        return {"steps": self.step, "policy_version": self.version, **{
+            f"{k}_total": v for k, v in self.totals.items()},
+            "eval_accuracy_last": self.last_eval, "eval_accuracy_best": self.best_eval}
+
+    # --- checkpoints --------------------------------------------------------------------------------
+    def save_checkpoint(self) -> Path:
+        state = {"step": self.step, "version": self.version, "cursor": self.prompts.cursor,
+                 "totals": self.totals, "best_eval": self.best_eval, "last_eval": self.last_eval,
+                 "config": self.cfg.to_dict(), "knobs": self.cfg.knob_values()}
+        tensors = {"optimizer": self.learner.state_dict(),
+                   "rng": checkpoint.rng_state(self.engine.generator),
+                   "rollout": self.rollout.state_dict()}
+        path = checkpoint.save(self.run_dir, self.step, model=self.model, tokenizer=self.tokenizer,
+                               state=state, tensors=tensors, keep=self.cfg.run.keep_checkpoints)
+        self.sink.event(self.step, "checkpoint", {"path": str(path)})
+        return path
+
+    def _restore(self, state: dict, tensors: dict) -> None:
+        self.step, self.version = state["step"], state["version"]
+        self.prompts.cursor = state["cursor"]
+        self.totals.update(state["totals"])
+        self.best_eval, self.last_eval = state.get("best_eval"), state.get("last_eval")
+        self.learner.load_state_dict(tensors["optimizer"])
+        checkpoint.set_rng_state(tensors["rng"], self.engine.generator)
+        self.rollout.load_state_dict(tensors.get("rollout", {}))
+        self.engine.version = self.version
+
+
+def _finite(v) -> bool:
+    return not isinstance(v, float) or v == v and abs(v) != float("inf")
+
+
+def prepare_run_dir(out: str | Path, overwrite: bool = False) -> Path:
+    d = Path(out)
+    if d.exists() and any(d.iterdir()):
+        if not overwrite:
+            raise FileExistsError(f"{d} is not empty; pass --resume {d} to continue that run, "
+                                  "or choose another --out")
+        shutil.rmtree(d)
+    d.mkdir(parents=True, exist_ok=True)
+    return d

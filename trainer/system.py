@@ -1,0 +1,104 @@
+"""System telemetry, sampled in a background thread once a second.
+
+With an NVIDIA GPU (NVML through nvidia-ml-py): `system/gpu_util` (%), `system/gpu_mem_gb`,
+`system/gpu_power_w` (means over devices) and the same per device (`system/gpu0/util`, ...).
+Without one: `system/cpu_util` (% of all cores) and `system/ram_gb` (this process's resident
+memory). `summary()` returns the mean of the samples taken since the previous call, so each
+training step reports the utilisation during that step.
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+import psutil
+
+
+class _Nvml:
+    def __init__(self):
+        import pynvml  # nvidia-ml-py
+
+        pynvml.nvmlInit()
+        self.nv = pynvml
+        self.handles = [pynvml.nvmlDeviceGetHandleByIndex(i)
+                        for i in range(pynvml.nvmlDeviceGetCount())]
+        if not self.handles:
+            raise RuntimeError("no NVIDIA device")
+
+    def read(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        utils, mems, powers = [], [], []
+        for i, h in enumerate(self.handles):
+            util = float(self.nv.nvmlDeviceGetUtilizationRates(h).gpu)
+            mem = self.nv.nvmlDeviceGetMemoryInfo(h).used / 2**30
+            try:
+                power = self.nv.nvmlDeviceGetPowerUsage(h) / 1000.0
+            except self.nv.NVMLError:
+                power = float("nan")
+            out[f"system/gpu{i}/util"], out[f"system/gpu{i}/mem_gb"] = util, mem
+            out[f"system/gpu{i}/power_w"] = power
+            utils.append(util), mems.append(mem), powers.append(power)
+        out["system/gpu_util"] = sum(utils) / len(utils)
+        out["system/gpu_mem_gb"] = sum(mems) / len(mems)
+        out["system/gpu_power_w"] = sum(powers) / len(powers)
+        return out
+
+    def close(self):
+        try:
+            self.nv.nvmlShutdown()
+        except Exception:
+            pass
+
+
+def _open_nvml():
+    try:
+        return _Nvml()
+    except Exception:  # no driver, no device, no library: fall back to CPU telemetry
+        return None
+
+
+class SystemSampler:
+    def __init__(self, interval_s: float = 1.0, use_gpu: bool = True):
+        self.interval = interval_s
+        self.nvml = _open_nvml() if use_gpu else None
+        self.proc = psutil.Process()
+        psutil.cpu_percent(interval=None)  # the first call only starts the measurement
+        self._lock = threading.Lock()
+        self._samples: list[dict[str, float]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="rlpilot-system", daemon=True)
+
+    @property
+    def has_gpu(self) -> bool:
+        return self.nvml is not None
+
+    def start(self) -> "SystemSampler":
+        self._thread.start()
+        return self
+
+    def sample(self) -> dict[str, float]:
+        if self.nvml is not None:
+            return self.nvml.read()
+        return {"system/cpu_util": psutil.cpu_percent(interval=None),
+                "system/ram_gb": self.proc.memory_info().rss / 2**30}
+
+    def _loop(self):
+        while not self._stop.wait(self.interval):
+            s = self.sample()
+            with self._lock:
+                self._samples.append(s)
+
+    def summary(self) -> dict[str, float]:
+        with self._lock:
+            samples, self._samples = self._samples, []
+        if not samples:
+            samples = [self.sample()]
+        keys = samples[-1].keys()
+        return {k: sum(s.get(k, 0.0) for s in samples) / len(samples) for k in keys}
+
+    def close(self):
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+        if self.nvml is not None:
+            self.nvml.close()
