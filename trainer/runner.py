@@ -232,6 +232,9 @@ class Runner:
         t0 = time.monotonic()
         seqs, adv_metrics = self._train_sequences(groups)
         train_metrics = {}
+        if not seqs and self.learner.reference is not None:
+            # nothing to learn from this step (every group zero-variance): still report KL
+            train_metrics = {"actor/kl": self._kl([s for g in groups for s in g.samples])}
         if seqs:
             train_metrics = self.learner.update(
                 seqs, pad_id=self.tokenizer.pad_token_id, lr=cfg.optim.lr,
@@ -270,6 +273,7 @@ class Runner:
             "perf/trained_tokens_per_s": trained_tokens / max(step_s, 1e-9),
             "timing/gen_s": result.gen_seconds, "timing/reward_s": reward_s,
             "timing/train_s": train_s, "timing/weight_sync_s": sync_s, "timing/step_s": step_s,
+            "actor/lr": cfg.optim.lr,
             "train/policy_version": self.version,
             "train/samples_total": self.totals["samples"],
             "train/gen_tokens_total": self.totals["gen_tokens"],
@@ -281,6 +285,16 @@ class Runner:
         self.sink.histogram(self.step, "rollout/response_len",
                             histogram(lengths, length_edges(cfg.rollout.max_response_len)))
         return m
+
+    def _kl(self, samples) -> float:
+        seqs = [TrainSequence(s.prompt_ids, s.response_ids, s.logprobs, 0.0, s.params.temperature)
+                for s in samples]
+        pad, budget = self.tokenizer.pad_token_id, self.cfg.optim.micro_batch_tokens
+        pol = self.learner.logprobs(seqs, pad, budget)
+        ref = self.learner.logprobs(seqs, pad, budget, reference=True)
+        flat_p = torch.tensor([x for lp in pol for x in lp])
+        flat_r = torch.tensor([x for lp in ref for x in lp])
+        return float(grpo.kl_k3(flat_p, flat_r).mean()) if flat_p.numel() else 0.0
 
     def _score(self, groups: list[Group]) -> dict[str, float]:
         """Rewards for every sample (plus the optional overlong penalty), stored on the groups."""

@@ -1,0 +1,75 @@
+"""The one schema: loading, overrides, validation messages, presets."""
+import pytest
+
+from trainer import config as C
+
+
+def test_every_param_declares_type_default_and_help():
+    names = set()
+    for p in C.schema():
+        assert p.help and p.type in (bool, int, float, str)
+        assert p.coerce(p.default) == p.default, p.name  # defaults are valid
+        names.add(p.name)
+    assert {"optim.lr", "optim.grad_clip", "algo.kl_coef", "rollout.temperature",
+            "algo.overlong_penalty"} <= {p.name for p in C.knobs()}
+    assert "model.path" in names and "model.path" not in {p.name for p in C.knobs()}
+
+
+def test_override_types_are_coerced_from_cli_strings():
+    cfg = C.apply_overrides(C.Config(), ["optim.lr=3e-5", "run.max_steps=7",
+                                         "algo.overlong_penalty=true", "model.path=/tmp/m"])
+    assert cfg.optim.lr == 3e-5 and cfg.run.max_steps == 7
+    assert cfg.algo.overlong_penalty is True and cfg.model.path == "/tmp/m"
+
+
+@pytest.mark.parametrize("override, key, fragment", [
+    ("optim.lr=5", "optim.lr", "[0.0, 1.0]"),
+    ("optim.lrr=1", "optim.lrr", "known keys: lr,"),
+    ("nope.x=1", "nope.x", "sections are model, data"),
+    ("run.max_steps=2.5", "run.max_steps", "an integer"),
+    ("model.device=tpu", "model.device", "one of 'auto', 'cpu', 'cuda'"),
+    ("algo.overlong_penalty=maybe", "algo.overlong_penalty", "true or false"),
+    ("rollout.temperature=nan", "rollout.temperature", "a number"),
+])
+def test_bad_values_name_the_key_and_the_allowed_values(override, key, fragment):
+    with pytest.raises(C.ConfigError) as e:
+        C.apply_overrides(C.Config(), [override])
+    assert key in e.value.errors
+    assert fragment in e.value.errors[key]
+
+
+def test_all_errors_are_reported_together():
+    with pytest.raises(C.ConfigError) as e:
+        C.apply_overrides(C.Config(), {"optim.lr": -1, "run.seed": "x"})
+    assert set(e.value.errors) == {"optim.lr", "run.seed"}
+
+
+def test_cross_field_rules():
+    with pytest.raises(C.ConfigError) as e:
+        C.apply_overrides(C.Config(), ["data.task=math"])
+    assert "data.path" in e.value.errors
+
+
+def test_presets_load_and_toml_round_trips():
+    assert "demo" in C.preset_names()
+    cfg = C.load("demo", ["optim.lr=2e-5"])
+    again = C.loads_toml(C.to_toml(cfg))
+    assert again == cfg and again.optim.lr == 2e-5
+
+
+def test_unknown_preset_and_bad_toml():
+    with pytest.raises(C.ConfigError) as e:
+        C.load("nosuch")
+    assert "demo" in e.value.errors["config"]
+    with pytest.raises(C.ConfigError) as e:
+        C.loads_toml("[optim\nlr = ")
+    assert "not valid TOML" in e.value.errors["toml"]
+    with pytest.raises(C.ConfigError) as e:
+        C.loads_toml("[optim]\nlr = 'fast'")
+    assert "optim.lr" in e.value.errors
+
+
+def test_schema_json_shape_for_the_web_and_api():
+    row = next(p.as_json() for p in C.schema() if p.name == "optim.lr")
+    assert row == {"name": "optim.lr", "type": "float", "default": 1e-4, "min": 0.0, "max": 1.0,
+                   "choices": None, "help": row["help"], "tunable": True}

@@ -1,0 +1,180 @@
+"""The embedded engine against a plain forward pass, and its batching/abort/resume contract."""
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+
+from trainer.engine.base import ABORT, SEGMENT, STOP, Sample, SamplingParams
+from trainer.engine.embedded import EmbeddedEngine
+from trainer.model import load_model, load_tokenizer
+
+
+@pytest.fixture(scope="module")
+def builtin():
+    model = load_model("builtin", torch.device("cpu"), torch.float32).eval()
+    return model, load_tokenizer("builtin")
+
+
+def full_forward_logprobs(model, s: Sample, temperature: float = 1.0) -> torch.Tensor:
+    ids = torch.tensor([s.prompt_ids + s.response_ids])
+    with torch.no_grad():
+        logits = model(ids).logits[0].float() / temperature
+    logp = torch.log_softmax(logits, -1)
+    P = len(s.prompt_ids)
+    return logp[P - 1:-1].gather(1, torch.tensor(s.response_ids).unsqueeze(1)).squeeze(1)
+
+
+def prompts(tok, texts):
+    return [tok(t).input_ids for t in texts]
+
+
+TEXTS = ["[3,5]=", "[1,2,3,4,5,6,7,8,9,1,2,3]=", "[9]=", "[4,4,4,4]=", "[7,1,8,2,6]="]
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_logprobs_match_a_plain_forward_pass(builtin, temperature):
+    model, tok = builtin
+    eng = EmbeddedEngine(model, eos_token_ids=[tok.eos_token_id], max_slots=3, max_seq_len=200,
+                         seed=3)
+    samples = [Sample(p, SamplingParams(temperature=temperature, max_new_tokens=80))
+               for p in prompts(tok, TEXTS * 2)]
+    eng.generate(samples)
+    for s in samples:
+        s.check()
+        assert s.response_ids
+        ref = full_forward_logprobs(model, s, temperature)
+        assert torch.allclose(torch.tensor(s.logprobs), ref, atol=1e-4)
+
+
+def _tiny(config_cls, **extra):
+    torch.manual_seed(0)
+    cfg = config_cls(vocab_size=50, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                     tie_word_embeddings=False, **extra)
+    return AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
+
+
+@pytest.mark.parametrize("config_cls, extra", [
+    (LlamaConfig, {}), (Qwen2Config, {}), (Qwen3Config, {"head_dim": 16}),
+])
+def test_other_llama_family_architectures_match(config_cls, extra):
+    model = _tiny(config_cls, **extra)
+    eng = EmbeddedEngine(model, eos_token_ids=[0], max_slots=4, max_seq_len=128, seed=0)
+    samples = [Sample([5, 6, 7, 8][:n], SamplingParams(max_new_tokens=30)) for n in (1, 2, 3, 4, 2)]
+    eng.generate(samples)
+    for s in samples:
+        assert torch.allclose(torch.tensor(s.logprobs), full_forward_logprobs(model, s), atol=1e-4)
+
+
+def test_unsupported_architecture_is_rejected_by_name():
+    from transformers import GPT2Config
+    model = AutoModelForCausalLM.from_config(GPT2Config(n_layer=1, n_embd=32, n_head=2,
+                                                        vocab_size=40))
+    with pytest.raises(ValueError, match="gpt2"):
+        EmbeddedEngine(model, eos_token_ids=[0])
+
+
+def test_greedy_continuous_batching_equals_generating_each_alone(builtin):
+    model, tok = builtin
+    ps = prompts(tok, TEXTS + ["[2,2,2,2,2,2,2,2,2,2,2,2,2,2,2,2,2,2]="])
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=120)
+    alone = []
+    for p in ps:
+        eng = EmbeddedEngine(model, eos_token_ids=[tok.eos_token_id], max_slots=1, max_seq_len=200)
+        s = Sample(p, greedy)
+        eng.generate([s])
+        alone.append(s.response_ids)
+    # two slots for six requests: slots are refilled as short answers finish
+    eng = EmbeddedEngine(model, eos_token_ids=[tok.eos_token_id], max_slots=2, max_seq_len=200)
+    batched = [Sample(p, greedy) for p in ps]
+    eng.generate(batched)
+    assert [s.response_ids for s in batched] == alone
+    assert eng.stats.decode_steps < sum(len(r) for r in alone)  # rows really ran together
+
+
+def test_abort_and_resume_keep_prefix_versions_and_lose_nothing(builtin):
+    model, tok = builtin
+    eng = EmbeddedEngine(model, eos_token_ids=[tok.eos_token_id], max_slots=4, max_seq_len=300,
+                         seed=1)
+    long = "[" + ",".join(["9"] * 20) + "]="
+    samples = [Sample(p, SamplingParams(max_new_tokens=200)) for p in prompts(tok, [long] * 3)]
+    queued = Sample(prompts(tok, [long])[0], SamplingParams(max_new_tokens=200))
+    eng.submit(samples)
+    for _ in range(10):
+        eng.step()
+    eng.submit([queued])  # no free slot? it may be queued or running: abort must return it
+    parts = eng.abort()
+    assert {s.request_id for s in parts} == {s.request_id for s in samples + [queued]}
+    assert all(s.finish_reason == ABORT for s in parts) and eng.num_pending == 0
+    prefixes = {s.request_id: (list(s.response_ids), list(s.logprobs)) for s in samples}
+    assert all(len(p[0]) == 10 for p in prefixes.values())
+    new_weights = {k: v + 0.01 * torch.randn_like(v) for k, v in model.state_dict().items()}
+    eng.update_weights(new_weights, version=1)
+    eng.generate(samples)
+    for s in samples:
+        s.check()
+        ids, lps = prefixes[s.request_id]
+        assert s.response_ids[:10] == ids and s.logprobs[:10] == lps
+        assert s.versions[:10] == [0] * 10 and set(s.versions[10:]) == {1}
+        assert s.finish_reason in ("stop", "length")
+
+
+def test_resumed_tokens_have_the_logprobs_of_the_new_weights(builtin):
+    model, tok = builtin
+    eng = EmbeddedEngine(model, eos_token_ids=[tok.eos_token_id], max_slots=2, max_seq_len=300,
+                         seed=2)
+    s = Sample(prompts(tok, ["[" + ",".join(["8"] * 15) + "]="])[0],
+               SamplingParams(max_new_tokens=150))
+    eng.submit([s])
+    for _ in range(5):
+        eng.step()
+    torch.manual_seed(1)
+    model2 = load_model("builtin", torch.device("cpu"), torch.float32).eval()
+    with torch.no_grad():
+        for p in model2.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+    # weight update with KV recompute in the middle of decoding
+    eng.update_weights(model2.state_dict(), version=7, recompute_kv=True)
+    while eng.num_pending:
+        eng.step()
+    ref_new = full_forward_logprobs(model2, s)
+    n_old = s.versions.count(0)
+    assert n_old == 5 and set(s.versions[5:]) == {7}
+    assert torch.allclose(torch.tensor(s.logprobs[5:]), ref_new[5:], atol=1e-4)
+
+
+def test_segment_limit_parks_a_sample_and_it_continues(builtin):
+    model, tok = builtin
+    eng = EmbeddedEngine(model, eos_token_ids=[tok.eos_token_id], max_slots=2, max_seq_len=300)
+    s = Sample(prompts(tok, ["[" + ",".join(["7"] * 20) + "]="])[0],
+               SamplingParams(temperature=0.0, max_new_tokens=200, segment_max_tokens=16))
+    ref = Sample(list(s.prompt_ids), SamplingParams(temperature=0.0, max_new_tokens=200))
+    EmbeddedEngine(model, eos_token_ids=[tok.eos_token_id], max_slots=1,
+                   max_seq_len=300).generate([ref])
+    segments = 0
+    while not s.done:
+        eng.generate([s])
+        segments += 1
+        assert s.finish_reason in (SEGMENT, STOP, "length")
+    assert segments == -(-len(ref.response_ids) // 16)
+    assert s.response_ids == ref.response_ids
+
+
+def test_sampling_is_reproducible_with_a_seed(builtin):
+    model, tok = builtin
+
+    def run(seed):
+        eng = EmbeddedEngine(model, eos_token_ids=[tok.eos_token_id], max_slots=4,
+                             max_seq_len=200, seed=seed)
+        ss = [Sample(p, SamplingParams(max_new_tokens=60)) for p in prompts(tok, TEXTS)]
+        eng.generate(ss)
+        return [s.response_ids for s in ss]
+
+    assert run(5) == run(5)
+    assert run(5) != run(6)
+
+
+def test_too_long_request_is_refused_with_the_limit(builtin):
+    model, tok = builtin
+    eng = EmbeddedEngine(model, eos_token_ids=[tok.eos_token_id], max_slots=1, max_seq_len=32)
+    with pytest.raises(ValueError, match="max_seq_len 32"):
+        eng.submit([Sample([5] * 10, SamplingParams(max_new_tokens=40))])

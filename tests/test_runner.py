@@ -1,0 +1,114 @@
+"""The synchronous loop end to end on the built-in model: metrics, checkpoints, exact resume,
+and knob changes / pause / stop applied at step boundaries."""
+import json
+
+import pytest
+import torch
+
+from trainer import config as C
+from trainer.controls import PAUSE, RESUME, SET_KNOBS, STOP, Command, ControlSource
+from trainer.metrics import JsonlSink, MemorySink, MultiSink
+from trainer.runner import Runner
+from trainer import checkpoint
+
+
+class ScriptedControls(ControlSource):
+    """Returns the commands listed for each poll, in order."""
+
+    def __init__(self, script):
+        self.script = list(script)
+        self.acks = []
+
+    def poll(self):
+        return self.script.pop(0) if self.script else []
+
+    def acknowledge(self, command, step, ok, message=""):
+        self.acks.append((command.kind, step, ok, message))
+
+
+def make(tmp_path, overrides, steps=3, **kw):
+    cfg = C.load("demo", overrides + [f"run.max_steps={steps}"])
+    sink = MemorySink()
+    return Runner(cfg, tmp_path, sink=MultiSink([sink, JsonlSink(tmp_path)]), **kw), sink
+
+
+def test_three_steps_write_metrics_histograms_events_and_a_checkpoint(tmp_path, tiny_overrides):
+    runner, sink = make(tmp_path, tiny_overrides)
+    with runner:
+        assert runner.run() == "finished"
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for key in ["reward/mean", "reward/accuracy", "rollout/response_len/mean",
+                "rollout/response_len/p90", "rollout/zero_var_ratio", "rollout/idle_slot_frac",
+                "actor/kl", "perf/gen_tokens_per_s", "perf/trained_tokens_per_s", "timing/gen_s",
+                "timing/train_s", "system/cpu_util", "system/ram_gb"]:
+        assert key in rows[-1], key
+    assert rows[-1]["train/samples_total"] == 3 * 4 * 4
+    hists = [json.loads(line) for line in (tmp_path / "histograms.jsonl").read_text().splitlines()]
+    assert len(hists) == 3 and sum(hists[0]["counts"]) == 16
+    kinds = [e["kind"] for e in sink.events]
+    assert kinds[0] == "run_started" and kinds[-1] == "run_finished" and "checkpoint" in kinds
+    assert checkpoint.latest(tmp_path).name == "step_000003"
+
+
+def _weights(model):
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+def test_resume_continues_exactly_where_the_run_stopped(tmp_path, tiny_overrides):
+    straight, _ = make(tmp_path / "a", tiny_overrides, steps=4)
+    with straight:
+        straight.run()
+    first, _ = make(tmp_path / "b", tiny_overrides, steps=2)
+    with first:
+        first.run()
+    resumed, sink = make(tmp_path / "b", tiny_overrides, steps=4, resume=True)
+    assert resumed.step == 2 and resumed.prompts.cursor == 2 * 4
+    with resumed:
+        resumed.run()
+    assert resumed.step == 4 and sink.events[0]["kind"] == "run_resumed"
+    assert torch.equal(_weights(straight.model), _weights(resumed.model))
+    assert resumed.totals == straight.totals
+
+
+def test_knob_change_is_applied_at_a_step_boundary_and_recorded(tmp_path, tiny_overrides):
+    controls = ScriptedControls([[], [Command(SET_KNOBS, knobs={"optim.lr": 5e-5,
+                                                                 "rollout.temperature": 0.9},
+                                              requested_by="alice")]])
+    runner, sink = make(tmp_path, tiny_overrides, controls=controls)
+    with runner:
+        runner.run()
+    applied = [e for e in sink.events if e["kind"] == "knob_applied"]
+    assert len(applied) == 1 and applied[0]["step"] == 1
+    assert applied[0]["changes"]["optim.lr"] == {"old": 1e-4, "new": 5e-5}
+    assert applied[0]["requested_by"] == "alice"
+    assert sink.series("actor/lr") == [1e-4, 5e-5, 5e-5]
+    state = json.loads((checkpoint.latest(tmp_path) / "state.json").read_text())
+    assert state["knobs"]["optim.lr"] == 5e-5 and state["knobs"]["rollout.temperature"] == 0.9
+
+
+@pytest.mark.parametrize("knobs, key", [({"optim.lr": 7.0}, "optim.lr"),
+                                        ({"model.path": "/x"}, "model.path"),
+                                        ({"optim.nope": 1}, "optim.nope")])
+def test_bad_knob_changes_are_rejected_whole_with_the_reason(tmp_path, tiny_overrides, knobs, key):
+    controls = ScriptedControls([[Command(SET_KNOBS, knobs={**knobs, "rollout.top_p": 0.5})]])
+    runner, sink = make(tmp_path, tiny_overrides, steps=1, controls=controls)
+    with runner:
+        runner.run()
+    rejected = [e for e in sink.events if e["kind"] == "knob_rejected"]
+    assert len(rejected) == 1 and key in rejected[0]["errors"]
+    assert runner.cfg.rollout.top_p == 1.0  # nothing of a rejected change is applied
+    assert controls.acks[0][2] is False
+
+
+def test_pause_holds_the_run_and_stop_ends_it_with_a_checkpoint(tmp_path, tiny_overrides):
+    controls = ScriptedControls([[], [Command(PAUSE)], [], [], [Command(RESUME)], [],
+                                 [Command(STOP)]])
+    runner, sink = make(tmp_path, tiny_overrides, steps=10, controls=controls)
+    with runner:
+        assert runner.run() == "stopped"
+    kinds = [e["kind"] for e in sink.events]
+    assert kinds.index("paused") < kinds.index("resumed") < kinds.index("stop_requested")
+    assert runner.step == 3  # paused before step 2, stopped before step 4
+    assert checkpoint.latest(tmp_path).name == "step_000003"
+    assert kinds[-1] == "run_stopped"

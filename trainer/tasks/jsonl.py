@@ -1,0 +1,214 @@
+"""Math and code tasks read from JSONL files.
+
+One JSON object per line (blank lines are skipped; row numbers count only the objects):
+
+    math: {"prompt": "What is 1/4 + 1/4?", "answer": "\\frac{1}{2}"}        answer: str or number
+    code: {"prompt": "Write add(a, b).", "entry_point": "add",
+           "tests": "assert add(1, 2) == 3"}                                  tests: str or [str, ...]
+
+An optional "id" (str or int) names a row; otherwise its id is "<kind>:<row>" for training rows
+and "<kind>:eval:<row>" for rows of the evaluation file. Other fields are ignored.
+
+The whole file is validated when the task is built, so a broken dataset fails at launch with a
+`ConfigError` that names the file, the line and the field, not hours into a run.
+"""
+from __future__ import annotations
+
+import json
+import keyword
+import math
+from pathlib import Path
+from typing import Any
+
+from trainer.config import ConfigError
+from trainer.tasks.base import Problem, Task
+
+KINDS = ("math", "code")
+_MAX_REPORTED = 5  # errors listed in one ConfigError message; the rest are counted
+
+
+class _Row:
+    __slots__ = ("id", "text", "answer")
+
+    def __init__(self, id: str, text: str, answer: Any):
+        self.id, self.text, self.answer = id, text, answer
+
+
+class JsonlTask(Task):
+    def __init__(self, path: str, kind: str, template: str = "{prompt}", eval_path: str = "",
+                 seed: int = 0):
+        if kind not in KINDS:
+            raise ConfigError({"data.task": f"got {kind!r}; a JSONL task is one of "
+                                            + ", ".join(repr(k) for k in KINDS)})
+        if not isinstance(template, str) or "{prompt}" not in template:
+            raise ConfigError({"data.prompt_template": "must contain '{prompt}'"})
+        self.name = kind
+        self.kind = kind
+        self.template = template
+        self.seed = seed
+        self.path = str(path)
+        self.eval_path = str(eval_path or "")
+        self._train = _load(self.path, kind, key="data.path", default_id=f"{kind}:{{row}}")
+        self._eval = (_load(self.eval_path, kind, key="data.eval_path",
+                            default_id=f"{kind}:eval:{{row}}") if self.eval_path else None)
+        self.train_size = len(self._train)
+        self._row_of_id: dict[str, int] | None = None
+
+    # -- Task interface ------------------------------------------------------------------------
+
+    def problem(self, row: int) -> Problem:
+        if not 0 <= row < self.train_size:
+            raise IndexError(f"row {row} is out of range: {self.path} has {self.train_size} rows")
+        return self._make(self._train[row])
+
+    def eval_problems(self, n: int) -> list[Problem]:
+        rows = self._eval if self._eval is not None else self._train
+        return [self._make(r) for r in rows[:max(0, n)]]
+
+    # -- helpers -------------------------------------------------------------------------------
+
+    @property
+    def eval_size(self) -> int:
+        """Rows available to eval_problems()."""
+        return len(self._eval if self._eval is not None else self._train)
+
+    def index_of(self, problem_id: str) -> int:
+        """The training row whose id is `problem_id` (KeyError if there is none)."""
+        if self._row_of_id is None:
+            self._row_of_id = {r.id: i for i, r in enumerate(self._train)}
+        return self._row_of_id[problem_id]
+
+    def _make(self, r: _Row) -> Problem:
+        # str.replace, not str.format: braces are common in problems (sets, LaTeX, code).
+        return Problem(id=r.id, prompt=self.template.replace("{prompt}", r.text),
+                       answer=dict(r.answer) if isinstance(r.answer, dict) else r.answer,
+                       kind=self.kind)
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading and validation
+# ---------------------------------------------------------------------------------------------
+
+def _load(path: str, kind: str, *, key: str, default_id: str) -> list[_Row]:
+    if not path:
+        raise ConfigError({key: f"task={kind!r} needs a JSONL file"})
+    p = Path(path)
+    if not p.exists():
+        raise ConfigError({key: f"{path}: file not found"})
+    if not p.is_file():
+        raise ConfigError({key: f"{path}: not a regular file"})
+    try:
+        raw_lines = p.read_bytes().splitlines()
+    except OSError as e:
+        raise ConfigError({key: f"{path}: cannot read: {e.strerror or e}"}) from None
+
+    rows: list[_Row] = []
+    errors: list[str] = []
+    seen_ids: dict[str, int] = {}
+    for lineno, raw in enumerate(raw_lines, start=1):
+        if lineno == 1 and raw.startswith(b"\xef\xbb\xbf"):
+            raw = raw[3:]  # UTF-8 byte-order mark
+        if not raw.strip():
+            continue
+        try:
+            obj = json.loads(raw.decode("utf-8"))
+            row = _parse_row(obj, kind, row=len(rows), default_id=default_id)
+            if row.id in seen_ids:
+                raise _RowError(f"duplicate id {row.id!r} (first used on line {seen_ids[row.id]})")
+        except UnicodeDecodeError:
+            errors.append(f"line {lineno}: not valid UTF-8")
+            continue
+        except json.JSONDecodeError as e:
+            errors.append(f"line {lineno}: invalid JSON ({e.msg} at column {e.colno})")
+            continue
+        except _RowError as e:
+            errors.append(f"line {lineno}: {e}")
+            continue
+        seen_ids[row.id] = lineno
+        rows.append(row)
+    if errors:
+        shown = errors[:_MAX_REPORTED]
+        more = len(errors) - len(shown)
+        msg = f"{path}: " + "; ".join(shown) + (f"; ... and {more} more bad lines" if more else "")
+        raise ConfigError({key: msg})
+    if not rows:
+        raise ConfigError({key: f"{path}: no problems in the file (it is empty)"})
+    return rows
+
+
+class _RowError(ValueError):
+    pass
+
+
+def _parse_row(obj: Any, kind: str, *, row: int, default_id: str) -> _Row:
+    if not isinstance(obj, dict):
+        raise _RowError(f"expected a JSON object, got {_type_name(obj)}")
+    text = _field(obj, "prompt", str)
+    if not text.strip():
+        raise _RowError("'prompt' is empty")
+    if "id" in obj and obj["id"] is not None:
+        raw_id = obj["id"]
+        if isinstance(raw_id, bool) or not isinstance(raw_id, (str, int)):
+            raise _RowError(f"'id' must be a string or an integer, got {_type_name(raw_id)}")
+        pid = str(raw_id)
+        if not pid.strip():
+            raise _RowError("'id' is empty")
+    else:
+        pid = default_id.format(row=row)
+
+    if kind == "math":
+        answer = _field(obj, "answer", (str, int, float))
+        if isinstance(answer, bool):
+            raise _RowError("'answer' must be a string or a number, got a boolean")
+        if isinstance(answer, float) and not math.isfinite(answer):
+            raise _RowError(f"'answer' must be a finite number, got {answer}")
+        if isinstance(answer, str) and not answer.strip():
+            raise _RowError("'answer' is empty")
+        return _Row(pid, text, answer)
+
+    tests = _field(obj, "tests", (str, list))
+    if isinstance(tests, list):
+        if not tests:
+            raise _RowError("'tests' is an empty list")
+        for i, t in enumerate(tests):
+            if not isinstance(t, str):
+                raise _RowError(f"'tests'[{i}] must be a string of Python code, got {_type_name(t)}")
+        test_list = list(tests)
+    else:
+        test_list = [tests]
+    for i, t in enumerate(test_list):
+        where = "'tests'" if isinstance(tests, str) else f"'tests'[{i}]"
+        if not t.strip():
+            raise _RowError(f"{where} is empty")
+        try:
+            compile(t, "<tests>", "exec", dont_inherit=True)
+        except SyntaxError as e:
+            raise _RowError(f"{where} is not valid Python: {e.msg} (line {e.lineno} of the tests)")
+        except ValueError as e:  # e.g. null bytes
+            raise _RowError(f"{where} is not valid Python: {e}")
+    entry_point = _field(obj, "entry_point", str)
+    if not entry_point.isidentifier() or keyword.iskeyword(entry_point):
+        raise _RowError(f"'entry_point' must be a Python function name, got {entry_point!r}")
+    return _Row(pid, text, {"tests": tests if isinstance(tests, str) else test_list,
+                            "entry_point": entry_point})
+
+
+def _field(obj: dict, name: str, types) -> Any:
+    if name not in obj:
+        raise _RowError(f"missing {name!r}")
+    value = obj[name]
+    if not isinstance(value, types):
+        want = {str: "a string", list: "a list", int: "a number", float: "a number"}
+        names = []
+        for t in (types if isinstance(types, tuple) else (types,)):
+            if want[t] not in names:
+                names.append(want[t])
+        raise _RowError(f"{name!r} must be {' or '.join(names)}, got {_type_name(value)}")
+    return value
+
+
+def _type_name(v: Any) -> str:
+    if v is None:
+        return "null"
+    return {bool: "a boolean", int: "a number", float: "a number", str: "a string",
+            list: "a list", dict: "an object"}.get(type(v), type(v).__name__)
