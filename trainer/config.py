@@ -74,7 +74,16 @@ class DataConfig:
 
 @dataclass
 class RolloutConfig:
-    engine: str = param("embedded", choices=["embedded"], help="rollout engine")
+    engine: str = param("embedded", choices=["embedded", "sglang"],
+                        help="rollout engine: the embedded torch engine, or SGLang servers over HTTP")
+    sglang_urls: str = param("", help="engine=sglang: comma-separated server URLs, e.g. "
+                             "'http://127.0.0.1:30000,http://127.0.0.1:30001'")
+    sglang_timeout_s: float = param(300.0, min=1.0, max=86400.0,
+                                    help="engine=sglang: longest wait for one HTTP call (a whole "
+                                    "/generate); failures are retried, then the run fails")
+    sglang_weights_dir: str = param("", help="engine=sglang: folder the new weights are written to "
+                                    "for /update_weights_from_disk; must be readable by the "
+                                    "servers (empty = RUN_DIR/engine_weights)")
     n_samples_per_prompt: int = param(8, min=1, max=256, help="responses per prompt (group size G)")
     rollout_batch_size: int = param(32, min=1, max=4096, help="groups (prompts) trained per step (N)")
     max_response_len: int = param(256, min=1, max=32768, help="most tokens in one response")
@@ -84,6 +93,11 @@ class RolloutConfig:
     top_p: float = param(1.0, min=0.01, max=1.0, tunable=True, help="nucleus sampling threshold")
     recompute_kv_on_update: bool = param(False, help="recompute in-flight sequences' KV cache "
                                          "under new weights at a weight update")
+    dynamic_sampling: bool = param(False, tunable=True, help="DAPO dynamic sampling: drop "
+                                   "zero-variance groups and roll out more prompts until the step "
+                                   "has rollout_batch_size effective groups")
+    max_sampling_rounds: int = param(8, min=1, max=1000, tunable=True,
+                                     help="dynamic sampling: most generation rounds per step")
 
 
 @dataclass
@@ -121,6 +135,53 @@ class OptimConfig:
 
 
 @dataclass
+class AprilConfig:
+    enabled: bool = param(False, tunable=True, help="active partial rollouts: over-sample, stop the "
+                          "step once N groups are complete, continue the rest next step")
+    over_sampling_batch_size: int = param(0, min=0, max=65536, tunable=True,
+                                          help="groups kept in flight (N' >= N); 0 = 2 x "
+                                          "rollout.rollout_batch_size")
+    segment_max_tokens: int = param(0, min=0, max=32768, tunable=True,
+                                    help="most tokens a sample may generate in one step before it "
+                                    "is parked as partial; 0 = half of rollout.max_response_len")
+    segment_auto: bool = param(False, tunable=True, help="adjust segment_max_tokens from the "
+                               "engine's idle-slot fraction")
+    max_version_span: int = param(5, min=0, max=1000, tunable=True,
+                                  help="a sample whose oldest token is more than this many policy "
+                                  "versions old is handled by span_policy")
+    span_policy: str = param("drop", choices=["drop", "keep"], tunable=True,
+                             help="too-old samples: drop the group and requeue its prompt, or keep "
+                             "and train them with off-policy handling")
+    offpolicy: str = param("tis", choices=["as_is", "mask", "tis"], tunable=True,
+                           help="tokens from older policy versions: train as they are, mask them "
+                           "out, or weight by truncated importance sampling")
+    tis_cap: float = param(2.0, min=1.0, max=100.0, tunable=True,
+                           help="upper bound of the truncated importance weight (offpolicy=tis)")
+    decay: float = param(1.0, min=0.0, max=1.0, tunable=True,
+                         help="extra weight lambda^age on tokens `age` versions old (1 = off; "
+                         "0.9 is a common choice)")
+    admission: str = param("fifo", choices=["fifo", "short_first"], tunable=True,
+                           help="order of new prompts: as drawn, or shortest historical response "
+                           "length first")
+
+
+@dataclass
+class GresoConfig:
+    enabled: bool = param(False, tunable=True, help="selective rollouts: skip prompts whose recent "
+                          "groups were all-correct or all-wrong")
+    alpha: float = param(0.25, min=0.0, max=1.0, tunable=True,
+                         help="target zero-variance ratio the exploration probabilities steer to")
+    delta_p: float = param(0.01, min=0.0, max=0.5, tunable=True,
+                           help="step by which p_easy / p_hard move each training step")
+    min_p: float = param(0.05, min=0.0, max=1.0, tunable=True, help="lower clamp of p_easy/p_hard")
+    max_p: float = param(0.95, min=0.0, max=1.0, tunable=True, help="upper clamp of p_easy/p_hard")
+    p_floor: float = param(0.01, min=0.0, max=1.0, tunable=True,
+                           help="a skippable prompt is still kept with at least this probability")
+    p_easy: float = param(0.5, min=0.0, max=1.0, help="initial exploration probability of easy prompts")
+    p_hard: float = param(0.5, min=0.0, max=1.0, help="initial exploration probability of hard prompts")
+
+
+@dataclass
 class RunConfig:
     max_steps: int = param(200, min=1, max=10_000_000, help="training steps")
     seed: int = param(0, min=0, max=2**31 - 1, help="seed for data, sampling and init")
@@ -143,6 +204,8 @@ SECTIONS: dict[str, type] = {
     "rollout": RolloutConfig,
     "algo": AlgoConfig,
     "optim": OptimConfig,
+    "april": AprilConfig,
+    "greso": GresoConfig,
     "run": RunConfig,
 }
 
@@ -154,6 +217,8 @@ class Config:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
+    april: AprilConfig = field(default_factory=AprilConfig)
+    greso: GresoConfig = field(default_factory=GresoConfig)
     run: RunConfig = field(default_factory=RunConfig)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
@@ -417,6 +482,24 @@ def check(cfg: Config) -> None:
     if cfg.algo.overlong_buffer >= cfg.rollout.max_response_len and cfg.algo.overlong_penalty:
         errors["algo.overlong_buffer"] = (f"must be smaller than rollout.max_response_len "
                                           f"({cfg.rollout.max_response_len})")
+    if cfg.greso.min_p > cfg.greso.max_p:
+        errors["greso.min_p"] = f"must not exceed greso.max_p ({cfg.greso.max_p})"
+    n = cfg.rollout.rollout_batch_size
+    if cfg.april.over_sampling_batch_size and cfg.april.over_sampling_batch_size < n:
+        errors["april.over_sampling_batch_size"] = (
+            f"must be at least rollout.rollout_batch_size ({n}), or 0 for 2 x that")
+    if cfg.rollout.engine == "sglang" and not cfg.rollout.sglang_urls.strip():
+        errors["rollout.sglang_urls"] = ("engine='sglang' needs at least one server URL, e.g. "
+                                         "'http://127.0.0.1:30000'")
+    elif cfg.rollout.sglang_urls.strip():
+        from trainer.engine.sglang import parse_urls
+        try:
+            parse_urls(cfg.rollout.sglang_urls)
+        except ValueError as e:
+            errors["rollout.sglang_urls"] = str(e)
+    if cfg.april.segment_max_tokens > cfg.rollout.max_response_len:
+        errors["april.segment_max_tokens"] = (f"must not exceed rollout.max_response_len "
+                                              f"({cfg.rollout.max_response_len})")
     if errors:
         raise ConfigError(errors)
 

@@ -30,6 +30,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import textwrap
 import threading
 import time
 import weakref
@@ -179,7 +180,7 @@ def score_math(answer: Any, completion: str) -> float:
 CODE_TIMEOUT_S = 10.0            # wall-clock limit of one sandboxed run
 CODE_MEMORY_BYTES = 1 << 30      # address space of the sandboxed process
 CODE_FILE_BYTES = 16 << 20       # largest file it may write
-_CODE_MAX_NPROC_EXTRA = 64       # non-root: processes it may add to the user's current count
+_CODE_MAX_NPROC_EXTRA = 64       # non-root: threads/processes it may add to the user's count
 
 _FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)(?:```|\Z)", re.S)
 _CODE_LANGS = {"", "python", "py", "python3", "py3"}
@@ -229,8 +230,9 @@ def _run_answer(answer: dict, completion: str, timeout_s: float) -> CodeResult:
 # The program the sandboxed interpreter runs. It reads its job from stdin, applies the limits,
 # blocks the network, process creation and writes outside its directory, then runs the code
 # and the tests and reports on a private copy of stdout. Only a report carrying the nonce of
-# this run counts as a pass, so code that prints "PASS" or exits early cannot fake one.
-_RUNNER = r'''
+# this run counts as a pass, so code that prints a pass or exits early cannot fake one; the
+# nonce is a local of _main(), not a global of __main__ that the code could import.
+_RUNNER_BODY = r'''
 import ast, json, os, resource, sys
 job = json.loads(sys.stdin.buffer.read() or b"null")
 if job is None:
@@ -357,6 +359,7 @@ for i, t in enumerate(tests):
         report({"status": "fail", "detail": f"tests[{i}] failed: " + _name(e)})
 report({"status": "pass", "nonce": nonce})
 '''
+_RUNNER = "def _main():\n" + textwrap.indent(_RUNNER_BODY, "    ") + "\n_main()\n"
 
 
 def run_code(code: str, tests: Sequence[str], entry_point: str, *,
@@ -433,22 +436,25 @@ def _kill_group(proc: subprocess.Popen) -> None:
 
 
 def _nproc_limit() -> int:
-    """RLIMIT_NPROC for a sandbox: 0 (unset) for root, which ignores it; otherwise the
-    user's current process count plus a margin, so that fork bombs stop quickly."""
+    """RLIMIT_NPROC for a sandbox: 0 (unset) for root, which ignores it; otherwise the number
+    of threads the user runs now (the kernel counts threads) plus a margin, so that fork bombs
+    stop quickly. 0 when /proc cannot be read."""
     if not hasattr(os, "geteuid") or os.geteuid() == 0:
         return 0
     uid, count = os.getuid(), 0
     try:
-        for name in os.listdir("/proc"):
-            if name.isdigit():
-                try:
-                    if os.stat(f"/proc/{name}").st_uid == uid:
-                        count += 1
-                except OSError:
-                    pass
+        names = os.listdir("/proc")
     except OSError:
         return 0
-    return count + _CODE_MAX_NPROC_EXTRA
+    for name in names:
+        if name.isdigit():
+            try:
+                st = os.stat(f"/proc/{name}/task")   # its link count is threads + 2
+            except OSError:
+                continue
+            if st.st_uid == uid:
+                count += max(1, st.st_nlink - 2)
+    return count + _CODE_MAX_NPROC_EXTRA if count else 0
 
 
 # =============================================================================================
@@ -523,6 +529,7 @@ class RewardBatch:
 _CHUNK_MAX = 64
 _PART_EVERY_S = 0.2      # a worker reports finished items of a long chunk this often
 _STARTUP_FAILURES = 3    # consecutive worker deaths before ready -> score in-process
+_STARTUP_LIMIT_S = 120.0  # a worker not ready after this long is killed and replaced
 _WORKER_BOOT = ("import sys; sys.path.insert(0, sys.argv[1]); "
                 "from trainer.rewards import _worker_main; _worker_main(sys.argv[2:])")
 
@@ -549,6 +556,7 @@ class _Worker:
             child.close()
         self.conn = parent
         self.ready = False
+        self.started = time.monotonic()
         self.chunk: _Chunk | None = None
 
     def kill(self) -> None:
@@ -636,7 +644,13 @@ class RewardService:
             self._finalizer = weakref.finalize(self, _shutdown, self._workers, self._sandbox_dir,
                                                os.getpid())
             for _ in range(workers):
-                self._workers.append(self._spawn())
+                try:
+                    self._workers.append(self._spawn())
+                except OSError as e:
+                    log.error("cannot start a reward worker (%s); continuing with %d", e,
+                              len(self._workers))
+                    break
+            self._inline = not self._workers
 
     # -- public --------------------------------------------------------------------------------
 
@@ -810,20 +824,28 @@ class RewardService:
                             self.timeout_s, w.proc.pid)
                 w.chunk = None
                 self._replace(w)
+            elif not w.ready and time.monotonic() - w.started > _STARTUP_LIMIT_S:
+                log.warning("reward worker %d is not ready after %.0fs: replacing it",
+                            w.proc.pid, _STARTUP_LIMIT_S)
+                self._startup_failures += 1
+                self._replace(w)
         return [r if r is not None else (0.0, "timeout", f"the batch ran past {self.timeout_s:g}s")
                 for r in results]
 
     def _worker_died(self, w: _Worker, results: list, queue: collections.deque) -> None:
-        rc = w.proc.poll()
+        try:
+            rc = w.proc.wait(timeout=0.5)
+        except subprocess.TimeoutExpired:
+            rc = None
         if not w.ready:
             self._startup_failures += 1
         c = w.chunk
         if c is not None:
             rest = c.indices[c.reported:]
-            if rest:   # the item being scored killed it; the others get another try
+            if len(rest) == 1:   # this item killed it
                 results[rest[0]] = (0.0, "error", f"the reward worker died (exit code {rc})")
-                if rest[1:]:
-                    queue.appendleft(_Chunk(rest[1:]))
+            else:   # one of these did: retry each alone to find which
+                queue.extendleft(_Chunk([i]) for i in reversed(rest))
         w.chunk = None
         log.warning("reward worker %d died (exit code %s); starting another", w.proc.pid, rc)
         self._replace(w)

@@ -28,7 +28,9 @@ from trainer.evaluate import evaluate
 from trainer.learner import Learner, TrainSequence
 from trainer.metrics import MetricsSink, histogram, length_edges, percentile
 from trainer.model import load_model, load_tokenizer, resolve_device, resolve_dtype
-from trainer.rollout import Group, PromptSource, SyncRollout
+from trainer import april as april_mod
+from trainer.greso import GresoFilter, classify
+from trainer.rollout import Group, PromptSource, Rollout, StepCounts
 from trainer.system import SystemSampler
 from trainer.tasks.base import build_task
 
@@ -83,7 +85,12 @@ class Runner:
             self.model, eos_token_ids=[self.tokenizer.eos_token_id],
             max_slots=self.cfg.rollout.max_slots, max_seq_len=self._max_seq_len(),
             seed=self.cfg.run.seed, device=self.device, dtype=self.dtype)
-        self.rollout = SyncRollout(self.engine, self.tokenizer, self.prompts)
+        self.greso = GresoFilter(p_easy=self.cfg.greso.p_easy, p_hard=self.cfg.greso.p_hard,
+                                 seed=self.cfg.run.seed)
+        self.rollout = Rollout(self.engine, self.tokenizer, self.prompts, scorer=self._score,
+                               selector=self._select_prompt)
+        self._reward_counts = [0, 0]  # errors, timeouts of the current step
+        self._reward_seconds = 0.0
 
         from trainer.rewards import RewardService  # process pool: start after the model loads
         self.rewards = RewardService(workers=self.cfg.run.reward_workers,
@@ -103,11 +110,6 @@ class Runner:
             longest_prompt = max(longest_prompt, 2 + self.cfg.data.max_list_len
                                  * (len(str(self.cfg.data.max_operand)) + 1))
         return longest_prompt * 2 + self.cfg.rollout.max_response_len + 8
-
-    def _sampling_params(self) -> SamplingParams:
-        r = self.cfg.rollout
-        return SamplingParams(temperature=r.temperature, top_p=r.top_p,
-                              max_new_tokens=r.max_response_len)
 
     # --- the loop -----------------------------------------------------------------------------------
     def run(self) -> str:
@@ -220,19 +222,16 @@ class Runner:
         cfg = self.cfg
         t_step = time.monotonic()
         stats0 = copy.copy(self.engine.stats)
-        result = self.rollout.collect(cfg.rollout.rollout_batch_size, cfg.rollout.n_samples_per_prompt,
-                                      self._sampling_params())
-        groups = result.groups
+        self._reward_counts, self._reward_seconds = [0, 0], 0.0
+        result = self.rollout.collect(cfg, self.version)
         engine_stats = self.engine.stats.minus(stats0)
-
-        t0 = time.monotonic()
-        reward_metrics = self._score(groups)
-        reward_s = time.monotonic() - t0
+        groups = result.groups
+        self.rollout.after_step(cfg, engine_stats.idle_slot_frac())
 
         t0 = time.monotonic()
         seqs, adv_metrics = self._train_sequences(groups)
         train_metrics = {}
-        if not seqs and self.learner.reference is not None:
+        if not seqs and self.learner.reference is not None and groups:
             # nothing to learn from this step (every group zero-variance): still report KL
             train_metrics = {"actor/kl": self._kl([s for g in groups for s in g.samples])}
         if seqs:
@@ -253,38 +252,102 @@ class Runner:
         sync_s = time.monotonic() - t0
         self.step += 1
 
-        lengths = [len(s.response_ids) for g in groups for s in g.samples]
-        trained_tokens = sum(len(s.response_ids) for s in seqs)
+        m = self._step_metrics(result, engine_stats, seqs)
         step_s = time.monotonic() - t_step
-        self.totals["samples"] += len(lengths)
-        self.totals["gen_tokens"] += engine_stats.generated_tokens
+        trained_tokens = sum(len(s.response_ids) for s in seqs)
+        m.update(adv_metrics)
+        m.update(train_metrics)
+        m.update({
+            "perf/trained_tokens_per_s": trained_tokens / max(step_s, 1e-9),
+            "perf/rollout_trained_tokens_per_s": trained_tokens / max(result.gen_seconds, 1e-9),
+            "timing/reward_s": self._reward_seconds, "timing/train_s": train_s,
+            "timing/weight_sync_s": sync_s, "timing/step_s": step_s, "actor/lr": cfg.optim.lr,
+            "train/policy_version": self.version,
+        })
         self.totals["trained_tokens"] += trained_tokens
-        m: dict[str, float] = {
-            **reward_metrics, **adv_metrics, **train_metrics, **result.metrics,
+        m.update({f"train/{k}_total": v for k, v in self.totals.items()
+                  if k in ("samples", "gen_tokens", "trained_tokens")})
+        if self.system is not None:
+            m.update(self.system.summary())
+        self.sink.scalars(self.step, m)
+        return m
+
+    def _step_metrics(self, result, engine_stats, seqs) -> dict[str, float]:
+        """Rollout, reward, APRIL and GRESO metrics of one step (and the histograms)."""
+        cfg, c = self.cfg, result.counts
+        scored = result.scored
+        self.totals["samples"] += c.submitted - c.dropped if cfg.april.enabled else sum(
+            len(g.samples) for g in scored)
+        self.totals["gen_tokens"] += engine_stats.generated_tokens
+        rewards = [r for g in scored for r in g.rewards]
+        lengths = [len(s.response_ids) for g in scored for s in g.samples]
+        n_groups = max(len(scored), 1)
+        kinds = [classify(g.rewards) for g in scored]
+        all_correct, all_wrong = kinds.count("all_correct"), kinds.count("all_wrong")
+        m: dict[str, float] = dict(result.metrics)
+        m.update({
+            "reward/mean": sum(rewards) / max(len(rewards), 1),
+            "reward/accuracy": sum(1 for g in scored for r in g.raw_scores if r >= 1.0)
+            / max(len(rewards), 1),
+            "reward/errors": self._reward_counts[0], "reward/timeouts": self._reward_counts[1],
             "rollout/response_len/mean": sum(lengths) / max(len(lengths), 1),
             "rollout/response_len/p50": percentile(lengths, 0.5),
             "rollout/response_len/p90": percentile(lengths, 0.9),
             "rollout/response_len/max": max(lengths, default=0),
-            "rollout/truncated_ratio": sum(s.finish_reason == LENGTH for g in groups
+            "rollout/truncated_ratio": sum(s.finish_reason == LENGTH for g in scored
                                            for s in g.samples) / max(len(lengths), 1),
+            "rollout/zero_var_ratio": (all_correct + all_wrong) / n_groups,
+            "rollout/zero_var_ratio/all_correct": all_correct / n_groups,
+            "rollout/zero_var_ratio/all_wrong": all_wrong / n_groups,
             "rollout/idle_slot_frac": engine_stats.idle_slot_frac(),
             "rollout/decode_steps": engine_stats.decode_steps,
+            "rollout/samples": sum(len(g.samples) for g in scored),
             "perf/gen_tokens_per_s": engine_stats.generated_tokens / max(result.gen_seconds, 1e-9),
-            "perf/trained_tokens_per_s": trained_tokens / max(step_s, 1e-9),
-            "timing/gen_s": result.gen_seconds, "timing/reward_s": reward_s,
-            "timing/train_s": train_s, "timing/weight_sync_s": sync_s, "timing/step_s": step_s,
-            "actor/lr": cfg.optim.lr,
-            "train/policy_version": self.version,
-            "train/samples_total": self.totals["samples"],
-            "train/gen_tokens_total": self.totals["gen_tokens"],
-            "train/trained_tokens_total": self.totals["trained_tokens"],
-        }
-        if self.system is not None:
-            m.update(self.system.summary())
-        self.sink.scalars(self.step, m)
+            "timing/gen_s": result.gen_seconds,
+        })
+        if cfg.greso.enabled:
+            self.greso.adapt(len(scored), all_correct, all_wrong, cfg.greso)
+        for g in scored:  # GRESO traces are kept even while GRESO is off, so it can start warm
+            self.greso.record(g.problem.id, self.step, g.rewards)
+        if cfg.greso.enabled:
+            drawn = c.groups_started + c.skipped_easy + c.skipped_hard
+            m.update({"greso/skip_rate": (c.skipped_easy + c.skipped_hard) / max(drawn, 1),
+                      "greso/skip_rate/easy": c.skipped_easy / max(drawn, 1),
+                      "greso/skip_rate/hard": c.skipped_hard / max(drawn, 1),
+                      "greso/p_easy": self.greso.p_easy, "greso/p_hard": self.greso.p_hard,
+                      "greso/prompts_sampled": drawn})
+        trained_tokens = sum(len(s.response_ids) for s in seqs)
+        if cfg.april.enabled:
+            old = sum(1 for g in result.groups for s in g.samples for v in s.versions
+                      if v < self.version - 1)
+            total = sum(len(s.response_ids) for g in result.groups for s in g.samples)
+            m["april/offpolicy_token_ratio"] = old / max(total, 1)
+            spans = [max(s.versions) - min(s.versions) for g in result.groups
+                     for s in g.samples if s.versions]
+            self.sink.histogram(self.step, "april/version_span",
+                                histogram(spans, [float(i) for i in range(0, 12)]))
+            self.sink.histogram(self.step, "april/buffer_age",
+                                histogram(self.rollout.buffer.ages(self.version),
+                                          [float(i) for i in range(0, 12)]))
+        m["rollout/trained_tokens"] = trained_tokens
         self.sink.histogram(self.step, "rollout/response_len",
                             histogram(lengths, length_edges(cfg.rollout.max_response_len)))
         return m
+
+    def _select_prompt(self, cfg, counts: StepCounts):
+        """The next prompt to roll out; GRESO may skip some (bounded, so it always returns)."""
+        for _ in range(max(1, self.task.train_size)):
+            draw, problem = self.prompts.next()
+            if not cfg.greso.enabled:
+                return draw, problem
+            d = self.greso.decide(problem.id, cfg.greso)
+            if not d.skip:
+                return draw, problem
+            if d.kind == "easy":
+                counts.skipped_easy += 1
+            else:
+                counts.skipped_hard += 1
+        return draw, problem  # every prompt skippable: take the last one rather than loop
 
     def _kl(self, samples) -> float:
         seqs = [TrainSequence(s.prompt_ids, s.response_ids, s.logprobs, 0.0, s.params.temperature)
@@ -296,15 +359,16 @@ class Runner:
         flat_r = torch.tensor([x for lp in ref for x in lp])
         return float(grpo.kl_k3(flat_p, flat_r).mean()) if flat_p.numel() else 0.0
 
-    def _score(self, groups: list[Group]) -> dict[str, float]:
-        """Rewards for every sample (plus the optional overlong penalty), stored on the groups."""
+    def _score(self, groups: list[Group]) -> None:
+        """Rewards for every sample of complete groups (plus the optional overlong penalty)."""
         cfg = self.cfg
+        t0 = time.monotonic()
         problems = [g.problem for g in groups for _ in g.samples]
         completions = [self.tokenizer.decode(s.response_ids, skip_special_tokens=True)
                        for g in groups for s in g.samples]
         batch = self.rewards.score_batch(problems, completions)
         scores = list(batch.scores)
-        correct = sum(1 for r in scores if r >= 1.0)
+        raw = list(scores)
         if cfg.algo.overlong_penalty:
             lengths = torch.tensor([len(s.response_ids) for g in groups for s in g.samples])
             pen = grpo.overlong_penalty(lengths, cfg.rollout.max_response_len,
@@ -313,38 +377,50 @@ class Runner:
         i = 0
         for g in groups:
             g.rewards = scores[i:i + len(g.samples)]
+            g.raw_scores = raw[i:i + len(g.samples)]
             i += len(g.samples)
+        self._reward_counts[0] += batch.errors
+        self._reward_counts[1] += batch.timeouts
         self.totals["reward_errors"] += batch.errors
         self.totals["reward_timeouts"] += batch.timeouts
-        n = max(len(scores), 1)
-        return {"reward/mean": sum(scores) / n, "reward/accuracy": correct / n,
-                "reward/errors": batch.errors, "reward/timeouts": batch.timeouts}
+        self._reward_seconds += time.monotonic() - t0
 
     def _train_sequences(self, groups: list[Group]) -> tuple[list[TrainSequence], dict[str, float]]:
         cfg = self.cfg
+        if not groups:
+            return [], {}
         rewards = torch.tensor([g.rewards for g in groups], dtype=torch.float32)
         adv = grpo.group_advantages(rewards, scale_by_std=cfg.algo.scale_adv_by_std)
-        zero_var = [g.zero_variance for g in groups]
-        seqs = []
+        seqs, samples = [], []
         for gi, g in enumerate(groups):
-            if zero_var[gi] and cfg.algo.skip_zero_adv:
+            if g.zero_variance and cfg.algo.skip_zero_adv:
                 continue
             for si, s in enumerate(g.samples):
                 seqs.append(TrainSequence(s.prompt_ids, s.response_ids, s.logprobs,
                                           float(adv[gi, si]), s.params.temperature))
-        if cfg.algo.recompute_old_logprobs and seqs:
-            olds = self.learner.logprobs(seqs, self.tokenizer.pad_token_id,
-                                         cfg.optim.micro_batch_tokens)
-            for s, old in zip(seqs, olds):
-                s.old_logprobs = old
-        all_correct = sum(1 for g in groups if g.zero_variance and g.rewards[0] >= 1.0)
-        all_wrong = sum(1 for g in groups if g.zero_variance and g.rewards[0] <= 0.0)
-        n = max(len(groups), 1)
-        return seqs, {"rollout/zero_var_ratio": sum(zero_var) / n,
-                      "rollout/zero_var_ratio/all_correct": all_correct / n,
-                      "rollout/zero_var_ratio/all_wrong": all_wrong / n,
-                      "rollout/effective_groups": n - sum(zero_var) if cfg.algo.skip_zero_adv else n,
-                      "actor/advantage_abs_mean": float(adv.abs().mean()) if adv.numel() else 0.0}
+                samples.append(s)
+        # pi_old: the engine's behaviour logprobs, or recomputed; APRIL's off-policy tokens
+        offpolicy = cfg.april.enabled and any(v < self.version for s in samples for v in s.versions)
+        need_current = cfg.algo.recompute_old_logprobs or (offpolicy and cfg.april.offpolicy == "tis")
+        current = None
+        if need_current and seqs:
+            current = self.learner.logprobs(seqs, self.tokenizer.pad_token_id,
+                                            cfg.optim.micro_batch_tokens)
+        masked = 0
+        for i, (seq, s) in enumerate(zip(seqs, samples)):
+            cur = current[i] if current is not None else None
+            if offpolicy:
+                seq.weights, seq.old_logprobs = april_mod.token_weights(
+                    s.versions, self.version, s.logprobs, cur, mode=cfg.april.offpolicy,
+                    cap=cfg.april.tis_cap, decay=cfg.april.decay)
+                masked += sum(1 for w in seq.weights if w == 0.0)
+            elif cur is not None:
+                seq.old_logprobs = cur
+        seqs = [s for s in seqs if any(w > 0 for w in s.weights)]
+        m = {"actor/advantage_abs_mean": float(adv.abs().mean()) if adv.numel() else 0.0}
+        if offpolicy:
+            m["april/masked_tokens"] = masked
+        return seqs, m
 
     # --- evaluation ---------------------------------------------------------------------------------
     def evaluate(self) -> float:
@@ -372,7 +448,7 @@ class Runner:
                  "config": self.cfg.to_dict(), "knobs": self.cfg.knob_values()}
         tensors = {"optimizer": self.learner.state_dict(),
                    "rng": checkpoint.rng_state(self.engine.generator),
-                   "rollout": self.rollout.state_dict()}
+                   "rollout": self.rollout.state_dict(), "greso": self.greso.state_dict()}
         path = checkpoint.save(self.run_dir, self.step, model=self.model, tokenizer=self.tokenizer,
                                state=state, tensors=tensors, keep=self.cfg.run.keep_checkpoints)
         self.sink.event(self.step, "checkpoint", {"path": str(path)})
@@ -386,6 +462,8 @@ class Runner:
         self.learner.load_state_dict(tensors["optimizer"])
         checkpoint.set_rng_state(tensors["rng"], self.engine.generator)
         self.rollout.load_state_dict(tensors.get("rollout", {}))
+        if "greso" in tensors:
+            self.greso.load_state_dict(tensors["greso"])
         self.engine.version = self.version
 
 

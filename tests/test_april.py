@@ -1,0 +1,169 @@
+"""APRIL: early termination, the partial-rollout buffer, and the invariants that hold every
+step (no sample or token lost or duplicated across abort/resume)."""
+import math
+
+import pytest
+import torch
+
+from trainer import april
+from trainer import config as C
+from trainer.engine.embedded import EmbeddedEngine
+from trainer.metrics import MemorySink
+from trainer.model import load_model, load_tokenizer
+from trainer.rewards import score
+from trainer.rollout import PromptSource, Rollout
+from trainer.runner import Runner
+from trainer.tasks.sum import SumTask
+
+
+def cfg_for(*extra):
+    return C.load("demo", ["rollout.rollout_batch_size=6", "rollout.n_samples_per_prompt=4",
+                           "rollout.max_response_len=96", "rollout.max_slots=12",
+                           "april.enabled=true", "april.over_sampling_batch_size=12",
+                           "april.segment_max_tokens=24", *extra])
+
+
+@pytest.fixture(scope="module")
+def parts():
+    model = load_model("builtin", torch.device("cpu"), torch.float32).eval()
+    return model, load_tokenizer("builtin")
+
+
+def make_rollout(parts, seed=0):
+    model, tok = parts
+    engine = EmbeddedEngine(model, eos_token_ids=[tok.eos_token_id], max_slots=12,
+                            max_seq_len=256, seed=seed)
+
+    def scorer(groups):
+        for g in groups:
+            g.rewards = [score("sum", g.problem.answer, tok.decode(s.response_ids,
+                                                                    skip_special_tokens=True))
+                         for s in g.samples]
+            g.raw_scores = list(g.rewards)
+
+    return Rollout(engine, tok, PromptSource(SumTask(seed=seed)), scorer=scorer), engine
+
+
+def test_every_step_accounts_for_every_sample_and_token(parts):
+    rollout, engine = make_rollout(parts)
+    cfg = cfg_for()
+    trained_tokens = discarded = 0
+    saw_resumed = False
+    for version in range(6):
+        engine.update_weights(parts[0].state_dict(), version)
+        res = rollout.collect(cfg, version)
+        c = res.counts
+        assert c.submitted == c.completed + c.parked + c.dropped
+        assert len(res.groups) == 6 and all(g.complete and g.scored for g in res.groups)
+        for g in res.groups:
+            for s in g.samples:
+                s.check()
+                assert s.versions == sorted(s.versions) and max(s.versions) <= version
+                saw_resumed |= len(set(s.versions)) > 1
+        trained_tokens += sum(g.tokens() for g in res.groups)
+        discarded += c.discarded_tokens
+        # every generated token is in a trained group, the buffer, or counted as discarded
+        assert engine.stats.generated_tokens == trained_tokens + rollout.buffer.tokens() + discarded
+    assert saw_resumed, "no sample continued across steps: the test workload is too easy"
+    assert len(rollout.buffer) > 0
+
+
+def test_early_termination_stops_once_n_groups_are_complete(parts):
+    rollout, engine = make_rollout(parts)
+    res = rollout.collect(cfg_for(), 0)
+    assert len(res.groups) == 6
+    assert res.counts.parked > 0 and engine.num_pending == 0
+    # each parked sample generated at most one segment this step
+    assert all(len(s.response_ids) <= 24 for s in rollout.buffer.samples())
+
+
+def test_without_april_every_group_finishes_and_nothing_is_buffered(parts):
+    rollout, _ = make_rollout(parts)
+    res = rollout.collect(cfg_for("april.enabled=false"), 0)
+    assert len(res.groups) == 6 and res.counts.parked == 0 and len(rollout.buffer) == 0
+
+
+def test_version_span_drop_requeues_the_prompt(parts):
+    rollout, _ = make_rollout(parts)
+    cfg = cfg_for("april.max_version_span=2")
+    rollout.collect(cfg, 0)
+    assert len(rollout.buffer)
+    rollout.engine.update_weights(parts[0].state_dict(), 3)
+    # every buffered token is now 3 versions old; groups that never got a token are not old
+    old = [g for g in rollout.buffer.groups if any(s.versions for s in g.samples)]
+    assert len(old) == len(rollout.buffer.groups) - sum(
+        1 for g in rollout.buffer.groups if not any(s.versions for s in g.samples))
+    res = rollout.collect(cfg, 3)
+    assert res.counts.span_dropped_groups == len(old) and res.counts.dropped > 0
+    # nothing older than the span was trained; the dropped prompts started afresh
+    assert all(3 - min(s.versions) <= 2 for g in res.groups for s in g.samples if s.versions)
+    restarted = [g for g in res.groups + list(rollout.buffer.groups)
+                 if g.problem.id in {t.problem.id for t in old}]
+    assert len(restarted) == len(old)
+
+
+def test_keep_policy_trains_old_samples(parts):
+    rollout, _ = make_rollout(parts)
+    cfg = cfg_for("april.max_version_span=0", "april.span_policy=keep")
+    rollout.collect(cfg, 0)
+    res = rollout.collect(cfg, 3)
+    assert res.counts.span_dropped_groups == 0
+    assert any(min(s.versions) == 0 for g in res.groups for s in g.samples if s.versions)
+
+
+def test_short_first_admission_orders_new_prompts_by_history(parts):
+    rollout, engine = make_rollout(parts)
+    cfg = cfg_for("april.admission=short_first")
+    task = rollout.prompts.task
+    history = {task.train_problem(i).id: float(1000 - i) for i in range(40)}
+    rollout.length_history = dict(history)
+    first_batch = []
+    real_submit = engine.submit
+    engine.submit = lambda samples: (first_batch.append(samples[0].meta["draw"]),
+                                     real_submit(samples))
+    rollout.collect(cfg, 0)
+    lengths = [history[task.train_problem(d).id] for d in first_batch[:12]]  # first 12 groups
+    assert lengths == sorted(lengths) and lengths != [history[task.train_problem(d).id]
+                                                      for d in range(12)]
+
+
+def test_token_weights_by_hand():
+    versions, behave, current = [3, 3, 5], [-1.0, -2.0, -0.5], [-0.5, -2.5, -0.5]
+    w, old = april.token_weights(versions, 5, behave, None, mode="as_is", cap=2.0, decay=1.0)
+    assert w == [1.0, 1.0, 1.0] and old == behave
+    w, old = april.token_weights(versions, 5, behave, None, mode="mask", cap=2.0, decay=1.0)
+    assert w == [0.0, 0.0, 1.0]
+    w, old = april.token_weights(versions, 5, behave, current, mode="tis", cap=1.5, decay=1.0)
+    # exp(-0.5 - -1) = 1.6487 -> capped 1.5; exp(-2.5 - -2) = 0.6065; on-policy token: 1
+    assert w[0] == 1.5 and abs(w[1] - math.exp(-0.5)) < 1e-12 and w[2] == 1.0
+    assert old == current
+    w, _ = april.token_weights(versions, 5, behave, None, mode="as_is", cap=2.0, decay=0.9)
+    assert [round(x, 6) for x in w] == [0.81, 0.81, 1.0]
+
+
+def test_segment_auto_adjusts_within_bounds():
+    assert april.adjust_segment(100, 0.5, 256) == 80
+    assert april.adjust_segment(100, 0.05, 256) == 125
+    assert april.adjust_segment(250, 0.0, 256) == 256
+    assert april.adjust_segment(9, 0.9, 256) == 8
+    assert april.adjust_segment(100, 0.2, 256) == 100
+
+
+def test_buffer_survives_checkpoint_and_resume(tmp_path):
+    overrides = ["rollout.rollout_batch_size=4", "rollout.n_samples_per_prompt=4",
+                 "rollout.max_response_len=96", "rollout.max_slots=12", "april.enabled=true",
+                 "april.segment_max_tokens=16", "run.reward_workers=0", "model.threads=1",
+                 "run.eval_every=0", "run.checkpoint_every=0", "run.max_steps=2"]
+    cfg = C.load("demo", overrides)
+    with Runner(cfg, tmp_path, sink=MemorySink()) as first:
+        first.run()
+        saved = [(s.request_id, list(s.response_ids), list(s.versions), list(s.logprobs))
+                 for s in first.rollout.buffer.samples()]
+    assert saved
+    cfg = C.load("demo", overrides[:-1] + ["run.max_steps=3"])
+    with Runner(cfg, tmp_path, sink=MemorySink(), resume=True) as again:
+        restored = [(s.request_id, list(s.response_ids), list(s.versions), list(s.logprobs))
+                    for s in again.rollout.buffer.samples()]
+        assert restored == saved
+        again.run()
+    assert again.step == 3
