@@ -182,6 +182,30 @@ class GresoConfig:
 
 
 @dataclass
+class AsyncConfig:
+    enabled: bool = param(False, help="asynchronous training (AReaL): generation runs continuously "
+                          "in its own worker while the trainer trains")
+    max_staleness: int = param(2, min=0, max=64, tunable=True,
+                               help="eta: a trained token may come from a policy at most this many "
+                               "versions old (0 = the synchronous loop)")
+    max_inflight: int = param(0, min=0, max=65536, tunable=True,
+                              help="most groups generating at once (0 = 2 x rollout_batch_size)")
+    prox_logp: str = param("recompute", choices=["recompute", "loglinear"],
+                           help="proximal logprobs: a forward pass with the pre-update weights, or "
+                           "the log-linear interpolation from per-token versions")
+    behave_imp_cap: float = param(5.0, min=1.0, max=1000.0, tunable=True,
+                                  help="upper bound of the behaviour importance weight pi_prox/pi_b")
+    behave_cap_mode: str = param("mask", choices=["mask", "clamp"], tunable=True,
+                                 help="tokens whose behaviour weight exceeds the cap: mask them out "
+                                 "of the loss, or clamp the weight to the cap")
+    auto_staleness: bool = param(False, tunable=True,
+                                 help="tighten eta when behaviour importance weights drift from 1, "
+                                 "relax it while they stay near 1 (each change is an event)")
+    auto_staleness_max: int = param(8, min=0, max=64, tunable=True,
+                                    help="auto_staleness never raises eta above this")
+
+
+@dataclass
 class RunConfig:
     max_steps: int = param(200, min=1, max=10_000_000, help="training steps")
     seed: int = param(0, min=0, max=2**31 - 1, help="seed for data, sampling and init")
@@ -206,8 +230,13 @@ SECTIONS: dict[str, type] = {
     "optim": OptimConfig,
     "april": AprilConfig,
     "greso": GresoConfig,
+    "async": AsyncConfig,
     "run": RunConfig,
 }
+
+# `async` is a Python keyword: the section is [async] in TOML and dotted keys ("async.
+# max_staleness"), and the attribute `Config.async_`.
+_ATTR = {"async": "async_"}
 
 
 @dataclass
@@ -219,20 +248,24 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     april: AprilConfig = field(default_factory=AprilConfig)
     greso: GresoConfig = field(default_factory=GresoConfig)
+    async_: AsyncConfig = field(default_factory=AsyncConfig)
     run: RunConfig = field(default_factory=RunConfig)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
-        return {name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS}
+        return {name: dataclasses.asdict(self.section(name)) for name in SECTIONS}
+
+    def section(self, name: str):
+        return getattr(self, _ATTR.get(name, name))
 
     def get(self, key: str):
         section, name = _split_key(key)
-        return getattr(getattr(self, section), name)
+        return getattr(self.section(section), name)
 
     def set(self, key: str, value) -> None:
         """Set one validated value (raises ConfigError)."""
         spec = param_spec(key)
         section, name = _split_key(key)
-        setattr(getattr(self, section), name, spec.coerce(value))
+        setattr(self.section(section), name, spec.coerce(value))
 
     def knob_values(self) -> dict[str, Any]:
         return {p.name: self.get(p.name) for p in schema() if p.tunable}

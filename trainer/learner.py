@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from trainer.algo import grpo
+from trainer.algo import decoupled, grpo
 
 
 @dataclass
@@ -22,6 +22,9 @@ class TrainSequence:
     advantage: float
     temperature: float
     weights: list[float] = field(default_factory=list)  # per response token; default all 1
+    # decoupled PPO (async): behaviour logprobs and per-token versions; old_logprobs is then pi_prox
+    behave_logprobs: list[float] | None = None
+    versions: list[int] | None = None
 
     def __post_init__(self):
         if not self.weights:
@@ -29,6 +32,9 @@ class TrainSequence:
         n = len(self.response_ids)
         if len(self.old_logprobs) != n or len(self.weights) != n:
             raise ValueError("response_ids, old_logprobs and weights must have one entry per token")
+        for extra in (self.behave_logprobs, self.versions):
+            if extra is not None and len(extra) != n:
+                raise ValueError("behave_logprobs and versions must have one entry per token")
 
     @property
     def length(self) -> int:
@@ -70,6 +76,8 @@ class Learner:
         old = torch.zeros((B, T - 1))
         adv = torch.zeros((B, T - 1))
         w = torch.zeros((B, T - 1))
+        behave = torch.zeros((B, T - 1))
+        vers = torch.zeros((B, T - 1))
         for b, s in enumerate(batch):
             seq = s.prompt_ids + s.response_ids
             ids[b, :len(seq)] = torch.tensor(seq)
@@ -78,9 +86,14 @@ class Learner:
             old[b, start:end] = torch.tensor(s.old_logprobs)
             adv[b, start:end] = s.advantage
             w[b, start:end] = torch.tensor(s.weights)
+            behave[b, start:end] = torch.tensor(s.behave_logprobs if s.behave_logprobs is not None
+                                                else s.old_logprobs)
+            if s.versions is not None:
+                vers[b, start:end] = torch.tensor(s.versions, dtype=torch.float32)
         temps = torch.tensor([s.temperature for s in batch]).view(B, 1, 1)
         dev = self.device
-        return ids.to(dev), attn.to(dev), old.to(dev), adv.to(dev), w.to(dev), temps.to(dev)
+        return (ids.to(dev), attn.to(dev), old.to(dev), adv.to(dev), w.to(dev), temps.to(dev),
+                behave.to(dev), vers.to(dev))
 
     @staticmethod
     def _token_logprobs(model, ids, attn, temps, with_entropy=False):
@@ -100,7 +113,7 @@ class Learner:
         model = self.reference if reference else self.model
         out: dict[int, list[float]] = {}
         for mb in micro_batches(seqs, max_tokens):
-            ids, attn, _, _, _, temps = self._pack(mb, pad_id)
+            ids, attn, _, _, _, temps, _, _ = self._pack(mb, pad_id)
             logp, _ = self._token_logprobs(model, ids, attn, temps)
             for b, s in enumerate(mb):
                 start = len(s.prompt_ids) - 1
@@ -109,29 +122,45 @@ class Learner:
 
     def update(self, seqs: list[TrainSequence], *, pad_id: int, lr: float, grad_clip: float,
                clip_low: float, clip_high: float, kl_coef: float, micro_batch_tokens: int,
-               mini_batches: int = 1) -> dict[str, float]:
-        """One GRPO step over `seqs` (split into `mini_batches` optimizer updates)."""
+               mini_batches: int = 1, decoupled_loss: dict | None = None) -> dict[str, float]:
+        """One GRPO step over `seqs` (split into `mini_batches` optimizer updates).
+
+        `decoupled_loss` switches to AReaL's decoupled PPO (trainer/algo/decoupled.py):
+        {"cap": float, "cap_mode": "mask"|"clamp", "prox": "recompute"|"loglinear",
+         "version": V}. With "recompute", each sequence's old_logprobs must already hold pi_prox;
+        with "loglinear" pi_prox is interpolated from behave_logprobs and versions."""
         for g in self.optimizer.param_groups:
             g["lr"] = lr
         self.model.train()
-        sums = {"pg_loss": 0.0, "clipped": 0.0, "ratio": 0.0, "kl": 0.0, "entropy": 0.0}
+        sums = {"pg_loss": 0.0, "clipped": 0.0, "ratio": 0.0, "kl": 0.0, "entropy": 0.0,
+                "behave_imp_weight": 0.0, "behave_capped": 0.0}
         tokens_total, grad_norms = 0.0, []
         chunks = [seqs[i::mini_batches] for i in range(mini_batches)]
-        for chunk in (c for c in chunks if c):
+        for k, chunk in enumerate(c for c in chunks if c):
             total = sum(sum(s.weights) for s in chunk)
             if total <= 0:
                 continue
             self.optimizer.zero_grad(set_to_none=True)
             for mb in micro_batches(chunk, micro_batch_tokens):
-                ids, attn, old, adv, w, temps = self._pack(mb, pad_id)
+                ids, attn, old, adv, w, temps, behave, vers = self._pack(mb, pad_id)
                 logp, entropy = self._token_logprobs(self.model, ids, attn, temps, True)
                 ref = None
                 if self.reference is not None:
                     with torch.no_grad():
                         ref, _ = self._token_logprobs(self.reference, ids, attn, temps)
-                loss, stats = grpo.token_loss(logp, old, adv, w, clip_low=clip_low,
-                                              clip_high=clip_high, ref_logp=ref, kl_coef=kl_coef,
-                                              total_tokens=total)
+                if decoupled_loss is None:
+                    loss, stats = grpo.token_loss(logp, old, adv, w, clip_low=clip_low,
+                                                  clip_high=clip_high, ref_logp=ref,
+                                                  kl_coef=kl_coef, total_tokens=total)
+                else:
+                    prox = old
+                    if decoupled_loss["prox"] == "loglinear":
+                        V = float(decoupled_loss["version"])
+                        prox = decoupled.loglinear_prox(behave, logp, vers, V, V + k / mini_batches)
+                    loss, stats = decoupled.token_loss(
+                        logp, prox, behave, adv, w, clip_low=clip_low, clip_high=clip_high,
+                        cap=decoupled_loss["cap"], cap_mode=decoupled_loss["cap_mode"],
+                        total_tokens=total, ref_logp=ref, kl_coef=kl_coef)
                 loss.backward()
                 for k, v in stats.items():
                     sums[k] += float(v)
@@ -150,6 +179,9 @@ class Learner:
                    "actor/loss_tokens": tokens_total}
         if self.reference is not None:
             metrics["actor/kl"] = sums["kl"] / n
+        if decoupled_loss is not None:
+            metrics["actor/behave_imp_weight"] = sums["behave_imp_weight"] / n
+            metrics["actor/behave_capped_ratio"] = sums["behave_capped"] / n
         return metrics
 
     def state_dict(self) -> dict:

@@ -9,8 +9,10 @@ The runner never imports Django; the web app gives it a database sink and contro
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import shutil
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -29,6 +31,7 @@ from trainer.learner import Learner, TrainSequence
 from trainer.metrics import MetricsSink, histogram, length_edges, percentile
 from trainer.model import load_model, load_tokenizer, resolve_device, resolve_dtype
 from trainer import april as april_mod
+from trainer.asynchronous import AsyncRollout
 from trainer.greso import GresoFilter, classify
 from trainer.rollout import Group, PromptSource, Rollout, StepCounts
 from trainer.system import SystemSampler
@@ -87,8 +90,16 @@ class Runner:
             seed=self.cfg.run.seed, device=self.device, dtype=self.dtype)
         self.greso = GresoFilter(p_easy=self.cfg.greso.p_easy, p_hard=self.cfg.greso.p_hard,
                                  seed=self.cfg.run.seed)
-        self.rollout = Rollout(self.engine, self.tokenizer, self.prompts, scorer=self._score,
-                               selector=self._select_prompt)
+        # prompts, GRESO state and the reward pool are shared with the async generation worker
+        self.lock = threading.RLock()
+        if self.cfg.async_.enabled:
+            self.rollout = AsyncRollout(self.engine, self.tokenizer, self.prompts, self._score,
+                                        self._select_prompt, lock=self.lock)
+        else:
+            self.rollout = Rollout(self.engine, self.tokenizer, self.prompts, scorer=self._score,
+                                   selector=self._select_prompt)
+        self._stable_steps = 0  # auto staleness: consecutive steps with weights near 1
+        self._last_busy_prev = 0.0
         self._reward_counts = [0, 0]  # errors, timeouts of the current step
         self._reward_seconds = 0.0
 
@@ -122,6 +133,8 @@ class Runner:
         try:
             if self.step == 0 and self.cfg.run.eval_every:
                 self.evaluate()
+            if isinstance(self.rollout, AsyncRollout):
+                self.rollout.start(self.cfg, self.version)
             while self.step < self.cfg.run.max_steps:
                 if not self._apply_controls():
                     status = STOPPED
@@ -143,6 +156,8 @@ class Runner:
                                                  "traceback": traceback.format_exc(limit=8)})
             raise
         finally:
+            if isinstance(self.rollout, AsyncRollout):
+                self.rollout.close()  # no generation thread outlives run()
             if self.system is not None:
                 self.system.close()
             self.sink.flush()
@@ -172,13 +187,19 @@ class Runner:
                     self.apply_knobs(cmd)
                 elif cmd.kind == PAUSE and not paused:
                     paused = True
+                    if isinstance(self.rollout, AsyncRollout):
+                        self.rollout.pause()
                     self.sink.event(self.step, "paused", {"requested_by": cmd.requested_by})
                     self.controls.acknowledge(cmd, self.step, True)
                 elif cmd.kind == RESUME and paused:
                     paused = False
+                    if isinstance(self.rollout, AsyncRollout):
+                        self.rollout.resume()
                     self.sink.event(self.step, "resumed", {"requested_by": cmd.requested_by})
                     self.controls.acknowledge(cmd, self.step, True)
                 elif cmd.kind == STOP:
+                    if isinstance(self.rollout, AsyncRollout):
+                        self.rollout.resume()  # a paused worker must reach the checkpoint
                     self.sink.event(self.step, "stop_requested", {"requested_by": cmd.requested_by})
                     self.controls.acknowledge(cmd, self.step, True)
                     return False
@@ -212,6 +233,8 @@ class Runner:
             return
         changes = {k: {"old": self.cfg.get(k), "new": new_cfg.get(k)} for k in cmd.knobs}
         self.cfg = new_cfg
+        if isinstance(self.rollout, AsyncRollout):
+            self.rollout.set_config(new_cfg)
         self.sink.event(self.step, "knob_applied", {
             "change_id": cmd.id, "changes": changes, "requested_by": cmd.requested_by,
             "requested_at": cmd.requested_at, "applied_at": time.time()})
@@ -229,7 +252,7 @@ class Runner:
         self.rollout.after_step(cfg, engine_stats.idle_slot_frac())
 
         t0 = time.monotonic()
-        seqs, adv_metrics = self._train_sequences(groups)
+        seqs, adv_metrics, decoupled_loss = self._train_sequences(groups)
         train_metrics = {}
         if not seqs and self.learner.reference is not None and groups:
             # nothing to learn from this step (every group zero-variance): still report KL
@@ -239,7 +262,8 @@ class Runner:
                 seqs, pad_id=self.tokenizer.pad_token_id, lr=cfg.optim.lr,
                 grad_clip=cfg.optim.grad_clip, clip_low=cfg.algo.clip_low,
                 clip_high=cfg.algo.clip_high, kl_coef=cfg.algo.kl_coef,
-                micro_batch_tokens=cfg.optim.micro_batch_tokens, mini_batches=cfg.optim.mini_batches)
+                micro_batch_tokens=cfg.optim.micro_batch_tokens, mini_batches=cfg.optim.mini_batches,
+                decoupled_loss=decoupled_loss)
             if not all(map(_finite, train_metrics.values())):
                 self.sink.event(self.step + 1, "warning", {"message": "non-finite loss or gradient; "
                                                            "the update was skipped"})
@@ -249,10 +273,12 @@ class Runner:
         self.version += 1
         self.engine.update_weights(self.model.state_dict(), self.version,
                                    recompute_kv=cfg.rollout.recompute_kv_on_update)
+        if isinstance(self.rollout, AsyncRollout):
+            self.rollout.on_new_version(self.version)
         sync_s = time.monotonic() - t0
         self.step += 1
 
-        m = self._step_metrics(result, engine_stats, seqs)
+        m = self._step_metrics(result, self.engine.stats.minus(stats0), seqs)
         step_s = time.monotonic() - t_step
         trained_tokens = sum(len(s.response_ids) for s in seqs)
         m.update(adv_metrics)
@@ -267,10 +293,51 @@ class Runner:
         self.totals["trained_tokens"] += trained_tokens
         m.update({f"train/{k}_total": v for k, v in self.totals.items()
                   if k in ("samples", "gen_tokens", "trained_tokens")})
+        if isinstance(self.rollout, AsyncRollout):
+            m.update(self._async_metrics(result, step_s, train_metrics, m["rollout/gen_tokens"]))
         if self.system is not None:
             m.update(self.system.summary())
         self.sink.scalars(self.step, m)
         return m
+
+    def _async_metrics(self, result, step_s: float, train_metrics: dict,
+                       gen_tokens: int) -> dict[str, float]:
+        staleness = result.staleness
+        busy = self.rollout.busy_s
+        self.sink.histogram(self.step, "async/staleness",
+                            histogram(staleness, [float(i) for i in range(
+                                self.cfg.async_.max_staleness + 2)]))
+        m = {"async/staleness/mean": sum(staleness) / max(len(staleness), 1),
+             "async/staleness/max": max(staleness, default=0),
+             "async/generator_idle_frac": max(0.0, 1.0 - (busy - self._last_busy_prev)
+                                              / max(step_s, 1e-9)),
+             "async/trainer_idle_frac": result.gen_seconds / max(step_s, 1e-9),
+             # generation runs during the whole step here, not only while the trainer waits
+             "perf/gen_tokens_per_s": gen_tokens / max(step_s, 1e-9)}
+        self._last_busy_prev = busy
+        if self.cfg.async_.auto_staleness and "actor/behave_imp_weight" in train_metrics:
+            self._auto_staleness(train_metrics)
+        return m
+
+    def _auto_staleness(self, tm: dict) -> None:
+        """Tighten eta when behaviour importance weights drift from 1 (data too stale), relax it
+        after 5 steps near 1. Every change is an event."""
+        a = self.cfg.async_
+        drift = abs(tm["actor/behave_imp_weight"] - 1.0)
+        capped = tm.get("actor/behave_capped_ratio", 0.0)
+        new = a.max_staleness
+        if drift > 0.05 or capped > 0.01:
+            new, self._stable_steps = max(0, a.max_staleness - 1), 0
+        elif drift < 0.01:
+            self._stable_steps += 1
+            if self._stable_steps >= 5:
+                new, self._stable_steps = min(a.auto_staleness_max, a.max_staleness + 1), 0
+        if new != a.max_staleness:
+            self.sink.event(self.step, "auto_staleness", {
+                "changes": {"async.max_staleness": {"old": a.max_staleness, "new": new}},
+                "behave_imp_weight": tm["actor/behave_imp_weight"], "capped_ratio": capped})
+            self.cfg.set("async.max_staleness", new)
+            self.rollout.set_config(self.cfg)
 
     def _step_metrics(self, result, engine_stats, seqs) -> dict[str, float]:
         """Rollout, reward, APRIL and GRESO metrics of one step (and the histograms)."""
@@ -301,6 +368,7 @@ class Runner:
             "rollout/zero_var_ratio/all_wrong": all_wrong / n_groups,
             "rollout/idle_slot_frac": engine_stats.idle_slot_frac(),
             "rollout/decode_steps": engine_stats.decode_steps,
+            "rollout/gen_tokens": engine_stats.generated_tokens,
             "rollout/samples": sum(len(g.samples) for g in scored),
             "perf/gen_tokens_per_s": engine_stats.generated_tokens / max(result.gen_seconds, 1e-9),
             "timing/gen_s": result.gen_seconds,
@@ -388,7 +456,7 @@ class Runner:
     def _train_sequences(self, groups: list[Group]) -> tuple[list[TrainSequence], dict[str, float]]:
         cfg = self.cfg
         if not groups:
-            return [], {}
+            return [], {}, None
         rewards = torch.tensor([g.rewards for g in groups], dtype=torch.float32)
         adv = grpo.group_advantages(rewards, scale_by_std=cfg.algo.scale_adv_by_std)
         seqs, samples = [], []
@@ -399,6 +467,9 @@ class Runner:
                 seqs.append(TrainSequence(s.prompt_ids, s.response_ids, s.logprobs,
                                           float(adv[gi, si]), s.params.temperature))
                 samples.append(s)
+        m = {"actor/advantage_abs_mean": float(adv.abs().mean()) if adv.numel() else 0.0}
+        if cfg.async_.enabled:
+            return seqs, m, self._decoupled(seqs, samples)
         # pi_old: the engine's behaviour logprobs, or recomputed; APRIL's off-policy tokens
         offpolicy = cfg.april.enabled and any(v < self.version for s in samples for v in s.versions)
         need_current = cfg.algo.recompute_old_logprobs or (offpolicy and cfg.april.offpolicy == "tis")
@@ -417,18 +488,39 @@ class Runner:
             elif cur is not None:
                 seq.old_logprobs = cur
         seqs = [s for s in seqs if any(w > 0 for w in s.weights)]
-        m = {"actor/advantage_abs_mean": float(adv.abs().mean()) if adv.numel() else 0.0}
         if offpolicy:
             m["april/masked_tokens"] = masked
-        return seqs, m
+        return seqs, m, None
+
+    def _decoupled(self, seqs: list[TrainSequence], samples) -> dict:
+        """Decoupled PPO inputs: behaviour logprobs and versions from the engine, pi_prox
+        recomputed with the pre-update weights (or interpolated in the learner)."""
+        a = self.cfg.async_
+        for seq, s in zip(seqs, samples):
+            seq.behave_logprobs, seq.versions = list(s.logprobs), list(s.versions)
+        if a.prox_logp == "recompute" and seqs:
+            prox = self.learner.logprobs(seqs, self.tokenizer.pad_token_id,
+                                         self.cfg.optim.micro_batch_tokens)
+            for seq, p in zip(seqs, prox):
+                seq.old_logprobs = p
+        return {"cap": a.behave_imp_cap, "cap_mode": a.behave_cap_mode, "prox": a.prox_logp,
+                "version": self.version}
 
     # --- evaluation ---------------------------------------------------------------------------------
     def evaluate(self) -> float:
         cfg = self.cfg
         problems = self.task.eval_problems(cfg.run.eval_size)
-        res = evaluate(self.engine, self.tokenizer, problems,
-                       lambda ps, cs: self.rewards.score_batch(ps, cs).scores,
-                       temperature=cfg.run.eval_temperature, max_new_tokens=cfg.rollout.max_response_len)
+
+        def score(ps, cs):
+            with self.lock:
+                return self.rewards.score_batch(ps, cs).scores
+
+        hold = (self.rollout.suspended() if isinstance(self.rollout, AsyncRollout)
+                and self.rollout._thread is not None else contextlib.nullcontext())
+        with hold:  # the async worker shares the engine: hold it while evaluating
+            res = evaluate(self.engine, self.tokenizer, problems, score,
+                           temperature=cfg.run.eval_temperature,
+                           max_new_tokens=cfg.rollout.max_response_len)
         self.last_eval = res["accuracy"]
         self.best_eval = max(self.best_eval or 0.0, res["accuracy"])
         self.sink.scalars(self.step, {"eval/accuracy": res["accuracy"],
@@ -461,7 +553,11 @@ class Runner:
         self.best_eval, self.last_eval = state.get("best_eval"), state.get("last_eval")
         self.learner.load_state_dict(tensors["optimizer"])
         checkpoint.set_rng_state(tensors["rng"], self.engine.generator)
-        self.rollout.load_state_dict(tensors.get("rollout", {}))
+        if isinstance(self.rollout, AsyncRollout):
+            self.rollout.load_state_dict(tensors.get("rollout", {}), self.version,
+                                         self.cfg.rollout.rollout_batch_size)
+        else:
+            self.rollout.load_state_dict(tensors.get("rollout", {}))
         if "greso" in tensors:
             self.greso.load_state_dict(tensors["greso"])
         self.engine.version = self.version

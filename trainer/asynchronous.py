@@ -1,0 +1,290 @@
+"""Asynchronous rollout (AReaL): generation never waits for training.
+
+A generation worker (a thread here; it only talks to the engine through the engine interface,
+so the engine may live on another device or behind HTTP) keeps the engine busy: it admits new
+groups, steps the engine, scores groups as they complete and queues them. The trainer takes
+the oldest complete groups from the queue (`collect`), trains, and pushes new weights; the
+engine swaps them between two decode steps (interruptible generation), so a long answer may
+carry tokens from several policy versions, each tagged with its version.
+
+Staleness bound eta (`async.max_staleness`): a new group is admitted only while
+
+    accepted + running <= (eta + v + 1) * B        (v = current policy version, B = N groups/step)
+
+where `accepted` counts every group ever queued (trained or waiting) and `running` those still
+generating; the number generating at once is also capped (`async.max_inflight`). A group whose
+oldest token is still more than eta versions old when the trainer takes it is dropped (rare:
+only when a long answer outlives the bound). eta = 0 is the synchronous loop: B groups per
+version, generated with that version's weights.
+
+How the other techniques behave here (preset `all`):
+- APRIL: generation has no step barrier, so there is nothing to terminate early; over-sampling
+  is the in-flight cap, and "partial rollouts" are the interruptible samples that continue
+  under new weights. A sample still stops at `april.segment_max_tokens` per version when APRIL
+  is on, and yields its slot to the back of the queue (long answers cannot hog slots).
+- GRESO: the pre-filter runs at admission, on the worker; p_easy/p_hard adapt once per
+  training step from the groups that step consumed.
+- Dynamic sampling: zero-variance groups are dropped on completion and never queued, so the
+  trainer always receives B groups with signal.
+The decoupled PPO loss (trainer/algo/decoupled.py) corrects for the staleness in training.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections import deque
+
+from trainer import april as april_mod
+from trainer.engine.base import SEGMENT, Sample, SamplingParams
+from trainer.rollout import Group, RolloutResult, StepCounts, new_group
+
+
+def admission_allowed(accepted: int, running: int, version: int, eta: int, batch: int) -> bool:
+    """AReaL's staleness rule: may one more group start now?"""
+    return accepted + running + 1 <= (eta + version + 1) * batch
+
+
+class AsyncRollout:
+    def __init__(self, engine, tokenizer, prompts, scorer, selector, *, lock: threading.RLock):
+        self.engine, self.tokenizer, self.prompts = engine, tokenizer, prompts
+        self.scorer, self.selector = scorer, selector
+        self.lock = lock                 # guards prompts/GRESO/reward state shared with the trainer
+        self.cond = threading.Condition()
+        self.queue: deque[Group] = deque()   # complete, scored, waiting for the trainer
+        self.running: dict[int, Group] = {}  # id(group) -> generating group
+        self.owner: dict[int, Group] = {}    # request id -> group
+        self.accepted = 0
+        self.version = 0
+        self.counts = StepCounts()
+        self.scored: list[Group] = []        # scored since the last collect (metrics)
+        self.dropped_stale = 0
+        self.busy_s = 0.0                    # generator time spent stepping the engine
+        self.cfg = None
+        self._stop = threading.Event()
+        self._paused = threading.Event()
+        self._idle = threading.Event()       # set by the worker while it is paused
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        self._restored: list[Group] = []     # from a checkpoint, resumed first
+        self.buffer = april_mod.PartialBuffer()  # parity with Rollout (metrics); stays empty
+
+    # --- lifecycle --------------------------------------------------------------------------------
+    def start(self, cfg, version: int) -> None:
+        self.cfg, self.version = cfg, version
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._worker, name="rlpilot-generator",
+                                        daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stop the worker promptly (between two decode steps) and wait for it."""
+        self._stop.set()
+        with self.cond:
+            self.cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+            if self._thread.is_alive():
+                raise RuntimeError("the generation worker did not stop within 30 s")
+            self._thread = None
+
+    def pause(self, wait: bool = False) -> None:
+        """Stop generating at the next decode-step boundary (`wait`: until the worker is idle)."""
+        self._paused.set()
+        if wait and self._thread is not None and self._thread.is_alive():
+            if not self._idle.wait(timeout=30):
+                raise RuntimeError("the generation worker did not pause within 30 s")
+
+    def resume(self) -> None:
+        self._paused.clear()
+        self._idle.clear()
+        with self.cond:
+            self.cond.notify_all()
+
+    @contextlib.contextmanager
+    def suspended(self):
+        """Hold the worker and take its samples out of the engine (for an evaluation or a
+        checkpoint); on exit they are submitted again and continue where they stopped."""
+        was_paused = self._paused.is_set()
+        self.pause(wait=True)
+        with self.cond:
+            partial = self.engine.abort()
+        try:
+            yield partial
+        finally:
+            if partial:
+                self.engine.submit(partial)
+            if not was_paused:
+                self.resume()
+
+    def set_config(self, cfg) -> None:
+        """New knob values (eta, caps...) take effect at the worker's next admission."""
+        with self.cond:
+            self.cfg = cfg
+            self.cond.notify_all()
+
+    def on_new_version(self, version: int) -> None:
+        with self.cond:
+            self.version = version
+            self.cond.notify_all()
+
+    # --- the trainer side -------------------------------------------------------------------------
+    def collect(self, cfg, version: int) -> RolloutResult:
+        """Block until B groups are queued; return the oldest B whose staleness is within eta."""
+        B = cfg.rollout.rollout_batch_size
+        t0 = time.monotonic()
+        taken: list[Group] = []
+        with self.cond:
+            self.cfg = cfg
+            while len(taken) < B:
+                self._raise_worker_error()
+                if self.queue:
+                    g = self.queue.popleft()
+                    oldest = min((min(s.versions) for s in g.samples if s.versions),
+                                 default=version)
+                    if version - oldest > cfg.async_.max_staleness:
+                        self.dropped_stale += 1
+                        self.counts.discarded_tokens += g.tokens()
+                        continue
+                    taken.append(g)
+                    continue
+                if self._thread is None:
+                    raise RuntimeError("the generation worker is not running")
+                self.cond.wait(timeout=0.5)
+            waited = time.monotonic() - t0
+            counts, self.counts = self.counts, StepCounts()
+            scored, self.scored = self.scored, []
+            queue_len = len(self.queue)
+        taken.sort(key=lambda g: g.draw)
+        staleness = [version - min(s.versions) for g in taken for s in g.samples if s.versions]
+        result = RolloutResult(groups=taken, scored=scored, gen_seconds=waited, counts=counts)
+        result.metrics = {"async/queue_size": queue_len, "async/running_groups": len(self.running),
+                          "async/dropped_stale_groups": self.dropped_stale,
+                          "async/max_staleness": cfg.async_.max_staleness,
+                          "async/trainer_wait_s": waited,
+                          "rollout/effective_groups": len(taken),
+                          "rollout/groups_started": counts.groups_started}
+        result.staleness = staleness  # type: ignore[attr-defined]
+        return result
+
+    def after_step(self, cfg, idle_slot_frac: float) -> None:
+        pass
+
+    def _raise_worker_error(self) -> None:
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise RuntimeError(f"generation worker failed: {type(err).__name__}: {err}") from err
+
+    # --- the worker -----------------------------------------------------------------------------
+    def _worker(self) -> None:
+        try:
+            while not self._stop.is_set():
+                if self._paused.is_set():
+                    self._idle.set()
+                    self._stop.wait(0.02)
+                    continue
+                self._idle.clear()
+                self._admit()
+                if not self.engine.num_pending:
+                    with self.cond:  # nothing to do until a new version or a stop
+                        if not self._stop.is_set() and not self._can_admit():
+                            self.cond.wait(timeout=0.2)
+                    continue
+                t0 = time.monotonic()
+                finished = self.engine.step()
+                self.busy_s += time.monotonic() - t0
+                self._handle(finished)
+        except BaseException as e:  # surfaced to the trainer by collect()
+            self._error = e
+            with self.cond:
+                self.cond.notify_all()
+
+    def _cap(self) -> int:
+        cfg = self.cfg
+        return cfg.async_.max_inflight or 2 * cfg.rollout.rollout_batch_size
+
+    def _can_admit(self) -> bool:
+        cfg = self.cfg
+        return (len(self.running) < self._cap() and
+                admission_allowed(self.accepted, len(self.running), self.version,
+                                  cfg.async_.max_staleness, cfg.rollout.rollout_batch_size))
+
+    def _params(self) -> SamplingParams:
+        r = self.cfg.rollout
+        segment = april_mod.segment_limit(self.cfg) if self.cfg.april.enabled else None
+        return SamplingParams(temperature=r.temperature, top_p=r.top_p,
+                              max_new_tokens=r.max_response_len, segment_max_tokens=segment)
+
+    def _admit(self) -> None:
+        while self._restored and len(self.running) < self._cap():
+            g = self._restored.pop(0)
+            self._launch(g, g.unfinished)
+        while self._can_admit():
+            with self.lock:
+                draw, problem = self.selector(self.cfg, self.counts)
+            g = new_group(draw, problem, self.tokenizer, self.cfg.rollout.n_samples_per_prompt,
+                          self._params())
+            self.counts.groups_started += 1
+            self._launch(g, g.samples)
+
+    def _launch(self, g: Group, samples: list[Sample]) -> None:
+        for s in samples:
+            self.owner[s.request_id] = g
+        self.running[id(g)] = g
+        self.counts.submitted += len(samples)
+        self.engine.submit(samples)
+
+    def _handle(self, finished: list[Sample]) -> None:
+        complete = []
+        for s in finished:
+            g = self.owner.get(s.request_id)
+            if s.finish_reason == SEGMENT:  # APRIL segment limit: back of the queue
+                self.engine.submit([s])
+                continue
+            self.owner.pop(s.request_id, None)
+            self.counts.completed += 1
+            if g is not None and g.complete and id(g) in self.running:
+                del self.running[id(g)]
+                complete.append(g)
+        if not complete:
+            return
+        with self.lock:
+            self.scorer(complete)
+        dynamic = self.cfg.rollout.dynamic_sampling
+        with self.cond:
+            for g in complete:
+                self.scored.append(g)
+                if dynamic and g.zero_variance:
+                    self.counts.filtered_groups += 1
+                    self.counts.discarded_tokens += g.tokens()
+                    continue
+                self.queue.append(g)
+                self.accepted += 1
+            self.cond.notify_all()
+
+    # --- checkpoints ----------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """Queued groups and in-flight samples (with their tokens so far); called at a step
+        boundary. In-flight samples are aborted, saved, and submitted again."""
+        with self.suspended(), self.cond:
+            buf = april_mod.PartialBuffer()
+            for g in list(self.queue) + list(self.running.values()) + self._restored:
+                buf.put(g)
+            return {"groups": buf.state_dict()["groups"], "accepted": self.accepted,
+                    "queued": len(self.queue), "dropped_stale": self.dropped_stale}
+
+    def load_state_dict(self, state: dict, version: int, batch: int) -> None:
+        """Restore queued and partial groups. `accepted` is rebased on the restored version
+        (v * B consumed + the queue), so the staleness bound holds after a resume: a counter
+        restarted at 0 would admit a burst of (eta + v + 1) * B groups at once."""
+        if not state:
+            self.accepted = version * batch
+            return
+        buf = april_mod.PartialBuffer()
+        buf.load_state_dict({"groups": state.get("groups", [])})
+        self.queue = deque(g for g in buf.groups if g.complete and g.scored)
+        self._restored = [g for g in buf.groups if not g.complete]
+        self.accepted = version * batch + len(self.queue)
+        self.dropped_stale = state.get("dropped_stale", 0)
+        self.version = version
+
