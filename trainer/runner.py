@@ -25,6 +25,7 @@ from trainer import config as config_mod
 from trainer.algo import grpo
 from trainer.controls import PAUSE, RESUME, SET_KNOBS, STOP, Command, ControlSource
 from trainer.engine.base import LENGTH, SamplingParams
+from trainer.engine import build_engine
 from trainer.engine.embedded import EmbeddedEngine
 from trainer.evaluate import evaluate
 from trainer.learner import Learner, TrainSequence
@@ -84,10 +85,8 @@ class Runner:
                                reference=reference)
         self.task = build_task(self.cfg)
         self.prompts = PromptSource(self.task)
-        self.engine = EmbeddedEngine(
-            self.model, eos_token_ids=[self.tokenizer.eos_token_id],
-            max_slots=self.cfg.rollout.max_slots, max_seq_len=self._max_seq_len(),
-            seed=self.cfg.run.seed, device=self.device, dtype=self.dtype)
+        self.engine = build_engine(self.cfg, self.model, self.tokenizer, self.device, self.dtype,
+                                   self._max_seq_len(), weights_dir=self.run_dir / "engine_weights")
         self.greso = GresoFilter(p_easy=self.cfg.greso.p_easy, p_hard=self.cfg.greso.p_hard,
                                  seed=self.cfg.run.seed)
         # prompts, GRESO state and the reward pool are shared with the async generation worker
@@ -112,6 +111,9 @@ class Runner:
             self._restore(ckpt_state, ckpt_tensors)
         else:
             (self.run_dir / "config.toml").write_text(config_mod.to_toml(self.cfg))
+        if not isinstance(self.engine, EmbeddedEngine):
+            # servers hold whatever weights they were started with: push the policy's
+            self.engine.update_weights(self.model.state_dict(), self.version)
 
     # --- setup helpers ----------------------------------------------------------------------------
     def _max_seq_len(self) -> int:
@@ -257,6 +259,13 @@ class Runner:
         if not seqs and self.learner.reference is not None and groups:
             # nothing to learn from this step (every group zero-variance): still report KL
             train_metrics = {"actor/kl": self._kl([s for g in groups for s in g.samples])}
+        # sharing one GPU with the trainer: hand the engine's KV cache back while training
+        release = (isinstance(self.engine, EmbeddedEngine) and self.device.type == "cuda"
+                   and not isinstance(self.rollout, AsyncRollout) and self.engine.num_pending == 0)
+        if release:
+            self.engine.release_memory()
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
         if seqs:
             train_metrics = self.learner.update(
                 seqs, pad_id=self.tokenizer.pad_token_id, lr=cfg.optim.lr,
@@ -268,6 +277,11 @@ class Runner:
                 self.sink.event(self.step + 1, "warning", {"message": "non-finite loss or gradient; "
                                                            "the update was skipped"})
         train_s = time.monotonic() - t0
+        if self.device.type == "cuda":
+            train_metrics["system/cuda_peak_mem_gb"] = (
+                torch.cuda.max_memory_allocated(self.device) / 2**30)
+        if release:
+            self.engine.reacquire_memory()
 
         t0 = time.monotonic()
         self.version += 1

@@ -1,0 +1,37 @@
+"""Rollout engines: the interface (`base`), the embedded torch engine (`embedded`) and the
+SGLang HTTP client (`sglang`). `build_engine` picks one from a run config."""
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def build_engine(cfg, model, tokenizer, device, dtype, max_seq_len: int, *,
+                 weights_dir: str | Path | None = None):
+    """The engine `cfg.rollout.engine` names.
+
+    embedded: an EmbeddedEngine over `model` on `device`/`dtype` with `cfg.rollout.max_slots`
+    slots of `max_seq_len` positions, seeded with `cfg.run.seed`. On CUDA the KV cache is sized
+    from free memory: at most max_slots, as many as fit in half the memory free now (and again
+    each time it is reacquired after `release_memory()`).
+    sglang: an SGLangEngine over `cfg.rollout.sglang_urls` (checked with /health now: raises
+    EngineError when a server is unreachable). New weights are written under
+    `cfg.rollout.sglang_weights_dir`, else `weights_dir` (pass RUN_DIR/engine_weights), else a
+    temporary folder; the servers must be able to read that path.
+    """
+    r = cfg.rollout
+    eos = [tokenizer.eos_token_id]
+    if r.engine == "sglang":
+        from trainer.engine.sglang import SGLangEngine, parse_urls
+
+        urls = parse_urls(r.sglang_urls)
+        return SGLangEngine(urls, eos_token_ids=eos, model_config=model.config,
+                            weights_dir=r.sglang_weights_dir or weights_dir,
+                            timeout_s=r.sglang_timeout_s, max_inflight=r.max_slots * len(urls))
+    if r.engine != "embedded":
+        raise ValueError(f"rollout.engine: unknown engine {r.engine!r}")
+    from trainer.engine.embedded import EmbeddedEngine
+
+    on_cuda = getattr(device, "type", str(device)) == "cuda"
+    return EmbeddedEngine(model, eos_token_ids=eos, max_slots="auto" if on_cuda else r.max_slots,
+                          slots_cap=r.max_slots, kv_memory_fraction=0.5, max_seq_len=max_seq_len,
+                          seed=cfg.run.seed, device=device, dtype=dtype)

@@ -21,6 +21,12 @@ DONE_REASONS = (STOP, LENGTH)
 _ids = itertools.count()
 
 
+class EngineError(RuntimeError):
+    """A rollout engine failed in a way the run cannot recover from by itself (a server that
+    stays down, keeps answering 5xx, or times out past the retry budget). The message names
+    the server and the call; the runner turns it into an `error` event."""
+
+
 @dataclass
 class SamplingParams:
     temperature: float = 1.0          # 0 = greedy

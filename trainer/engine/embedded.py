@@ -23,15 +23,39 @@ from trainer.engine.base import (ABORT, LENGTH, SEGMENT, STOP, EngineStats, Roll
 from trainer.engine.decoder import Decoder
 
 
+def slots_from_free_memory(decoder: Decoder, max_seq_len: int, fraction: float = 0.5, *,
+                           cap: int = 1024, minimum: int = 1) -> int:
+    """How many KV-cache slots of `max_seq_len` positions fit in `fraction` of the memory free
+    now on the decoder's device (CUDA: torch.cuda.mem_get_info; CPU: available RAM), clamped
+    to [minimum, cap]."""
+    per_slot = (2 * decoder.n_layers * decoder.n_kv * max_seq_len * decoder.head_dim
+                * torch.empty((), dtype=decoder.dtype).element_size())
+    if decoder.device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(decoder.device)
+    else:
+        import psutil
+
+        free = psutil.virtual_memory().available
+    return int(max(minimum, min(cap, int(free * fraction) // per_slot)))
+
+
 class EmbeddedEngine(RolloutEngine):
-    def __init__(self, model, *, eos_token_ids: Iterable[int], max_slots: int = 64,
+    def __init__(self, model, *, eos_token_ids: Iterable[int], max_slots: int | str = 64,
                  max_seq_len: int = 512, seed: int = 0, device: torch.device | None = None,
-                 dtype: torch.dtype | None = None, prefill_tokens: int = 8192):
+                 dtype: torch.dtype | None = None, prefill_tokens: int = 8192,
+                 kv_memory_fraction: float = 0.5, slots_cap: int = 1024):
         params = next(model.parameters())
         self.device = device or params.device
         self.dtype = dtype or params.dtype
         self.decoder = Decoder(model, self.device, self.dtype)
-        self.max_slots, self.max_seq_len = max_slots, max_seq_len
+        # max_slots="auto": as many slots as fit in kv_memory_fraction of the free memory, at
+        # most slots_cap (sized again at each reacquire_memory)
+        self.auto_slots, self.kv_memory_fraction = max_slots == "auto", kv_memory_fraction
+        self.slots_cap = slots_cap
+        if self.auto_slots:
+            max_slots = slots_from_free_memory(self.decoder, max_seq_len, kv_memory_fraction,
+                                               cap=slots_cap)
+        self.max_slots, self.max_seq_len = int(max_slots), max_seq_len
         self.cache = self.decoder.new_cache(max_slots, max_seq_len)
         self.eos = torch.tensor(sorted(set(eos_token_ids)), device=self.device)
         self.prefill_budget = prefill_tokens
@@ -72,6 +96,8 @@ class EmbeddedEngine(RolloutEngine):
 
     def step(self) -> list[Sample]:
         with self.lock:
+            if self.cache is None:  # released for training: take it back before generating
+                self.reacquire_memory()
             out = self._admit()
             if self.slots:
                 out.extend(self._decode())
@@ -110,6 +136,36 @@ class EmbeddedEngine(RolloutEngine):
             self.queue.clear()
             self.slots.clear()
             self.cached.clear()
+
+    # --- memory (engine and trainer sharing one GPU) ----------------------------------------------
+    @property
+    def memory_released(self) -> bool:
+        return self.cache is None
+
+    def release_memory(self) -> None:
+        """Free the KV cache for the training phase (and return it to CUDA with empty_cache).
+        Refused while sequences are running (their cache would be lost); queued samples stay
+        queued. The next step() or reacquire_memory() allocates it again."""
+        with self.lock:
+            if self.slots:
+                raise RuntimeError(f"release_memory: {len(self.slots)} sequences are running; "
+                                   "finish or abort them before releasing the KV cache")
+            if self.cache is None:
+                return
+            self.cache.release()
+            self.cache = None
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+
+    def reacquire_memory(self) -> None:
+        """Allocate the KV cache again (with max_slots="auto", resized to the memory free now)."""
+        with self.lock:
+            if self.cache is not None:
+                return
+            if self.auto_slots:
+                self.max_slots = slots_from_free_memory(self.decoder, self.max_seq_len,
+                                                        self.kv_memory_fraction, cap=self.slots_cap)
+            self.cache = self.decoder.new_cache(self.max_slots, self.max_seq_len)
 
     # --- internals --------------------------------------------------------------------------------
     def _tokens(self, s: Sample) -> list[int]:

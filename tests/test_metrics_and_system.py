@@ -1,0 +1,30 @@
+"""Histogram binning, percentiles, and the system sampler without a GPU."""
+from trainer.metrics import histogram, length_edges, percentile
+from trainer.system import SystemSampler
+
+
+def test_histogram_counts_every_value_in_fixed_bins():
+    edges = length_edges(256, bins=32)
+    assert edges[0] == 0 and edges[-1] == 256 and len(edges) == 33
+    h = histogram([0, 7, 8, 255, 256, 900, -3], edges)
+    assert sum(h["counts"]) == 7
+    assert h["counts"][0] == 3  # 0, 7 and the clamped -3
+    assert h["counts"][1] == 1 and h["counts"][-1] == 3  # 8; 255, 256 and the clamped 900
+
+
+def test_percentile_interpolates():
+    assert percentile([1, 2, 3, 4], 0.5) == 2.5 and percentile([], 0.9) == 0.0
+    assert percentile([5], 0.9) == 5
+
+
+def test_system_sampler_reports_cpu_and_ram_without_a_gpu():
+    s = SystemSampler(interval_s=0.05, use_gpu=False).start()
+    try:
+        import time
+        time.sleep(0.2)
+        m = s.summary()
+    finally:
+        s.close()
+    assert set(m) == {"system/cpu_util", "system/ram_gb"}
+    assert 0 <= m["system/cpu_util"] <= 100 and 0 < m["system/ram_gb"] < 64
+    assert not s._thread.is_alive()

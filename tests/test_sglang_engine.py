@@ -1,0 +1,352 @@
+"""The SGLang client engine against the in-repo stand-in server (NOT a real SGLang server):
+same tokens and log-probabilities as the embedded engine, abort + resume, weight updates with
+per-token versions, and clear errors (no hangs) when a server is down, failing or slow."""
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+import pytest
+import torch
+
+from trainer.engine.base import ABORT, SEGMENT, STOP, EngineError, Sample, SamplingParams
+from trainer.engine.embedded import EmbeddedEngine
+from trainer.engine.sglang import SGLangEngine, parse_urls
+from trainer.engine.sglang_standin import StandinServer
+from trainer.model import load_model, load_tokenizer
+
+LONG = "[" + ",".join(["9"] * 20) + "]="
+TEXTS = ["[3,5]=", "[1,2,3,4,5,6,7,8,9,1,2,3]=", "[9]=", "[4,4,4,4]=", "[7,1,8,2,6]="]
+
+
+@pytest.fixture(scope="module")
+def builtin():
+    model = load_model("builtin", torch.device("cpu"), torch.float32).eval()
+    return model, load_tokenizer("builtin")
+
+
+@pytest.fixture
+def server(builtin):
+    """Start a stand-in on a free 127.0.0.1 port; `server(step_delay_s=...)` for options."""
+    model, tok = builtin
+    started = []
+
+    def make(**kw):
+        srv = StandinServer(model, tok, eos_token_ids=[tok.eos_token_id], max_slots=8,
+                            max_seq_len=400, **kw).start()
+        started.append(srv)
+        return srv
+
+    yield make
+    for srv in started:
+        srv.close()
+
+
+@pytest.fixture
+def engines():
+    made = []
+
+    def make(url, tok, model=None, **kw):
+        kw.setdefault("retries", 2)
+        kw.setdefault("backoff_s", 0.05)
+        eng = SGLangEngine(url, eos_token_ids=[tok.eos_token_id],
+                           model_config=None if model is None else model.config, **kw)
+        made.append(eng)
+        return eng
+
+    yield make
+    for eng in made:
+        eng.close()
+
+
+def ids(tok, text):
+    return tok(text).input_ids
+
+
+def forward_logprobs(model, s: Sample, temperature: float = 1.0) -> torch.Tensor:
+    x = torch.tensor([s.prompt_ids + s.response_ids])
+    with torch.no_grad():
+        logits = model(x).logits[0].float() / temperature
+    logp = torch.log_softmax(logits, -1)
+    P = len(s.prompt_ids)
+    return logp[P - 1:-1].gather(1, torch.tensor(s.response_ids).unsqueeze(1)).squeeze(1)
+
+
+def greedy_alone(model, tok, prompt, max_new=200):
+    s = Sample(list(prompt), SamplingParams(temperature=0.0, max_new_tokens=max_new))
+    EmbeddedEngine(model, eos_token_ids=[tok.eos_token_id], max_slots=1,
+                   max_seq_len=400).generate([s])
+    return s
+
+
+def wait_until(cond, timeout=20.0):
+    t0 = time.monotonic()
+    while not cond():
+        assert time.monotonic() - t0 < timeout, "condition not reached"
+        time.sleep(0.01)
+
+
+def running_lengths(srv):
+    with srv.cv:
+        return [len(s.response_ids) for s in srv.engine.slots]
+
+
+def test_tokens_and_logprobs_match_the_embedded_engine(builtin, server, engines):
+    model, tok = builtin
+    srv = server()
+    eng = engines(srv.url, tok, model)
+    sampled = [Sample(ids(tok, t), SamplingParams(temperature=1.0, max_new_tokens=80))
+               for t in TEXTS * 2]
+    out = eng.generate(sampled)
+    assert {s.request_id for s in out} == {s.request_id for s in sampled}
+    assert eng.num_pending == 0
+    for s in sampled:
+        s.check()
+        assert s.response_ids and s.finish_reason in ("stop", "length")
+        assert torch.allclose(torch.tensor(s.logprobs), forward_logprobs(model, s), atol=1e-4)
+        assert set(s.versions) == {0}
+    greedy = [Sample(ids(tok, t), SamplingParams(temperature=0.0, max_new_tokens=120))
+              for t in TEXTS]
+    eng.generate(greedy)
+    for s in greedy:
+        ref = greedy_alone(model, tok, s.prompt_ids, 120)
+        assert s.response_ids == ref.response_ids and s.finish_reason == ref.finish_reason
+        assert torch.allclose(torch.tensor(s.logprobs), torch.tensor(ref.logprobs), atol=1e-4)
+    assert eng.stats.generated_tokens == sum(len(s.response_ids) for s in sampled + greedy)
+
+
+def test_segment_limit_parks_and_continues(builtin, server, engines):
+    model, tok = builtin
+    eng = engines(server().url, tok)
+    s = Sample(ids(tok, LONG), SamplingParams(temperature=0.0, max_new_tokens=200,
+                                              segment_max_tokens=16))
+    segments = 0
+    while not s.done:
+        eng.generate([s])
+        segments += 1
+        assert s.finish_reason in (SEGMENT, STOP, "length")
+    ref = greedy_alone(model, tok, s.prompt_ids)
+    assert s.response_ids == ref.response_ids
+    assert segments == -(-len(ref.response_ids) // 16)
+
+
+def test_abort_returns_partials_that_continue_to_the_uninterrupted_result(builtin, server, engines):
+    model, tok = builtin
+    srv = server(step_delay_s=0.005)
+    eng = engines(srv.url, tok)
+    prompts = [ids(tok, LONG), ids(tok, "[" + ",".join(["8"] * 18) + "]="), ids(tok, LONG)]
+    samples = [Sample(p, SamplingParams(temperature=0.0, max_new_tokens=200)) for p in prompts]
+    eng.submit(samples)
+    wait_until(lambda: len(running_lengths(srv)) == 3 and min(running_lengths(srv)) >= 5)
+    # one sample alone first: the others keep running
+    one = eng.abort([samples[0].request_id])
+    assert [s.request_id for s in one] == [samples[0].request_id]
+    assert one[0].finish_reason == ABORT and len(one[0].response_ids) >= 5
+    assert eng.num_pending == 2
+    rest = eng.abort()
+    assert {s.request_id for s in rest} == {s.request_id for s in samples[1:]}
+    assert all(s.finish_reason == ABORT for s in rest) and eng.num_pending == 0
+    wait_until(lambda: not srv.requests)  # the server stopped them too
+    prefixes = {s.request_id: list(s.response_ids) for s in samples}
+    eng.generate(samples)  # continue from the last token
+    for s in samples:
+        s.check()
+        ref = greedy_alone(model, tok, s.prompt_ids)
+        assert s.response_ids == ref.response_ids  # nothing lost, nothing duplicated
+        assert s.response_ids[:len(prefixes[s.request_id])] == prefixes[s.request_id]
+        assert torch.allclose(torch.tensor(s.logprobs), torch.tensor(ref.logprobs), atol=1e-4)
+        assert s.finish_reason in ("stop", "length")
+
+
+def test_abort_of_queued_samples_and_of_nothing(builtin, server, engines):
+    model, tok = builtin
+    srv = server(step_delay_s=0.005)
+    eng = engines(srv.url, tok, max_inflight=1)
+    samples = [Sample(ids(tok, LONG), SamplingParams(max_new_tokens=150)) for _ in range(3)]
+    eng.submit(samples)
+    assert eng.num_running == 1 and eng.num_pending == 3
+    parts = eng.abort()
+    assert {s.request_id for s in parts} == {s.request_id for s in samples}
+    assert all(s.finish_reason == ABORT for s in parts)
+    assert eng.abort() == [] and eng.step() == []
+
+
+def test_update_weights_tags_later_tokens_and_loads_the_weights(builtin, server, engines, tmp_path):
+    model, tok = builtin
+    srv = server(step_delay_s=0.005)
+    eng = engines(srv.url, tok, model, weights_dir=tmp_path / "w")
+    s = Sample(ids(tok, LONG), SamplingParams(max_new_tokens=150))
+    eng.submit([s])
+    wait_until(lambda: running_lengths(srv) and running_lengths(srv)[0] >= 6)
+    eng.abort()
+    n_old = len(s.response_ids)
+    assert n_old >= 6 and set(s.versions) == {0}
+    torch.manual_seed(1)
+    model2 = load_model("builtin", torch.device("cpu"), torch.float32).eval()
+    with torch.no_grad():
+        for p in model2.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+    eng.update_weights(model2.state_dict(), version=3)
+    assert eng.version == 3 and srv.weight_version == "3"
+    saved = sorted((tmp_path / "w").iterdir())
+    assert [p.name for p in saved] == ["v000003"]
+    assert {"config.json", "model.safetensors"} <= {p.name for p in saved[0].iterdir()}
+    eng.generate([s])
+    s.check()
+    assert s.versions[:n_old] == [0] * n_old and set(s.versions[n_old:]) == {3}
+    ref_new = forward_logprobs(model2, s)
+    assert torch.allclose(torch.tensor(s.logprobs[n_old:]), ref_new[n_old:], atol=1e-4)
+    # the folder is a save_pretrained layout transformers can load
+    from transformers import AutoModelForCausalLM
+    again = AutoModelForCausalLM.from_pretrained(str(saved[0]), local_files_only=True)
+    assert torch.equal(again.state_dict()["model.norm.weight"], model2.state_dict()["model.norm.weight"])
+
+
+def test_update_during_generation_resubmits_without_losing_tokens(builtin, server, engines, tmp_path):
+    model, tok = builtin
+    srv = server(step_delay_s=0.005)
+    eng = engines(srv.url, tok, model, weights_dir=tmp_path)
+    samples = [Sample(ids(tok, LONG), SamplingParams(temperature=0.0, max_new_tokens=200))
+               for _ in range(2)]
+    eng.submit(samples)
+    wait_until(lambda: len(running_lengths(srv)) == 2 and min(running_lengths(srv)) >= 5)
+    eng.update_weights(model.state_dict(), version=1)  # same weights, new version
+    assert not srv.paused
+    while eng.num_pending:
+        eng.step()
+    ref = greedy_alone(model, tok, samples[0].prompt_ids)
+    for s in samples:
+        s.check()
+        assert s.response_ids == ref.response_ids
+        k = s.versions.index(1)
+        assert k >= 5 and s.versions == [0] * k + [1] * (len(s.versions) - k)
+    assert eng.requeued >= 2
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_server_down_is_a_clear_error_after_bounded_retries(builtin):
+    _, tok = builtin
+    url = f"http://127.0.0.1:{free_port()}"
+    t0 = time.monotonic()
+    with pytest.raises(EngineError, match=r"127\.0\.0\.1.*GET /health.*3 attempts.*refused"):
+        SGLangEngine(url, eos_token_ids=[tok.eos_token_id], retries=2, backoff_s=0.05)
+    assert time.monotonic() - t0 < 5
+
+
+def test_server_dying_mid_run_fails_generate_without_hanging(builtin, server, engines):
+    _, tok = builtin
+    srv = server()
+    eng = engines(srv.url, tok)
+    srv.close()
+    t0 = time.monotonic()
+    with pytest.raises(EngineError, match=r"POST /generate failed after 3 attempts"):
+        eng.generate([Sample(ids(tok, "[1,2]="), SamplingParams(max_new_tokens=20))])
+    assert time.monotonic() - t0 < 5
+
+
+def test_http_500_is_retried_then_a_clear_error(builtin, server, engines):
+    _, tok = builtin
+    srv = server()
+    eng = engines(srv.url, tok)
+    srv.fail_next(1, 500)
+    s = Sample(ids(tok, "[1,2]="), SamplingParams(max_new_tokens=20))
+    eng.generate([s])  # one failure: the retry succeeds
+    assert s.done and srv.generate_calls == 2
+    srv.fail_next(100, 500)
+    with pytest.raises(EngineError, match=rf"{srv.url}: POST /generate failed .*HTTP 500"):
+        eng.generate([Sample(ids(tok, "[1,2]="), SamplingParams(max_new_tokens=20))])
+    srv.fail_next(1, 400)  # a 4xx is not retried
+    with pytest.raises(EngineError, match="refused the request: HTTP 400"):
+        eng.generate([Sample(ids(tok, "[1,2]="), SamplingParams(max_new_tokens=20))])
+
+
+def test_a_slow_server_times_out_into_an_error(builtin, server, engines):
+    _, tok = builtin
+    srv = server(step_delay_s=0.1)
+    eng = engines(srv.url, tok, timeout_s=0.3, retries=1)
+    t0 = time.monotonic()
+    with pytest.raises(EngineError, match="POST /generate failed after 2 attempts: timed out"):
+        eng.generate([Sample(ids(tok, LONG), SamplingParams(max_new_tokens=150))])
+    assert time.monotonic() - t0 < 5
+
+
+def test_urls_and_config(builtin, server):
+    from trainer import config as config_mod
+    from trainer.engine import build_engine
+
+    assert parse_urls(" http://a:1/, http://b:2 ") == ["http://a:1", "http://b:2"]
+    with pytest.raises(ValueError, match="not an http"):
+        parse_urls("a:1")
+    with pytest.raises(config_mod.ConfigError, match="rollout.sglang_urls"):
+        config_mod.load("demo", ["rollout.engine=sglang"])
+    model, tok = builtin
+    srv = server()
+    cfg = config_mod.load("demo", ["rollout.engine=sglang", f"rollout.sglang_urls={srv.url}"])
+    eng = build_engine(cfg, model, tok, torch.device("cpu"), torch.float32, 300)
+    try:
+        assert isinstance(eng, SGLangEngine) and eng.servers[0].url == srv.url
+    finally:
+        eng.close()
+    cfg = config_mod.load("demo", [])
+    assert isinstance(build_engine(cfg, model, tok, torch.device("cpu"), torch.float32, 300),
+                      EmbeddedEngine)
+
+
+def test_two_servers_share_the_load(builtin, server, engines):
+    model, tok = builtin
+    a, b = server(), server()
+    eng = engines(f"{a.url},{b.url}", tok)
+    samples = [Sample(ids(tok, t), SamplingParams(temperature=0.0, max_new_tokens=60))
+               for t in TEXTS * 2]
+    eng.generate(samples)
+    assert a.generate_calls > 0 and b.generate_calls > 0
+    for s in samples[:len(TEXTS)]:
+        assert s.response_ids == greedy_alone(model, tok, s.prompt_ids, 60).response_ids
+
+
+def test_standin_cli_listens_on_localhost_only():
+    proc = subprocess.Popen([sys.executable, "-m", "trainer.engine.sglang_standin", "--port", "0",
+                             "--threads", "1"], stdout=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert "not SGLang" in line
+        url = line.strip().rsplit(" ", 1)[-1]
+        assert url.startswith("http://127.0.0.1:")
+        with urllib.request.urlopen(url + "/health", timeout=10) as r:
+            assert r.status == 200
+        with urllib.request.urlopen(url + "/get_model_info", timeout=10) as r:
+            assert json.loads(r.read())["weight_version"] == "default"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+def test_abort_right_after_submit_and_close_do_not_hang(builtin, server, engines):
+    _, tok = builtin
+    srv = server(step_delay_s=0.02)
+    eng = engines(srv.url, tok)
+    samples = [Sample(ids(tok, LONG), SamplingParams(max_new_tokens=150)) for _ in range(4)]
+    eng.submit(samples)  # the calls may not have reached the server yet
+    parts = eng.abort()
+    assert {s.request_id for s in parts} == {s.request_id for s in samples}
+    assert all(s.finish_reason == ABORT for s in parts) and eng.num_pending == 0
+    for s in parts:
+        s.check()
+    wait_until(lambda: not srv.requests, timeout=10)  # none left running on the server
+    eng.submit(parts)
+    eng.step()
+    t0 = time.monotonic()
+    eng.close()
+    assert time.monotonic() - t0 < 3
+    wait_until(lambda: not [t for t in threading.enumerate()
+                            if t.name.startswith("rlpilot-sglang")], timeout=5)
+    with pytest.raises(EngineError, match="closed"):
+        eng.step()

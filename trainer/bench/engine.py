@@ -1,0 +1,260 @@
+"""bench engine: the embedded engine (continuous batching) against Hugging Face `generate` with
+a static batch, on the long-tailed sum workload, same model, same prompts, one process.
+
+Static batching runs consecutive batches of `--slots` prompts; every row of a batch runs until
+the batch's longest row ends (finished rows are padded). The engine gets the same number of
+slots and refills a slot as soon as its sequence ends. Both decode greedily by default, so on the
+same model they produce the same tokens and the comparison is pure scheduling + kernels.
+
+Useful tokens are the tokens of each response up to and including its end-of-sequence token.
+Reported for each: useful tokens/s, the share of idle slots (static: padded row-steps after a row
+finished / all row-steps; engine: empty slot-steps / all slot-steps) and the mean GPU utilisation
+(NVML, sampled every 0.1 s; null without a GPU), plus `ratio.useful_throughput` =
+engine / static.
+
+Models: `builtin` (the warmed-up CPU model; responses end where the model writes <eos>), a local
+HF directory, or `qwen2.5-0.5b-random`: a Qwen2.5-0.5B-shaped model with random weights (no
+download). A random model never chooses to stop, so with it each response is forced to the
+length of the task's reference answer (`--lengths reference`): the same long tail, by
+construction. `--model auto` = the Qwen-shaped model on CUDA, `builtin` on CPU.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+NAME = "engine"
+HELP = "embedded engine vs static-batch HF generate: useful tokens/s on the long-tailed task"
+
+QWEN_RANDOM = "qwen2.5-0.5b-random"
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--model", default="auto",
+                   help=f"auto | builtin | {QWEN_RANDOM} | a local HF model directory")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--prompts", type=int, default=256, help="sum-task prompts (default 256)")
+    p.add_argument("--slots", type=int, default=64,
+                   help="engine slots = static batch size (default 64)")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--lengths", default="auto", choices=["auto", "natural", "reference"],
+                   help="natural: rows end at <eos>; reference: each row is forced to the length "
+                   "of the task's reference answer (auto: reference for the random model)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = default)")
+
+
+def _qwen_random(device, dtype):
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    cfg = Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864,
+                      num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                      max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6,
+                      tie_word_embeddings=True, bos_token_id=None, eos_token_id=None,
+                      pad_token_id=151643)  # no eos: random weights would stop by chance only
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="sdpa")
+    return model.eval()
+
+
+def _load(args, device, dtype):
+    """-> model, tokenizer (for prompts), eos id, pad id, model name."""
+    from trainer.model import BUILTIN, load_model, load_tokenizer
+
+    name = args.model
+    if name == "auto":
+        name = QWEN_RANDOM if device.type == "cuda" else BUILTIN
+    if name == QWEN_RANDOM:
+        # no tokenizer ships with random weights: the char tokenizer's ids (all < 100) stand in
+        # for Qwen's, which also spell digits and punctuation one token each
+        tok = load_tokenizer(BUILTIN)
+        return _qwen_random(device, dtype), tok, 151643, 151643, name
+    tok = load_tokenizer(name)
+    return load_model(name, device, dtype).eval(), tok, tok.eos_token_id, tok.pad_token_id, name
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class _RowLengths:
+    """A stopping criterion: row i is done after targets[i] new tokens."""
+
+    def __init__(self, targets, prompt_len):
+        self.targets, self.prompt_len = targets, prompt_len
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return (input_ids.shape[1] - self.prompt_len) >= self.targets
+
+
+def _run_engine(model, prompts, targets, eos, args, device, dtype, max_seq_len):
+    from trainer.engine.base import Sample, SamplingParams
+    from trainer.engine.embedded import EmbeddedEngine
+
+    eng = EmbeddedEngine(model, eos_token_ids=eos, max_slots=args.slots, max_seq_len=max_seq_len,
+                         seed=args.seed, device=device, dtype=dtype)
+    samples = [Sample(list(p), SamplingParams(temperature=args.temperature,
+                                              max_new_tokens=t or args.max_new_tokens))
+               for p, t in zip(prompts, targets)]
+    _sync(device)
+    t0 = time.perf_counter()
+    eng.generate(samples)
+    _sync(device)
+    seconds = time.perf_counter() - t0
+    responses = [s.response_ids for s in samples]
+    st = eng.stats
+    eng.close()
+    del eng
+    return responses, seconds, {"decode_steps": st.decode_steps,
+                                "idle_slot_frac": st.idle_slot_frac()}
+
+
+def _run_static(model, prompts, targets, eos, pad, args, device):
+    from transformers import StoppingCriteriaList
+
+    responses, row_steps, batches = [], 0, 0
+    _sync(device)
+    t0 = time.perf_counter()
+    for i in range(0, len(prompts), args.slots):
+        batch, tgt = prompts[i:i + args.slots], targets[i:i + args.slots]
+        P = max(len(p) for p in batch)
+        ids = torch.full((len(batch), P), pad, dtype=torch.long)
+        mask = torch.zeros((len(batch), P), dtype=torch.long)
+        for b, p in enumerate(batch):  # left padding
+            ids[b, P - len(p):] = torch.tensor(p)
+            mask[b, P - len(p):] = 1
+        kw = dict(max_new_tokens=args.max_new_tokens, pad_token_id=pad, use_cache=True)
+        if tgt[0] is not None:
+            kw["max_new_tokens"] = max(tgt)
+            kw["stopping_criteria"] = StoppingCriteriaList(
+                [_RowLengths(torch.tensor(tgt, device=device), P)])
+            kw["eos_token_id"] = None
+        else:
+            kw["eos_token_id"] = eos
+        if args.temperature > 0:
+            kw.update(do_sample=True, temperature=args.temperature, top_p=1.0, top_k=0)
+        else:
+            kw.update(do_sample=False)
+        with torch.no_grad():
+            out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), **kw)
+        gen = out[:, P:].tolist()
+        steps = len(gen[0]) if gen else 0
+        row_steps += steps * len(batch)
+        batches += 1
+        for row, t in zip(gen, tgt):
+            if t is not None:
+                responses.append(row[:t])
+            else:
+                cut = next((k + 1 for k, tok in enumerate(row) if tok in eos), len(row))
+                responses.append(row[:cut])
+    _sync(device)
+    seconds = time.perf_counter() - t0
+    return responses, seconds, {"row_steps": row_steps, "batches": batches}
+
+
+def _workload(args, tok):
+    from trainer.tasks.sum import SumTask, reference_solution
+
+    task = SumTask(seed=args.seed)
+    problems = [task.problem(i) for i in range(args.prompts)]
+    prompts = [tok(p.prompt).input_ids for p in problems]
+    ref_len = [min(len(tok(reference_solution(_values(p.prompt))).input_ids) + 1,
+                   args.max_new_tokens) for p in problems]  # + <eos>
+    return prompts, ref_len
+
+
+def _values(prompt: str) -> list[int]:
+    return [int(x) for x in prompt.strip("[]=").split(",")]
+
+
+def _pct(xs, q):
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else 0
+
+
+def run(args, log=print) -> dict:
+    from trainer.model import resolve_device, resolve_dtype
+    from trainer.system import SystemSampler
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    model, tok, eos_id, pad, name = _load(args, device, dtype)
+    lengths = args.lengths
+    if lengths == "auto":
+        lengths = "reference" if name == QWEN_RANDOM else "natural"
+    prompts, ref_len = _workload(args, tok)
+    targets = ref_len if lengths == "reference" else [None] * len(prompts)
+    eos = [] if lengths == "reference" else [eos_id]
+    max_seq_len = max(len(p) for p in prompts) + args.max_new_tokens + 1
+    log(f"bench engine: {name} on {device} ({str(dtype).replace('torch.', '')}), "
+        f"{len(prompts)} prompts, {args.slots} slots, lengths={lengths}")
+
+    # warm-up: first calls pay for allocations and kernel selection
+    w = min(4, len(prompts))
+    _run_engine(model, prompts[:w], [min(t or 8, 8) for t in targets[:w]], eos,
+                _Args(args, max_new_tokens=8), device, dtype, max_seq_len)
+    _run_static(model, prompts[:w], [8 if t is not None else None for t in targets[:w]], eos, pad,
+                _Args(args, max_new_tokens=8), device)
+
+    sampler = SystemSampler(interval_s=0.1, use_gpu=device.type == "cuda").start()
+    try:
+        results = {}
+        for variant in ("static_generate", "engine"):
+            sampler.summary()  # reset
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            if variant == "engine":
+                resp, secs, extra = _run_engine(model, prompts, targets, eos, args, device, dtype,
+                                                max_seq_len)
+            else:
+                resp, secs, extra = _run_static(model, prompts, targets, eos, pad, args, device)
+            sys_m = sampler.summary()
+            useful = sum(len(r) for r in resp)
+            if variant == "static_generate":
+                extra["idle_slot_frac"] = 1.0 - useful / max(extra["row_steps"], 1)
+            results[variant] = {
+                "useful_tokens": useful, "seconds": round(secs, 3),
+                "useful_tokens_per_s": round(useful / max(secs, 1e-9), 1),
+                "idle_slot_frac": round(extra.pop("idle_slot_frac"), 4),
+                "gpu_util": (round(sys_m["system/gpu_util"], 1) if sampler.has_gpu else None),
+                "cpu_util": (None if sampler.has_gpu
+                             else round(sys_m.get("system/cpu_util", 0), 1)),
+                "peak_mem_gb": (round(torch.cuda.max_memory_allocated(device) / 2**30, 3)
+                                if device.type == "cuda" else None),
+                **extra, "_responses": resp}
+            log(f"  {variant}: {useful} useful tokens in {secs:.2f}s = "
+                f"{useful / max(secs, 1e-9):.0f}/s, idle slots "
+                f"{results[variant]['idle_slot_frac']:.1%}")
+    finally:
+        sampler.close()
+    e, s = results["engine"], results["static_generate"]
+    re_, rs = e.pop("_responses"), s.pop("_responses")
+    lens = [len(r) for r in re_]
+    ratio = {"useful_throughput": round(e["useful_tokens_per_s"]
+                                        / max(s["useful_tokens_per_s"], 1e-9), 2),
+             "seconds": round(s["seconds"] / max(e["seconds"], 1e-9), 2)}
+    log(f"  ratio: {ratio['useful_throughput']}x useful tokens/s")
+    return {"model": name, "device": str(device), "dtype": str(dtype).replace("torch.", ""),
+            "prompts": len(prompts), "slots": args.slots, "max_new_tokens": args.max_new_tokens,
+            "temperature": args.temperature, "lengths": lengths,
+            "response_len": {"mean": round(sum(lens) / max(len(lens), 1), 1),
+                             "p50": _pct(lens, 0.5), "p90": _pct(lens, 0.9),
+                             "max": max(lens, default=0)},
+            "outputs_agree": round(sum(a == b for a, b in zip(re_, rs)) / max(len(re_), 1), 3),
+            "engine": e, "static_generate": s, "ratio": ratio,
+            "threads": torch.get_num_threads() if device.type == "cpu" else None}
+
+
+class _Args:
+    """args with some fields replaced (for the warm-up)."""
+
+    def __init__(self, base, **over):
+        self.__dict__.update(vars(base))
+        self.__dict__.update(over)
