@@ -178,3 +178,51 @@ def test_too_long_request_is_refused_with_the_limit(builtin):
     eng = EmbeddedEngine(model, eos_token_ids=[tok.eos_token_id], max_slots=1, max_seq_len=32)
     with pytest.raises(ValueError, match="max_seq_len 32"):
         eng.submit([Sample([5] * 10, SamplingParams(max_new_tokens=40))])
+
+
+def test_parked_cache_resumes_without_prefill_and_gives_the_same_tokens(builtin):
+    model, tok = builtin
+    long = "[" + ",".join(["6"] * 18) + "]="
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=150)
+    ref = [Sample(p, greedy) for p in prompts(tok, [long, "[1,2,3,4,5,6,7,8]="])]
+    EmbeddedEngine(model, eos_token_ids=[tok.eos_token_id], max_slots=4,
+                   max_seq_len=300).generate(ref)
+
+    eng = EmbeddedEngine(model, eos_token_ids=[tok.eos_token_id], max_slots=4, max_seq_len=300)
+    samples = [Sample(list(r.prompt_ids), greedy) for r in ref]
+    eng.submit(samples)
+    for _ in range(12):
+        eng.step()
+    parked = eng.abort(keep_cache=True)
+    assert len(parked) == 2 and len(eng.parked) == 2 and eng.num_pending == 0
+    before = eng.stats.prefill_tokens
+    eng.generate(samples)
+    assert eng.stats.prefill_tokens == before  # continued from the parked caches
+    assert [s.response_ids for s in samples] == [r.response_ids for r in ref]
+
+
+def test_parked_caches_give_way_to_new_work_and_stay_correct(builtin):
+    model, tok = builtin
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=150)
+    texts = ["[" + ",".join([str(d)] * 14) + "]=" for d in range(1, 10)]
+    ref = [Sample(p, greedy) for p in prompts(tok, texts)]
+    EmbeddedEngine(model, eos_token_ids=[tok.eos_token_id], max_slots=3,
+                   max_seq_len=300).generate(ref)
+
+    eng = EmbeddedEngine(model, eos_token_ids=[tok.eos_token_id], max_slots=3, max_seq_len=300)
+    first = [Sample(list(r.prompt_ids), greedy) for r in ref[:3]]
+    eng.submit(first)
+    for _ in range(8):
+        eng.step()
+    eng.abort(keep_cache=True)
+    # new work takes the slots: the oldest parked caches are given up
+    others = [Sample(list(r.prompt_ids), greedy) for r in ref[3:]]
+    eng.submit(others[:2])
+    for _ in range(5):
+        eng.step()
+    assert len(eng.parked) == 1
+    eng.submit(first)      # one continues from its parked cache, two are prefilled again
+    eng.generate(others[2:])
+    while eng.num_pending:
+        eng.step()
+    assert [s.response_ids for s in first + others] == [r.response_ids for r in ref]

@@ -88,6 +88,10 @@ class AsyncRollout:
                 raise RuntimeError("the generation worker did not stop within 30 s")
             self._thread = None
 
+    @property
+    def running_worker(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
     def pause(self, wait: bool = False) -> None:
         """Stop generating at the next decode-step boundary (`wait`: until the worker is idle)."""
         self._paused.set()
@@ -108,7 +112,7 @@ class AsyncRollout:
         was_paused = self._paused.is_set()
         self.pause(wait=True)
         with self.cond:
-            partial = self.engine.abort()
+            partial = self.engine.abort(keep_cache=True)
         try:
             yield partial
         finally:

@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from trainer import april as april_mod
-from trainer.engine.base import DONE_REASONS, RolloutEngine, Sample, SamplingParams
+from trainer.engine.base import RolloutEngine, Sample, SamplingParams
+from trainer.greso import next_sampling_batch_size
 from trainer.tasks.base import Problem, Task
 
 
@@ -202,7 +203,6 @@ class Rollout:
             if counts.rounds >= cfg.rollout.max_sampling_rounds:
                 break
             observed = counts.filtered_groups / max(len(scored), 1)
-            from trainer.greso import next_sampling_batch_size
             more = next_sampling_batch_size(N - len(ready), observed, 1, 8 * N)
             if not dynamic:  # APRIL alone: everything left is parked; top up to N
                 more = N - len(ready)
@@ -212,7 +212,8 @@ class Rollout:
         score_waiting()
 
         # 4. early termination: park everything unfinished (APRIL), keep surplus complete groups
-        for s in self.engine.abort():
+        # (their KV cache stays parked in the engine: resuming them next step needs no prefill)
+        for s in self.engine.abort(keep_cache=True):
             counts.aborted_tokens += s.segment_tokens
             g = owner[s.request_id]
             if id(g) in active:
@@ -229,7 +230,6 @@ class Rollout:
                 counts.discarded_tokens += g.tokens()
         if dynamic:
             ratio = counts.filtered_groups / max(len(scored), 1)
-            from trainer.greso import next_sampling_batch_size
             self.next_batch = next_sampling_batch_size(N, ratio, N, 8 * N)
         for g in scored:
             lens = [len(s.response_ids) for s in g.samples]

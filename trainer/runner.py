@@ -22,6 +22,7 @@ import torch
 
 from trainer import checkpoint
 from trainer import config as config_mod
+from trainer import distributed
 from trainer.algo import grpo
 from trainer.controls import PAUSE, RESUME, SET_KNOBS, STOP, Command, ControlSource
 from trainer.engine.base import LENGTH, SamplingParams
@@ -48,8 +49,11 @@ class Runner:
         self.cfg = cfg.copy()
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.sink = sink or MetricsSink()
-        self.controls = controls or ControlSource()
+        # data parallel under torchrun (trainer/distributed.py); K = 1 otherwise. Only rank 0
+        # reports and reads controls (it broadcasts them at step boundaries).
+        self.dist = distributed.init(self.cfg.model.device)
+        self.sink = (sink or MetricsSink()) if self.dist.is_main else MetricsSink()
+        self.controls = (controls or ControlSource()) if self.dist.is_main else ControlSource()
         self.log = log
         self.step = 0
         self.version = 0
@@ -67,11 +71,12 @@ class Runner:
             # except the ones the caller sets explicitly for the resumed run (keep_knobs)
             self.cfg = config_mod.apply_overrides(self.cfg, {
                 k: v for k, v in ckpt_state["knobs"].items() if k not in set(keep_knobs)})
+        distributed.check_config(self.cfg, self.dist.size)
         if self.cfg.model.threads:
             torch.set_num_threads(self.cfg.model.threads)
         torch.manual_seed(self.cfg.run.seed)
 
-        self.device = resolve_device(self.cfg.model.device)
+        self.device = self.dist.local_device(resolve_device(self.cfg.model.device))
         self.dtype = resolve_dtype(self.cfg.model.dtype, self.device)
         self.tokenizer = load_tokenizer(self.cfg.model.path)
         policy_path = str(path / "model") if resume else self.cfg.model.path
@@ -82,11 +87,12 @@ class Runner:
         self.learner = Learner(self.model, lr=self.cfg.optim.lr,
                                weight_decay=self.cfg.optim.weight_decay,
                                track_reference=self.cfg.algo.track_kl or self.cfg.algo.kl_coef > 0,
-                               reference=reference)
+                               reference=reference, dist=self.dist)
         self.task = build_task(self.cfg)
-        self.prompts = PromptSource(self.task)
+        self.prompts = self.dist.prompt_source(self.task)  # rank r: every K-th draw
         self.engine = build_engine(self.cfg, self.model, self.tokenizer, self.device, self.dtype,
                                    self._max_seq_len(), weights_dir=self.run_dir / "engine_weights")
+        self.dist.seed_engine(self.engine, self.cfg.run.seed)  # seed + rank
         self.greso = GresoFilter(p_easy=self.cfg.greso.p_easy, p_hard=self.cfg.greso.p_hard,
                                  seed=self.cfg.run.seed)
         # prompts, GRESO state and the reward pool are shared with the async generation worker
@@ -105,11 +111,12 @@ class Runner:
         from trainer.rewards import RewardService  # process pool: start after the model loads
         self.rewards = RewardService(workers=self.cfg.run.reward_workers,
                                      timeout_s=self.cfg.run.reward_timeout_s)
-        self.system = SystemSampler(use_gpu=self.device.type == "cuda") if system_telemetry else None
+        self.system = (SystemSampler(use_gpu=self.device.type == "cuda")
+                       if system_telemetry and self.dist.is_main else None)
 
         if ckpt_state is not None:
             self._restore(ckpt_state, ckpt_tensors)
-        else:
+        elif self.dist.is_main:
             (self.run_dir / "config.toml").write_text(config_mod.to_toml(self.cfg))
         if not isinstance(self.engine, EmbeddedEngine):
             # servers hold whatever weights they were started with: push the policy's
@@ -147,7 +154,7 @@ class Runner:
                 if self.cfg.run.checkpoint_every and self.step % self.cfg.run.checkpoint_every == 0:
                     self.save_checkpoint()
                 budget = self.cfg.run.time_budget_s
-                if budget and time.monotonic() - t_start >= budget:
+                if budget and self.dist.broadcast_object(time.monotonic() - t_start >= budget):
                     self.sink.event(self.step, "time_budget_reached", {"seconds": budget})
                     break
             self.save_checkpoint()
@@ -184,7 +191,7 @@ class Runner:
         Returns False when the run must stop."""
         paused = False
         while True:
-            for cmd in self.controls.poll():
+            for cmd in self.dist.broadcast_object(self.controls.poll()):  # rank 0's commands
                 if cmd.kind == SET_KNOBS:
                     self.apply_knobs(cmd)
                 elif cmd.kind == PAUSE and not paused:
@@ -226,6 +233,7 @@ class Runner:
         if not errors:
             try:
                 new_cfg = config_mod.apply_overrides(self.cfg, cmd.knobs)
+                distributed.check_config(new_cfg, self.dist.size)
             except config_mod.ConfigError as e:
                 errors.update(e.errors)
         if errors:
@@ -247,8 +255,9 @@ class Runner:
         cfg = self.cfg
         t_step = time.monotonic()
         stats0 = copy.copy(self.engine.stats)
+        totals0 = dict(self.totals)
         self._reward_counts, self._reward_seconds = [0, 0], 0.0
-        result = self.rollout.collect(cfg, self.version)
+        result = self.rollout.collect(self.dist.local_config(cfg), self.version)  # N/K groups
         engine_stats = self.engine.stats.minus(stats0)
         groups = result.groups
         self.rollout.after_step(cfg, engine_stats.idle_slot_frac())
@@ -256,7 +265,8 @@ class Runner:
         t0 = time.monotonic()
         seqs, adv_metrics, decoupled_loss = self._train_sequences(groups)
         train_metrics = {}
-        if not seqs and self.learner.reference is not None and groups:
+        n_seqs = self.dist.all_sum(len(seqs))  # every rank takes part in a data-parallel update
+        if not n_seqs and self.learner.reference is not None and groups:
             # nothing to learn from this step (every group zero-variance): still report KL
             train_metrics = {"actor/kl": self._kl([s for g in groups for s in g.samples])}
         # sharing one GPU with the trainer: hand the engine's KV cache back while training
@@ -266,7 +276,7 @@ class Runner:
             self.engine.release_memory()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-        if seqs:
+        if n_seqs:
             train_metrics = self.learner.update(
                 seqs, pad_id=self.tokenizer.pad_token_id, lr=cfg.optim.lr,
                 grad_clip=cfg.optim.grad_clip, clip_low=cfg.algo.clip_low,
@@ -305,12 +315,15 @@ class Runner:
             "train/policy_version": self.version,
         })
         self.totals["trained_tokens"] += trained_tokens
+        self.dist.sync_totals(totals0, self.totals)  # the counters count every rank's work
         m.update({f"train/{k}_total": v for k, v in self.totals.items()
                   if k in ("samples", "gen_tokens", "trained_tokens")})
         if isinstance(self.rollout, AsyncRollout):
             m.update(self._async_metrics(result, step_s, train_metrics, m["rollout/gen_tokens"]))
         if self.system is not None:
             m.update(self.system.summary())
+        m = self.dist.reduce_metrics(m, [len(s.response_ids) for g in result.scored
+                                         for s in g.samples])
         self.sink.scalars(self.step, m)
         return m
 
@@ -357,8 +370,8 @@ class Runner:
         """Rollout, reward, APRIL and GRESO metrics of one step (and the histograms)."""
         cfg, c = self.cfg, result.counts
         scored = result.scored
-        self.totals["samples"] += c.submitted - c.dropped if cfg.april.enabled else sum(
-            len(g.samples) for g in scored)
+        started = c.groups_started * cfg.rollout.n_samples_per_prompt  # samples generated
+        self.totals["samples"] += started
         self.totals["gen_tokens"] += engine_stats.generated_tokens
         rewards = [r for g in scored for r in g.rewards]
         lengths = [len(s.response_ids) for g in scored for s in g.samples]
@@ -383,7 +396,7 @@ class Runner:
             "rollout/idle_slot_frac": engine_stats.idle_slot_frac(),
             "rollout/decode_steps": engine_stats.decode_steps,
             "rollout/gen_tokens": engine_stats.generated_tokens,
-            "rollout/samples": sum(len(g.samples) for g in scored),
+            "rollout/samples": started,
             "perf/gen_tokens_per_s": engine_stats.generated_tokens / max(result.gen_seconds, 1e-9),
             "timing/gen_s": result.gen_seconds,
         })
@@ -413,7 +426,8 @@ class Runner:
                                           [float(i) for i in range(0, 12)]))
         m["rollout/trained_tokens"] = trained_tokens
         self.sink.histogram(self.step, "rollout/response_len",
-                            histogram(lengths, length_edges(cfg.rollout.max_response_len)))
+                            self.dist.sum_histogram(
+                                histogram(lengths, length_edges(cfg.rollout.max_response_len))))
         return m
 
     def _select_prompt(self, cfg, counts: StepCounts):
@@ -523,18 +537,19 @@ class Runner:
     # --- evaluation ---------------------------------------------------------------------------------
     def evaluate(self) -> float:
         cfg = self.cfg
-        problems = self.task.eval_problems(cfg.run.eval_size)
+        problems = self.task.eval_problems(cfg.run.eval_size)[self.dist.rank::self.dist.size]
 
         def score(ps, cs):
             with self.lock:
                 return self.rewards.score_batch(ps, cs).scores
 
         hold = (self.rollout.suspended() if isinstance(self.rollout, AsyncRollout)
-                and self.rollout._thread is not None else contextlib.nullcontext())
+                and self.rollout.running_worker else contextlib.nullcontext())
         with hold:  # the async worker shares the engine: hold it while evaluating
             res = evaluate(self.engine, self.tokenizer, problems, score,
                            temperature=cfg.run.eval_temperature,
                            max_new_tokens=cfg.rollout.max_response_len)
+        res = self.dist.reduce_eval(res)
         self.last_eval = res["accuracy"]
         self.best_eval = max(self.best_eval or 0.0, res["accuracy"])
         self.sink.scalars(self.step, {"eval/accuracy": res["accuracy"],
@@ -555,8 +570,11 @@ class Runner:
         tensors = {"optimizer": self.learner.state_dict(),
                    "rng": checkpoint.rng_state(self.engine.generator),
                    "rollout": self.rollout.state_dict(), "greso": self.greso.state_dict()}
-        path = checkpoint.save(self.run_dir, self.step, model=self.model, tokenizer=self.tokenizer,
-                               state=state, tensors=tensors, keep=self.cfg.run.keep_checkpoints)
+        if self.dist.size > 1:  # each rank's sampling RNG, so each continues its own stream
+            tensors["rng_ranks"] = self.dist.gather_list([tensors["rng"]])
+        path = self.dist.main_only(lambda: checkpoint.save(  # rank 0 writes
+            self.run_dir, self.step, model=self.model, tokenizer=self.tokenizer, state=state,
+            tensors=tensors, keep=self.cfg.run.keep_checkpoints))
         self.sink.event(self.step, "checkpoint", {"path": str(path)})
         return path
 
@@ -566,7 +584,7 @@ class Runner:
         self.totals.update(state["totals"])
         self.best_eval, self.last_eval = state.get("best_eval"), state.get("last_eval")
         self.learner.load_state_dict(tensors["optimizer"])
-        checkpoint.set_rng_state(tensors["rng"], self.engine.generator)
+        self.dist.restore_rng(tensors, self.engine.generator, self.cfg.run.seed, self.step)
         if isinstance(self.rollout, AsyncRollout):
             self.rollout.load_state_dict(tensors.get("rollout", {}), self.version,
                                          self.cfg.rollout.rollout_batch_size)

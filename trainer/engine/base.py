@@ -99,9 +99,11 @@ class RolloutEngine:
         or stopped at their segment limit)."""
         raise NotImplementedError
 
-    def abort(self, request_ids: Iterable[int] | None = None) -> list[Sample]:
+    def abort(self, request_ids: Iterable[int] | None = None,
+              keep_cache: bool = False) -> list[Sample]:
         """Stop the given (default: all) samples, queued or running, and return them as they
-        are, with finish_reason 'abort'."""
+        are, with finish_reason 'abort'. `keep_cache` is a hint: an engine that can keep their
+        KV cache until they are submitted again may do so."""
         raise NotImplementedError
 
     def update_weights(self, named_tensors, version: int, recompute_kv: bool = False) -> None:

@@ -33,6 +33,12 @@ class KVCache:
         self.k[:, dst, :, :length] = self.k[:, src, :, :length]
         self.v[:, dst, :, :length] = self.v[:, src, :, :length]
 
+    def swap(self, a: int, b: int, len_a: int, len_b: int) -> None:
+        for t in (self.k, self.v):
+            tmp = t[:, a, :, :len_a].clone()
+            t[:, a, :, :len_b] = t[:, b, :, :len_b]
+            t[:, b, :, :len_a] = tmp
+
     def release(self) -> None:
         self.k = self.v = None  # type: ignore[assignment]
 

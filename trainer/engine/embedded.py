@@ -9,6 +9,13 @@ State of an active slot: the cache holds `cached` positions; `pending` is the la
 sequence, not yet in the cache. A decode step feeds the pending tokens and samples the next.
 Admission prefills every token of prompt + response except the last, which becomes pending, so
 new samples and partial ones resumed after an abort take the same path.
+
+Slots 0..n-1 hold the n active sequences (compact, so a decode step reads a plain slice).
+`abort(keep_cache=True)` parks an aborted sequence's KV cache in a slot above them: when the
+same sample is submitted again it continues without a new prefill (APRIL resumes a partial
+sample every step; re-prefilling it cost more than generating). Parked caches are given up,
+oldest first, when a new sequence needs the slot, and dropped when the weights change with
+`recompute_kv` (their keys and values would be stale).
 """
 from __future__ import annotations
 
@@ -67,6 +74,7 @@ class EmbeddedEngine(RolloutEngine):
         self.queue: deque[Sample] = deque()
         self.slots: list[Sample] = []      # active samples, slot i holds slots[i]
         self.cached: list[int] = []        # cached positions per active slot
+        self.parked: dict[int, tuple[int, int]] = {}  # request id -> (slot, cached), oldest first
 
     # --- public interface -----------------------------------------------------------------------
     def submit(self, samples: Iterable[Sample]) -> None:
@@ -103,7 +111,10 @@ class EmbeddedEngine(RolloutEngine):
                 out.extend(self._decode())
             return out
 
-    def abort(self, request_ids: Iterable[int] | None = None) -> list[Sample]:
+    def abort(self, request_ids: Iterable[int] | None = None,
+              keep_cache: bool = False) -> list[Sample]:
+        """Stop samples (default: all). With `keep_cache`, running ones keep their KV cache
+        parked so that submitting them again continues without a prefill."""
         with self.lock:
             wanted = None if request_ids is None else set(request_ids)
             out = []
@@ -117,7 +128,7 @@ class EmbeddedEngine(RolloutEngine):
             self.queue = keep_q
             for i in reversed(range(len(self.slots))):
                 if wanted is None or self.slots[i].request_id in wanted:
-                    s = self._evict(i)
+                    s = self._park(i) if keep_cache else self._evict(i)
                     s.finish_reason = ABORT
                     out.append(s)
             return out
@@ -128,14 +139,17 @@ class EmbeddedEngine(RolloutEngine):
         with self.lock:
             self.decoder.load(named_tensors)
             self.version = version
-            if recompute_kv and self.slots:
-                self._prefill(list(range(len(self.slots))))
+            if recompute_kv:
+                self.parked.clear()  # stale: resumed samples are prefilled under the new weights
+                if self.slots:
+                    self._prefill(list(range(len(self.slots))))
 
     def close(self) -> None:
         with self.lock:
             self.queue.clear()
             self.slots.clear()
             self.cached.clear()
+            self.parked.clear()
 
     # --- memory (engine and trainer sharing one GPU) ----------------------------------------------
     @property
@@ -152,6 +166,7 @@ class EmbeddedEngine(RolloutEngine):
                                    "finish or abort them before releasing the KV cache")
             if self.cache is None:
                 return
+            self.parked.clear()
             self.cache.release()
             self.cache = None
             if self.device.type == "cuda":
@@ -172,19 +187,32 @@ class EmbeddedEngine(RolloutEngine):
         return s.prompt_ids + s.response_ids
 
     def _admit(self) -> list[Sample]:
-        """Move queued samples into free slots and prefill them, within the token budget."""
+        """Move queued samples into free slots (parked ones without a prefill) and prefill the
+        new ones, within the token budget."""
         done, new = [], []
         budget = self.prefill_budget
+        if self.parked and self.queue:  # queued samples with a parked cache go first: no prefill
+            keep: deque[Sample] = deque()
+            for s in self.queue:
+                if (s.request_id in self.parked and s.finish_reason != LENGTH
+                        and len(self.slots) < self.max_slots and self._unpark(s)):
+                    continue
+                keep.append(s)
+            self.queue = keep
         while self.queue and len(self.slots) < self.max_slots:
             s = self.queue[0]
             if s.finish_reason == LENGTH:  # submitted with no budget left
                 done.append(self.queue.popleft())
                 continue
             n = len(s.prompt_ids) + len(s.response_ids) - 1
+            if self._unpark(s):
+                self.queue.popleft()
+                continue
             if new and n > budget:
                 break
             budget -= n
             self.queue.popleft()
+            self._claim(len(self.slots))
             self.slots.append(s)
             self.cached.append(0)
             new.append(len(self.slots) - 1)
@@ -194,12 +222,77 @@ class EmbeddedEngine(RolloutEngine):
 
     def _prefill(self, slot_ids: list[int]) -> None:
         rows = [self._tokens(self.slots[i])[:-1] for i in slot_ids]
-        todo = [(i, r) for i, r in zip(slot_ids, rows) if r]
-        if todo:
-            self.decoder.prefill(self.cache, [i for i, _ in todo], [r for _, r in todo])
-            self.stats.prefill_tokens += sum(len(r) for _, r in todo)
+        todo = sorted(((i, r) for i, r in zip(slot_ids, rows) if r), key=lambda x: len(x[1]))
+        # length-sorted batches with little padding: a long row must not pad many short ones
+        batch: list = []
+        for item in todo + [None]:
+            if batch and (item is None or (len(batch) + 1) * len(item[1])
+                          > 1.25 * (sum(len(r) for _, r in batch) + len(item[1])) + 32):
+                self.decoder.prefill(self.cache, [i for i, _ in batch], [r for _, r in batch])
+                batch = []
+            if item is not None:
+                batch.append(item)
+        self.stats.prefill_tokens += sum(len(r) for _, r in todo)
         for i, r in zip(slot_ids, rows):
             self.cached[i] = len(r)
+
+    # --- parked caches ----------------------------------------------------------------------------
+    def _park(self, i: int) -> Sample:
+        """Take active slot i out of the active range, keeping its cache."""
+        last = len(self.slots) - 1
+        if i != last:
+            self.cache.swap(i, last, self.cached[i], self.cached[last])
+            self.slots[i], self.slots[last] = self.slots[last], self.slots[i]
+            self.cached[i], self.cached[last] = self.cached[last], self.cached[i]
+        s, cached = self.slots.pop(), self.cached.pop()
+        self.parked[s.request_id] = (last, cached)
+        return s
+
+    def _parked_at(self, index: int) -> int | None:
+        for rid, (slot, _) in self.parked.items():
+            if slot == index:
+                return rid
+        return None
+
+    def _claim(self, index: int) -> None:
+        """Make slot `index` free for an active sequence: a parked cache there moves to a free
+        slot, or, with none free, the oldest parked cache is given up."""
+        rid = self._parked_at(index)
+        if rid is None:
+            return
+        used = {slot for slot, _ in self.parked.values()} | set(range(len(self.slots)))
+        free = [j for j in range(self.max_slots) if j not in used]
+        if not free:  # give up the oldest parked cache (maybe this one)
+            oldest = next(iter(self.parked))
+            if oldest != rid:
+                slot, _ = self.parked.pop(oldest)
+                free = [slot]
+            else:
+                del self.parked[rid]
+                return
+        _, cached = self.parked[rid]
+        self.cache.move(index, free[0], cached)
+        self.parked[rid] = (free[0], cached)
+
+    def _unpark(self, s: Sample) -> bool:
+        """Activate a parked sample's cache at slot len(self.slots); False if it has none."""
+        entry = self.parked.pop(s.request_id, None)
+        if entry is None:
+            return False
+        slot, cached = entry
+        if cached != len(s.prompt_ids) + len(s.response_ids) - 1:
+            return False  # the sample changed since it was parked: prefill it afresh
+        n = len(self.slots)
+        if slot != n:
+            other = self._parked_at(n)
+            if other is not None:  # swap the two parked caches
+                self.cache.swap(slot, n, cached, self.parked[other][1])
+                self.parked[other] = (slot, self.parked[other][1])
+            else:
+                self.cache.move(slot, n, cached)
+        self.slots.append(s)
+        self.cached.append(cached)
+        return True
 
     def _evict(self, i: int) -> Sample:
         """Remove slot i, moving the last active slot into its place (slots stay compact)."""

@@ -196,7 +196,8 @@ class SGLangEngine(RolloutEngine):
             out, self._finished = self._finished, []
             return out
 
-    def abort(self, request_ids: Iterable[int] | None = None) -> list[Sample]:
+    def abort(self, request_ids: Iterable[int] | None = None,
+              keep_cache: bool = False) -> list[Sample]:
         with self.lock:
             wanted = None if request_ids is None else set(request_ids)
 
