@@ -7,32 +7,24 @@ APRIL / baseline and `ratio.accuracy_delta` APRIL - baseline (a fraction).
 """
 from __future__ import annotations
 
-from trainer.bench.common import ratio, train_variant
+from trainer.bench.common import accuracy_delta, add_comparison_arguments, ratio, train_variant
 
 NAME = "april"
 HELP = "synchronous baseline vs APRIL partial rollouts"
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--preset", default="demo")
-    p.add_argument("--steps", type=int, default=40)
-    p.add_argument("--eval-size", type=int, default=1000)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                   help="applied to both variants")
+    add_comparison_arguments(p, preset="demo", steps=40)
 
 
 def run(args, log=print) -> dict:
     common = dict(steps=args.steps, eval_size=args.eval_size, seed=args.seed, log=log)
     base = train_variant("baseline", args.preset, [*args.set, "april.enabled=false"], **common)
     apr = train_variant("april", args.preset, [*args.set, "april.enabled=true"], **common)
-    delta = None
-    if base["heldout_accuracy"] is not None:
-        delta = round(apr["heldout_accuracy"] - base["heldout_accuracy"], 4)
     return {"baseline": base, "april": apr, "ratio": {
         "rollout_throughput": ratio(apr["trained_tokens_per_rollout_s"],
                                     base["trained_tokens_per_rollout_s"]),
         "time_per_step": ratio(apr["time_per_step_s"], base["time_per_step_s"]),
         "end_to_end_trained_tokens_per_s": ratio(apr["trained_tokens_per_s"],
                                                  base["trained_tokens_per_s"]),
-        "accuracy_delta": delta}}
+        "accuracy_delta": accuracy_delta(apr, base)}}

@@ -13,39 +13,33 @@ from __future__ import annotations
 
 import os
 
-from trainer.bench.common import ratio, train_variant
+from trainer.bench.common import accuracy_delta, add_comparison_arguments, ratio, train_variant
 
 NAME = "async"
 HELP = "synchronous loop vs asynchronous training (eta = 1, 2, 4)"
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--preset", default="demo")
-    p.add_argument("--steps", type=int, default=40)
+    add_comparison_arguments(p, preset="demo", steps=40)
     p.add_argument("--etas", default="1,2,4", help="comma-separated staleness bounds")
-    p.add_argument("--eval-size", type=int, default=1000)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                   help="applied to every variant")
+    p.add_argument("--sync-threads", type=int, default=os.cpu_count() or 1,
+                   help="torch threads of the synchronous loop (default: every core)")
 
 
 def run(args, log=print) -> dict:
     common = dict(steps=args.steps, eval_size=args.eval_size, seed=args.seed, log=log)
-    cores = os.cpu_count() or 1
     sync = train_variant("sync", args.preset, [*args.set, "async.enabled=false",
-                                               f"model.threads={cores}"], **common)
+                                               f"model.threads={args.sync_threads}"], **common)
     out = {"sync": sync}
     for eta in (int(e) for e in args.etas.split(",")):
         out[f"eta_{eta}"] = train_variant(
             f"eta_{eta}", args.preset, [*args.set, "async.enabled=true", "model.threads=1",
                                         f"async.max_staleness={eta}"], **common)
     best = max((k for k in out if k != "sync"), key=lambda k: out[k]["trained_tokens_per_s"])
-    delta = None
-    if sync["heldout_accuracy"] is not None:
-        delta = round(out[best]["heldout_accuracy"] - sync["heldout_accuracy"], 4)
     out["ratio"] = {"speedup": ratio(out[best]["trained_tokens_per_s"],
                                      sync["trained_tokens_per_s"]),
-                    "best_eta": int(best.split("_")[1]), "accuracy_delta": delta,
+                    "best_eta": int(best.split("_")[1]),
+                    "accuracy_delta": accuracy_delta(out[best], sync),
                     **{f"speedup_{k}": ratio(out[k]["trained_tokens_per_s"],
                                              sync["trained_tokens_per_s"])
                        for k in out if k.startswith("eta_")}}

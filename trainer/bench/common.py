@@ -9,14 +9,32 @@ from trainer import config as config_mod
 from trainer.metrics import MemorySink
 
 
+def add_comparison_arguments(p, *, preset: str, steps: int) -> None:
+    """The options every side-by-side training benchmark takes."""
+    p.add_argument("--preset", default=preset)
+    p.add_argument("--steps", type=int, default=steps, help="training steps per variant")
+    p.add_argument("--eval-size", type=int, default=1000,
+                   help="held-out problems for the accuracy after training (0 = skip)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="applied to every variant")
+
+
+def accuracy_delta(a: dict, b: dict) -> float | None:
+    """a's held-out accuracy minus b's (a fraction), when both were measured."""
+    if a["heldout_accuracy"] is None or b["heldout_accuracy"] is None:
+        return None
+    return round(a["heldout_accuracy"] - b["heldout_accuracy"], 4)
+
+
 def train_variant(name: str, preset: str, overrides: list[str], *, steps: int, eval_size: int,
                   seed: int, log=print) -> dict:
     """Train `steps` steps and return the summed/averaged figures a comparison needs."""
     from trainer.runner import Runner
 
     cfg = config_mod.load(preset, [*overrides, f"run.max_steps={steps}", f"run.seed={seed}",
-                                   "run.eval_every=0", f"run.eval_size={eval_size}",
-                                   "run.checkpoint_every=0"])
+                                   "run.eval_every=0", "run.checkpoint_every=0",
+                                   *([f"run.eval_size={eval_size}"] if eval_size else [])])
     sink = MemorySink()
     with tempfile.TemporaryDirectory(prefix="rlpilot-bench-") as d:
         with Runner(cfg, d, sink=sink, system_telemetry=False) as runner:

@@ -7,19 +7,14 @@ baseline samples / GRESO samples and `ratio.accuracy_delta` GRESO - baseline (a 
 """
 from __future__ import annotations
 
-from trainer.bench.common import ratio, train_variant
+from trainer.bench.common import accuracy_delta, add_comparison_arguments, ratio, train_variant
 
 NAME = "greso"
 HELP = "dynamic sampling vs dynamic sampling + GRESO selective rollouts"
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--preset", default="greso")
-    p.add_argument("--steps", type=int, default=60)
-    p.add_argument("--eval-size", type=int, default=1000)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                   help="applied to both variants")
+    add_comparison_arguments(p, preset="greso", steps=60)
 
 
 def run(args, log=print) -> dict:
@@ -28,11 +23,8 @@ def run(args, log=print) -> dict:
                          [*args.set, "rollout.dynamic_sampling=true", "greso.enabled=false"], **common)
     gre = train_variant("greso", args.preset,
                         [*args.set, "rollout.dynamic_sampling=true", "greso.enabled=true"], **common)
-    delta = None
-    if base["heldout_accuracy"] is not None:
-        delta = round(gre["heldout_accuracy"] - base["heldout_accuracy"], 4)
     return {"dynamic_sampling": base, "greso": gre, "ratio": {
         "samples_reduction": ratio(base["samples_generated"], gre["samples_generated"]),
         "tokens_reduction": ratio(base["tokens_generated"], gre["tokens_generated"]),
         "rollout_time_speedup": ratio(base["rollout_s"], gre["rollout_s"]),
-        "accuracy_delta": delta}}
+        "accuracy_delta": accuracy_delta(gre, base)}}
