@@ -185,6 +185,9 @@ class GresoConfig:
 class AsyncConfig:
     enabled: bool = param(False, help="asynchronous training (AReaL): generation runs continuously "
                           "in its own worker while the trainer trains")
+    worker: str = param("process", choices=["process", "thread"],
+                        help="where the embedded engine decodes: its own process (no contention "
+                        "with the trainer for Python's interpreter lock) or a thread")
     max_staleness: int = param(2, min=0, max=64, tunable=True,
                                help="eta: a trained token may come from a policy at most this many "
                                "versions old (0 = the synchronous loop)")

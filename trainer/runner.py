@@ -90,8 +90,17 @@ class Runner:
                                reference=reference, dist=self.dist)
         self.task = build_task(self.cfg)
         self.prompts = self.dist.prompt_source(self.task)  # rank r: every K-th draw
-        self.engine = build_engine(self.cfg, self.model, self.tokenizer, self.device, self.dtype,
-                                   self._max_seq_len(), weights_dir=self.run_dir / "engine_weights")
+        a = self.cfg.async_
+        if a.enabled and a.worker == "process" and self.cfg.rollout.engine == "embedded":
+            from trainer.engine.process import ProcessEngine
+            self.engine = ProcessEngine(
+                self.model, eos_token_ids=[self.tokenizer.eos_token_id],
+                max_slots=self.cfg.rollout.max_slots, max_seq_len=self._max_seq_len(),
+                seed=self.cfg.run.seed, threads=self.cfg.model.threads or 1)
+        else:
+            self.engine = build_engine(self.cfg, self.model, self.tokenizer, self.device,
+                                       self.dtype, self._max_seq_len(),
+                                       weights_dir=self.run_dir / "engine_weights")
         self.dist.seed_engine(self.engine, self.cfg.run.seed)  # seed + rank
         self.greso = GresoFilter(p_easy=self.cfg.greso.p_easy, p_hard=self.cfg.greso.p_hard,
                                  seed=self.cfg.run.seed)
@@ -118,7 +127,7 @@ class Runner:
             self._restore(ckpt_state, ckpt_tensors)
         elif self.dist.is_main:
             (self.run_dir / "config.toml").write_text(config_mod.to_toml(self.cfg))
-        if not isinstance(self.engine, EmbeddedEngine):
+        if self.cfg.rollout.engine != "embedded":
             # servers hold whatever weights they were started with: push the policy's
             self.engine.update_weights(self.model.state_dict(), self.version)
 

@@ -1,0 +1,66 @@
+"""The embedded engine in its own process behaves like the in-process one."""
+import psutil
+import pytest
+import torch
+
+from trainer.engine.base import ABORT, Sample, SamplingParams
+from trainer.engine.embedded import EmbeddedEngine
+from trainer.engine.process import ProcessEngine
+from trainer.model import load_model, load_tokenizer
+
+
+@pytest.fixture(scope="module")
+def parts():
+    model = load_model("builtin", torch.device("cpu"), torch.float32).eval()
+    return model, load_tokenizer("builtin")
+
+
+def _samples(tok, params):
+    texts = ["[3,5]=", "[" + ",".join(["7"] * 16) + "]=", "[9]=", "[1,2,3,4,5,6]="]
+    return [Sample(tok(t).input_ids, params) for t in texts]
+
+
+def test_same_tokens_logprobs_and_versions_as_in_process(parts):
+    model, tok = parts
+    params = SamplingParams(temperature=1.0, max_new_tokens=120)
+    ref = _samples(tok, params)
+    EmbeddedEngine(model, eos_token_ids=[tok.eos_token_id], max_slots=3, max_seq_len=200,
+                   seed=4).generate(ref)
+    eng = ProcessEngine(model, eos_token_ids=[tok.eos_token_id], max_slots=3, max_seq_len=200,
+                        seed=4)
+    try:
+        got = _samples(tok, params)
+        eng.generate(got)
+        assert [s.response_ids for s in got] == [s.response_ids for s in ref]
+        for a, b in zip(got, ref):
+            assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-6)
+        assert eng.stats.generated_tokens == sum(len(s.response_ids) for s in got)
+    finally:
+        eng.close()
+
+
+def test_abort_resume_and_weight_versions_across_the_process_boundary(parts):
+    model, tok = parts
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=150)
+    eng = ProcessEngine(model, eos_token_ids=[tok.eos_token_id], max_slots=4, max_seq_len=200)
+    pid = eng.proc.pid
+    try:
+        ss = _samples(tok, greedy)
+        eng.submit(ss)
+        while sum(len(s.response_ids) for s in ss) < 20:
+            eng.step()
+        parts_ = eng.abort(keep_cache=True)
+        unfinished = [s for s in ss if not s.done]
+        assert {s.request_id for s in parts_} >= {s.request_id for s in unfinished}
+        assert all(s.finish_reason == ABORT for s in parts_) and eng.num_pending == 0
+        prefix = {s.request_id: list(s.response_ids) for s in unfinished}
+        eng.update_weights(model.state_dict(), version=3)
+        eng.generate(unfinished)
+        for s in unfinished:
+            s.check()
+            n = len(prefix[s.request_id])
+            assert s.response_ids[:n] == prefix[s.request_id]
+            assert set(s.versions[:n]) <= {0} and set(s.versions[n:]) == {3}
+    finally:
+        eng.close()
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
