@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test bootstrap demo bench-learn clean
+.PHONY: run test bootstrap demo bench-learn clean chromium
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -17,11 +17,24 @@ $(STAMP): pyproject.toml
 
 bootstrap: $(STAMP)
 
+# The dashboard: migrate, ensure the admin user, ASGI server + Celery worker, print the URL.
+# Embedded (SQLite + filesystem broker) unless DATABASE_URL / REDIS_URL are set.
 run: $(STAMP)
-	$(BIN)/python -m trainer run demo
+	$(BIN)/python manage.py serve
 
-test: $(STAMP)
+# Every test; then the web tests again on PostgreSQL + Redis (DATABASE_URL / REDIS_URL, defaults
+# on 127.0.0.1; they fail loudly if the servers are down).
+test: $(STAMP) chromium
 	$(BIN)/python -m pytest
+	RLPILOT_TEST_SETUP=redis $(BIN)/python -m pytest tests/web
+
+# Headless Chromium for the browser test (Debian's package; never `playwright install`).
+CHROMIUM := /usr/bin/chromium
+chromium:
+	@test -x $(CHROMIUM) || { \
+	  if [ "$$(id -u)" = 0 ]; then \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; \
+	  else echo "$(CHROMIUM) is missing: run 'sudo apt-get install -y chromium'" >&2; exit 1; fi; }
 
 bench-learn: $(STAMP)
 	$(BIN)/python -m trainer bench learn --json

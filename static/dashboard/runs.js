@@ -1,0 +1,66 @@
+// The launch form: fill the raw TOML editor with the selected preset's full config, and show
+// the preset's values as placeholders.
+(function () {
+  "use strict";
+  const presets = JSON.parse(document.getElementById("preset-toml").textContent);
+  const btn = document.getElementById("load-preset-toml");
+  const sel = document.getElementById("id_preset");
+  const area = document.getElementById("id_toml");
+  if (btn) {
+    btn.addEventListener("click", function () {
+      const name = sel.value;
+      area.value = presets[name] || "";
+    });
+  }
+  function parseToml(text) { // flat [section] key = value reader, enough for placeholders
+    const out = {};
+    let section = "";
+    text.split("\n").forEach(function (line) {
+      const m = line.match(/^\s*\[([^\]]+)\]\s*$/);
+      if (m) { section = m[1].trim(); return; }
+      const kv = line.match(/^\s*([A-Za-z0-9_]+)\s*=\s*(.*)$/);
+      if (kv && section) out[section + "." + kv[1]] = kv[2].replace(/^"|"$/g, "");
+    });
+    return out;
+  }
+  function placeholders() {
+    const vals = presets[sel.value] ? parseToml(presets[sel.value]) : {};
+    document.querySelectorAll("input[data-key]").forEach(function (inp) {
+      if (vals[inp.dataset.key] !== undefined) inp.placeholder = vals[inp.dataset.key];
+    });
+  }
+  sel.addEventListener("change", placeholders);
+  placeholders();
+})();
+
+// The runs list: refresh status, progress and key figures every few seconds.
+(function () {
+  "use strict";
+  const table = document.getElementById("runs-table");
+  if (!table) return;
+  const FIG = ["reward/accuracy", "reward/mean", "rollout/response_len/mean", "perf/gen_tokens_per_s"];
+  function fmt(v) {
+    if (typeof v !== "number") return "";
+    return Math.abs(v) >= 100 ? v.toFixed(0) : String(Number(v.toPrecision(3)));
+  }
+  function refresh() {
+    fetch("/api/runs?limit=200", { credentials: "same-origin" }).then(r => r.ok ? r.json() : null).then(function (data) {
+      if (!data) return;
+      data.runs.forEach(function (run) {
+        const tr = table.querySelector('tr[data-run="' + run.id + '"]');
+        if (!tr) return;
+        const cells = tr.children;
+        const badge = cells[3].querySelector(".status");
+        badge.textContent = run.status;
+        badge.className = "status s-" + run.status;
+        const prog = cells[4];
+        prog.querySelector("progress").value = run.step;
+        prog.lastChild.textContent = " " + run.step + "/" + run.max_steps;
+        const latest = (run.summary && run.summary.latest) || {};
+        FIG.forEach(function (k, i) { cells[5 + i].textContent = fmt(latest[k]); });
+      });
+    }).catch(function () {});
+  }
+  setInterval(refresh, 5000);
+})();
+

@@ -1,0 +1,278 @@
+"""Web tests run against one of two setups, chosen before Django starts:
+
+  RLPILOT_TEST_SETUP=embedded (default): SQLite (WAL, a file so other processes share it),
+      the filesystem Celery broker, the in-memory channel layer (consumers poll).
+  RLPILOT_TEST_SETUP=redis: PostgreSQL (DATABASE_URL, default postgres://postgres@127.0.0.1:5432/
+      rlpilot) with Redis (REDIS_URL, default redis://127.0.0.1:6379/0) as Celery broker and
+      channel layer. `make test` runs tests/web a second time this way. Missing servers fail
+      the tests loudly.
+
+Every session gets its own var/ folder, test database, Celery queue and channel prefix, so
+concurrent test sessions (and a running `make run`) do not see each other's tasks.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SETUP = os.environ.get("RLPILOT_TEST_SETUP", "embedded")
+if SETUP not in ("embedded", "redis"):
+    raise RuntimeError(f"RLPILOT_TEST_SETUP={SETUP!r}: expected embedded or redis")
+_TMP = Path(tempfile.mkdtemp(prefix=f"rlpilot-web-{SETUP}-"))
+_TAG = f"{os.getpid()}"
+os.environ["RLPILOT_VAR_DIR"] = str(_TMP)
+os.environ["RLPILOT_TRAINING_QUEUE"] = f"training-test-{_TAG}"
+os.environ["RLPILOT_CHANNEL_PREFIX"] = f"rlpilot-test-{_TAG}"
+os.environ["RLPILOT_HEARTBEAT_S"] = "1"
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+for var in ("DEBUG", "SECRET_KEY", "ALLOWED_HOSTS", "SECURE_SSL_REDIRECT"):
+    os.environ.pop(var, None)
+if SETUP == "redis":
+    os.environ.setdefault("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/rlpilot")
+    os.environ.setdefault("REDIS_URL", "redis://127.0.0.1:6379/0")
+    os.environ["RLPILOT_TEST_DB_NAME"] = f"test_rlpilot_{_TAG}"
+else:
+    os.environ.pop("DATABASE_URL", None)
+    os.environ.pop("REDIS_URL", None)
+    os.environ["RLPILOT_TEST_DB_NAME"] = str(_TMP / "test.sqlite3")
+os.environ["DJANGO_SETTINGS_MODULE"] = "webapp.settings"
+
+import django  # noqa: E402
+
+django.setup()
+
+TINY = {"rollout.rollout_batch_size": 4, "rollout.n_samples_per_prompt": 4,
+        "rollout.max_response_len": 64, "rollout.max_slots": 16, "run.eval_every": 0,
+        "run.checkpoint_every": 0, "run.reward_workers": 0, "model.threads": 1}
+
+
+def pytest_report_header(config):
+    return f"rlpilot web setup: {SETUP} (var dir {_TMP})"
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if not os.environ.get("RLPILOT_KEEP_TEST_DIR"):
+        shutil.rmtree(_TMP, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def setup_name():
+    return SETUP
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _servers_reachable():
+    """The redis setup needs PostgreSQL and Redis: fail loudly (never skip) when they are down."""
+    if SETUP != "redis":
+        return
+    from urllib.parse import urlparse
+
+    for name in ("DATABASE_URL", "REDIS_URL"):
+        u = urlparse(os.environ[name])
+        try:
+            socket.create_connection((u.hostname, u.port or (5432 if name == "DATABASE_URL" else 6379)),
+                                     timeout=3).close()
+        except OSError as e:
+            pytest.fail(f"{name}={os.environ[name]} is not reachable ({e}); the redis setup of the "
+                        "web tests needs PostgreSQL and Redis running", pytrace=False)
+
+
+@pytest.fixture
+def tiny():
+    return dict(TINY)
+
+
+# --- users and clients -----------------------------------------------------------------------
+
+@pytest.fixture
+def user(django_user_model):
+    return django_user_model.objects.create_user("alice", password="alice-pw-123")
+
+
+@pytest.fixture
+def other_user(django_user_model):
+    return django_user_model.objects.create_user("bob", password="bob-pw-123")
+
+
+@pytest.fixture
+def staff_user(django_user_model):
+    return django_user_model.objects.create_user("carol", password="carol-pw-123", is_staff=True)
+
+
+@pytest.fixture
+def alice(client, user):
+    client.force_login(user)
+    return client
+
+
+@pytest.fixture
+def bob(user, other_user):
+    from django.test import Client
+
+    c = Client()
+    c.force_login(other_user)
+    return c
+
+
+# --- processes: a Celery worker and an ASGI server on the test database ---------------------------
+
+def _test_db_env() -> dict:
+    from django.db import connection
+
+    s = connection.settings_dict
+    env = dict(os.environ)
+    if s["ENGINE"].endswith("sqlite3"):
+        env["DATABASE_URL"] = "sqlite:///" + str(s["NAME"])
+    else:
+        auth = s["USER"] + (":" + s["PASSWORD"] if s["PASSWORD"] else "")
+        env["DATABASE_URL"] = f"postgres://{auth}@{s['HOST'] or '127.0.0.1'}:{s['PORT'] or 5432}/{s['NAME']}"
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+class Proc:
+    def __init__(self, name, cmd, env, log: Path):
+        self.name, self.log = name, log
+        self.fh = open(log, "wb")
+        self.p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=self.fh, stderr=subprocess.STDOUT,
+                                  start_new_session=True)
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def wait_for(self, predicate, timeout: float, what: str):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.p.poll() is not None:
+                raise RuntimeError(f"{self.name} exited ({self.p.returncode}) before {what}:\n{self.text()[-4000:]}")
+            if predicate():
+                return
+            time.sleep(0.2)
+        raise RuntimeError(f"{self.name}: no {what} after {timeout} s:\n{self.text()[-4000:]}")
+
+    def stop(self):
+        if self.p.poll() is None:
+            try:
+                os.killpg(self.p.pid, signal.SIGTERM)
+                self.p.wait(15)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.p.pid, signal.SIGKILL)
+                self.p.wait(5)
+            except ProcessLookupError:
+                pass
+        # children that outlived their parent (e.g. a prefork child)
+        try:
+            os.killpg(self.p.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        self.fh.close()
+
+
+@pytest.fixture(scope="session")
+def celery_worker(django_db_setup, django_db_blocker):
+    from webapp.dashboard.management.commands.serve import worker_command
+
+    env = _test_db_env()
+    proc = Proc("celery worker", worker_command(concurrency=1), env, _TMP / "worker.log")
+    try:
+        proc.wait_for(lambda: " ready." in proc.text(), 90, "'ready' line")
+        yield proc
+    finally:
+        proc.stop()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def live_asgi(django_db_setup, celery_worker):
+    """daphne serving webapp.asgi on the test database; yields its base URL."""
+    from webapp.dashboard.management.commands.serve import server_command
+
+    port = _free_port()
+    proc = Proc("daphne", server_command("127.0.0.1", port), _test_db_env(), _TMP / "daphne.log")
+
+    def up():
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+            return True
+        except OSError:
+            return False
+    try:
+        proc.wait_for(up, 60, "listening port")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.stop()
+
+
+def wait_until(predicate, timeout: float, what: str, interval: float = 0.2):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+@pytest.fixture(name="wait_until")
+def wait_until_fixture():
+    return wait_until
+
+
+def make_run(owner, status="running", max_steps=100, **fields):
+    """A run row without a task (for tests that drive rows directly)."""
+    from trainer import config as config_mod
+    from webapp.dashboard import actions
+    from webapp.dashboard.models import Run
+
+    cfg = config_mod.apply_overrides(config_mod.from_dict(config_mod.preset_dict("demo")),
+                                     {**TINY, "run.max_steps": max_steps})
+    run = Run.objects.create(owner=owner, name=fields.pop("name", "r"), preset="demo",
+                             config=cfg.to_dict(), knobs=cfg.knob_values(), max_steps=max_steps,
+                             status=status, **fields)
+    actions.event(run.pk, 0, "status", {"status": status, "previous": None})
+    run.refresh_from_db()
+    return run
+
+
+@pytest.fixture(name="make_run")
+def make_run_fixture():
+    return make_run
+
+
+@pytest.fixture(scope="session")
+def django_db_setup(django_db_setup, django_db_blocker):
+    """pytest-django's, plus: before the PostgreSQL test database is dropped, end the sessions
+    that threads of this process (async consumers' executor) still hold on it."""
+    yield
+    with django_db_blocker.unblock():
+        from django.db import connection
+
+        if connection.vendor == "postgresql":
+            with connection.cursor() as cur:
+                cur.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                            "WHERE datname = current_database() AND pid <> pg_backend_pid()")
+
+
+@pytest.fixture
+def test_db_env():
+    """Environment for a subprocess that must use this session's test database."""
+    return _test_db_env()
+
+
+@pytest.fixture
+def free_port():
+    return _free_port()

@@ -1,0 +1,213 @@
+"""The JSON API. Session auth (with CSRF) for the browser, `Authorization: Token <key>` for
+scripts. Errors are JSON with a message per field; bad input never gives a 500."""
+from __future__ import annotations
+
+import functools
+import json
+import logging
+
+from django.conf import settings
+from django.contrib.auth.models import AnonymousUser
+from django.http import HttpRequest, JsonResponse
+from django.middleware.csrf import CsrfViewMiddleware
+from django.utils import timezone
+from django.views.decorators.csrf import csrf_exempt
+
+from trainer import config as config_mod
+from webapp.dashboard import actions, streams
+from webapp.dashboard.models import ApiToken, KnobChange, Run
+
+log = logging.getLogger(__name__)
+
+
+def error(status: int, message: str, errors: dict | None = None) -> JsonResponse:
+    return JsonResponse({"message": message, "errors": errors or {}}, status=status)
+
+
+def _token_user(request: HttpRequest):
+    header = request.headers.get("Authorization", "")
+    if not header:
+        return None
+    kind, _, key = header.partition(" ")
+    if kind.lower() != "token" or not key.strip():
+        return AnonymousUser()
+    tok = ApiToken.objects.select_related("user").filter(key=key.strip()).first()
+    if tok is None or not tok.user.is_active:
+        return AnonymousUser()
+    ApiToken.objects.filter(pk=tok.pk).update(last_used_at=timezone.now())
+    return tok.user
+
+
+def api(*methods: str):
+    """JSON view: authenticates, checks the method and CSRF (session auth), parses the body,
+    and turns ActionError into its JSON response."""
+
+    def deco(view):
+        @csrf_exempt
+        @functools.wraps(view)
+        def wrapped(request: HttpRequest, *args, **kwargs):
+            if request.method not in methods:
+                return error(405, f"method {request.method} not allowed; use {', '.join(methods)}")
+            user = _token_user(request)
+            if user is None:  # no token: the browser session, with CSRF on writes
+                user = request.user
+                if request.method not in ("GET", "HEAD", "OPTIONS") and user.is_authenticated:
+                    reason = CsrfViewMiddleware(lambda r: None).process_view(request, None, (), {})
+                    if reason is not None:
+                        return error(403, "CSRF check failed: send the csrftoken cookie's value "
+                                          "in an X-CSRFToken header")
+            if not user.is_authenticated:
+                return error(401, "authentication required: log in, or send 'Authorization: Token <key>'")
+            request.user = user
+            body = None
+            if request.method in ("POST", "PUT", "PATCH"):
+                raw = request.body or b"{}"
+                try:
+                    body = json.loads(raw)
+                except (ValueError, UnicodeDecodeError):
+                    return error(400, "the request body is not valid JSON", {"body": "expected a JSON object"})
+                if not isinstance(body, dict):
+                    return error(400, "expected a JSON object", {"body": "expected a JSON object"})
+            try:
+                return view(request, body, *args, **kwargs)
+            except actions.ActionError as e:
+                return error(e.status, e.message, e.errors)
+        return wrapped
+    return deco
+
+
+class NotFound(actions.ActionError):
+    status = 404
+
+
+def get_run_or_404(run_id: int) -> Run:
+    run = Run.objects.select_related("owner").filter(pk=run_id).first()
+    if run is None:
+        raise NotFound(f"no run {run_id}", {"id": "not found"})
+    return run
+
+
+def run_json(run: Run, user, detail: bool = False) -> dict:
+    d = {
+        "id": run.pk, "name": run.name, "owner": run.owner.get_username(), "preset": run.preset,
+        "status": run.status, "step": run.step, "max_steps": run.max_steps,
+        "progress": round(run.progress, 4), "url": f"/runs/{run.pk}/",
+        "created_at": run.created_at.isoformat(),
+        "started_at": run.started_at.isoformat() if run.started_at else None,
+        "finished_at": run.finished_at.isoformat() if run.finished_at else None,
+        "heartbeat_at": run.heartbeat_at.isoformat() if run.heartbeat_at else None,
+        "summary": run.summary, "error": run.error, "cursor": run.last_seq,
+        "can_control": run.can_control(user),
+    }
+    if detail:
+        d.update({"config": run.config, "knobs": run.knobs, "desired": run.desired,
+                  "celery_task_id": run.celery_task_id, "worker_host": run.worker_host,
+                  "pending_knob_changes": [
+                      {"change_id": k.change_id, "knobs": k.knobs}
+                      for k in run.knob_changes.filter(status=KnobChange.PENDING)]})
+    return d
+
+
+# --- endpoints -----------------------------------------------------------------------------------
+
+@api("GET")
+def knobs(request, body):
+    return JsonResponse([p.as_json() for p in config_mod.schema()], safe=False)
+
+
+@api("GET")
+def presets(request, body):
+    out = []
+    for name in config_mod.preset_names():
+        cfg = config_mod.from_dict(config_mod.preset_dict(name))
+        out.append({"name": name, "config": cfg.to_dict(), "toml": config_mod.to_toml(cfg)})
+    return JsonResponse(out, safe=False)
+
+
+@api("GET", "POST")
+def runs(request, body):
+    if request.method == "POST":
+        unknown = set(body) - {"name", "preset", "overrides", "toml"}
+        if unknown:
+            return error(400, "unknown fields", {k: "unknown field; expected name, preset, overrides, toml"
+                                                 for k in sorted(unknown)})
+        run = actions.launch_run(request.user, body.get("name"), body.get("preset"),
+                                 body.get("overrides"), body.get("toml"))
+        return JsonResponse({"id": run.pk, "status": run.status, "url": f"/runs/{run.pk}/"}, status=201)
+    actions.mark_stale_runs()
+    qs = filter_runs(Run.objects.select_related("owner"), request.GET)
+    try:
+        limit = max(1, min(500, int(request.GET.get("limit", 100))))
+    except ValueError:
+        return error(400, "bad limit", {"limit": "expected an integer"})
+    return JsonResponse({"runs": [run_json(r, request.user) for r in qs[:limit]]})
+
+
+def filter_runs(qs, params):
+    def get(name):  # NUL never matches anything (and PostgreSQL refuses it in a query)
+        return (params.get(name) or "").replace("\x00", "")
+    if get("status"):
+        qs = qs.filter(status__in=get("status").split(","))
+    if get("owner"):
+        qs = qs.filter(owner__username=get("owner"))
+    if get("q"):
+        qs = qs.filter(name__icontains=get("q"))
+    return qs
+
+
+@api("GET", "DELETE")
+def run_detail(request, body, run_id: int):
+    run = get_run_or_404(run_id)
+    if request.method == "DELETE":
+        actions.delete_run(run, request.user)
+        return JsonResponse({"deleted": run_id})
+    actions.mark_stale_runs()
+    run.refresh_from_db()
+    return JsonResponse(run_json(run, request.user, detail=True))
+
+
+@api("GET")
+def run_metrics(request, body, run_id: int):
+    run = get_run_or_404(run_id)
+    errors = {}
+    after = request.GET.get("after")
+    if after not in (None, ""):
+        try:
+            after = int(after)
+            if after < 0:
+                raise ValueError
+        except ValueError:
+            errors["after"] = "expected a cursor (a non-negative integer)"
+    else:
+        after = None
+    try:
+        max_points = int(request.GET.get("max_points", settings.CHART_MAX_POINTS))
+        if not 4 <= max_points <= 100_000:
+            raise ValueError
+    except ValueError:
+        errors["max_points"] = "expected an integer in [4, 100000]"
+    if errors:
+        return error(400, "bad query", errors)
+    keys = [k for k in request.GET.get("keys", "").split(",") if k]
+    return JsonResponse(streams.metrics_snapshot(run, keys, after, max_points))
+
+
+@api("POST")
+def run_knobs(request, body, run_id: int):
+    run = get_run_or_404(run_id)
+    change = actions.request_knobs(run, request.user, body)
+    return JsonResponse({"change_ids": [change.change_id], "change_id": change.change_id,
+                         "knobs": change.knobs, "status": "pending"}, status=202)
+
+
+def make_control(action: str):
+    @api("POST")
+    def view(request, body, run_id: int):
+        run = get_run_or_404(run_id)
+        run = actions.control(run, request.user, action)
+        return JsonResponse({"id": run.pk, "status": run.status, "desired": run.desired}, status=202)
+    view.__name__ = f"run_{action}"
+    return view
+
+
+run_stop, run_pause, run_resume, run_kill = (make_control(a) for a in ("stop", "pause", "resume", "kill"))

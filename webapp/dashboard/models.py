@@ -1,0 +1,139 @@
+"""A run is a row; everything the browser shows about it is rows too.
+
+MetricPoint, HistogramSnapshot and RunEvent share one per-run sequence (`Run.last_seq`): a
+scalar batch (one step), a histogram snapshot and an event each take one sequence number, and
+a client's cursor is the last sequence number it has seen. Sequence numbers are allocated and
+their rows inserted in one transaction holding the run's row lock, so they commit in order and
+a reader that asks for `seq > cursor` never misses nor repeats a row.
+"""
+from __future__ import annotations
+
+import secrets
+
+from django.conf import settings
+from django.db import models
+
+
+class Status(models.TextChoices):
+    QUEUED = "queued"
+    RUNNING = "running"
+    PAUSED = "paused"
+    STOPPING = "stopping"
+    STOPPED = "stopped"
+    FINISHED = "finished"
+    FAILED = "failed"
+    INTERRUPTED = "interrupted"
+
+
+ACTIVE = (Status.QUEUED, Status.RUNNING, Status.PAUSED, Status.STOPPING)
+LIVE = (Status.RUNNING, Status.PAUSED, Status.STOPPING)   # a worker should be heartbeating
+RESUMABLE = (Status.STOPPED, Status.FAILED, Status.INTERRUPTED)
+
+
+class Desired(models.TextChoices):
+    RUN = "run"
+    PAUSE = "pause"
+    STOP = "stop"
+
+
+class Run(models.Model):
+    owner = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="runs")
+    name = models.CharField(max_length=200)
+    preset = models.CharField(max_length=100, blank=True)
+    config = models.JSONField()                       # nested {section: {key: value}}, validated
+    knobs = models.JSONField(default=dict)            # current knob values (applied ones)
+    status = models.CharField(max_length=16, choices=Status.choices, default=Status.QUEUED,
+                              db_index=True)
+    desired = models.CharField(max_length=8, choices=Desired.choices, default=Desired.RUN)
+    step = models.IntegerField(default=0)
+    max_steps = models.IntegerField(default=0)
+    last_seq = models.BigIntegerField(default=0)
+    knob_version = models.IntegerField(default=0)   # bumped by every knob request (cheap polling)
+    celery_task_id = models.CharField(max_length=64, blank=True)
+    worker_host = models.CharField(max_length=200, blank=True)
+    heartbeat_at = models.DateTimeField(null=True, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+    started_at = models.DateTimeField(null=True, blank=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+    summary = models.JSONField(default=dict, blank=True)   # latest key figures + final summary
+    error = models.TextField(blank=True)
+    attempts = models.IntegerField(default=0)
+
+    class Meta:
+        ordering = ["-id"]
+
+    def __str__(self):
+        return f"run {self.pk} {self.name!r} ({self.status})"
+
+    @property
+    def is_active(self) -> bool:
+        return self.status in ACTIVE
+
+    def can_control(self, user) -> bool:
+        return bool(user and user.is_authenticated and (user.is_staff or user.pk == self.owner_id))
+
+    @property
+    def progress(self) -> float:
+        return min(1.0, self.step / self.max_steps) if self.max_steps else 0.0
+
+
+class MetricPoint(models.Model):
+    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="points")
+    seq = models.BigIntegerField()
+    step = models.IntegerField()
+    key = models.CharField(max_length=200)
+    value = models.FloatField(null=True)   # NaN / inf are stored as NULL (JSON has none)
+
+    class Meta:
+        indexes = [models.Index(fields=["run", "seq"]), models.Index(fields=["run", "key", "step"])]
+
+
+class HistogramSnapshot(models.Model):
+    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="histograms")
+    seq = models.BigIntegerField()
+    step = models.IntegerField()
+    name = models.CharField(max_length=200)
+    edges = models.JSONField()
+    counts = models.JSONField()
+
+    class Meta:
+        indexes = [models.Index(fields=["run", "seq"]), models.Index(fields=["run", "name", "step"])]
+
+
+class RunEvent(models.Model):
+    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="events")
+    seq = models.BigIntegerField()
+    step = models.IntegerField()
+    kind = models.CharField(max_length=64)
+    data = models.JSONField(default=dict)
+    time = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        indexes = [models.Index(fields=["run", "seq"])]
+
+
+class KnobChange(models.Model):
+    PENDING, APPLIED, REJECTED = "pending", "applied", "rejected"
+    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="knob_changes")
+    change_id = models.CharField(max_length=32, unique=True)
+    knobs = models.JSONField()
+    status = models.CharField(max_length=10, default=PENDING,
+                              choices=[(s, s) for s in (PENDING, APPLIED, REJECTED)])
+    requested_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, on_delete=models.SET_NULL)
+    requested_at = models.DateTimeField(auto_now_add=True)
+    applied_step = models.IntegerField(null=True, blank=True)
+    message = models.TextField(blank=True)
+
+    class Meta:
+        ordering = ["id"]
+
+
+def _new_key() -> str:
+    return secrets.token_hex(20)
+
+
+class ApiToken(models.Model):
+    key = models.CharField(max_length=40, unique=True, default=_new_key)
+    user = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="api_tokens")
+    created_at = models.DateTimeField(auto_now_add=True)
+    last_used_at = models.DateTimeField(null=True, blank=True)

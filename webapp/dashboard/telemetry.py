@@ -1,0 +1,335 @@
+"""The trainer's database-backed sink and control source (used by the Celery task).
+
+DbSink buffers a step's scalars and histograms and hands them, at every step boundary (the
+control source's poll()), on every event and on flush(), to a writer thread that inserts them in
+one transaction (bulk, sequence-numbered) and then rings the run's doorbell: the trainer never
+waits for the database.
+
+DbControlSource turns pending KnobChange rows and the run's `desired` field into trainer
+Commands, and records each knob change's outcome.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from datetime import datetime, timezone as dt_timezone
+from typing import Any
+
+from django.conf import settings
+from django.db import close_old_connections, connection
+
+from trainer.controls import PAUSE, RESUME, SET_KNOBS, STOP, Command, ControlSource
+from trainer.metrics import MetricsSink
+from webapp.dashboard import actions
+from webapp.dashboard.actions import Record
+from webapp.dashboard.models import LIVE, Desired, KnobChange, Run, Status
+
+log = logging.getLogger(__name__)
+
+# events that change the run's status
+_EVENT_STATUS = {"paused": Status.PAUSED, "resumed": Status.RUNNING, "stop_requested": Status.STOPPING}
+
+
+class Doorbell:
+    """Rings run groups on the channel layer from a background event loop, so the trainer never
+    waits for the channel layer (and a Redis connection is reused across rings)."""
+
+    def __init__(self):
+        from channels.layers import DEFAULT_CHANNEL_LAYER, channel_layers
+
+        # its own layer instance: closing its pools never touches the process's shared layer
+        self.layer = (channel_layers.make_backend(DEFAULT_CHANNEL_LAYER)
+                      if settings.CROSS_PROCESS_DOORBELL else None)
+        self.loop = None
+        if self.layer is not None:
+            self.loop = asyncio.new_event_loop()
+            self.thread = threading.Thread(target=self._run, name="doorbell", daemon=True)
+            self.thread.start()
+
+    def _run(self) -> None:
+        loop = self.loop
+        asyncio.set_event_loop(loop)
+        try:
+            loop.run_forever()
+        finally:
+            loop.close()   # in this thread: channels_redis closes its connections for the loop
+
+    def ring(self, run_id: int, seq: int) -> None:
+        if self.loop is None:
+            return
+        coro = self.layer.group_send(actions.group_name(run_id), {"type": "doorbell", "seq": seq})
+        fut = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        fut.add_done_callback(_log_failure)
+        self.last = fut
+
+    last = None
+
+    def close(self) -> None:
+        if self.loop is None:
+            return
+        try:
+            if self.last is not None:
+                self.last.result(2)   # rings are sent in order: the last one done means all done
+        except Exception:
+            pass
+        try:
+            if hasattr(self.layer, "close_pools"):
+                asyncio.run_coroutine_threadsafe(self.layer.close_pools(), self.loop).result(2)
+        except Exception:
+            pass
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(2)
+        self.loop = None
+
+
+_shared: Doorbell | None = None
+_shared_lock = threading.Lock()
+
+
+def shared_doorbell() -> Doorbell:
+    """One background doorbell per process (for rings from web requests and actions)."""
+    global _shared
+    with _shared_lock:
+        if _shared is None:
+            _shared = Doorbell()
+        return _shared
+
+
+def _log_failure(fut) -> None:
+    if not fut.cancelled() and fut.exception() is not None:
+        log.warning("doorbell failed: %s", fut.exception())
+
+
+class DbSink(MetricsSink):
+    """Writes a run's rows from a background thread, so the trainer only pays for a queue put.
+
+    scalars() and histogram() are buffered; flush() (called at every step boundary by the
+    control source, and by event()) hands the buffer to the writer thread, which inserts it in
+    one transaction (sequence-numbered) and then rings the doorbell. drain() waits until
+    everything handed over is in the database; close() drains and stops the thread."""
+
+    def __init__(self, run_id: int, doorbell: Doorbell | None = None):
+        self.run_id = run_id
+        self.doorbell = doorbell if doorbell is not None else Doorbell()
+        self._own_bell = doorbell is None
+        self.buffer: list[Record] = []
+        self.lock = threading.Lock()
+        self.queue: queue.Queue = queue.Queue()
+        self.write_seconds = 0.0     # time the writer thread spent writing
+        self.errors = 0
+        self.thread: threading.Thread | None = None
+
+    # --- the trainer's side --------------------------------------------------------------------
+    def scalars(self, step: int, values: dict[str, float]) -> None:
+        with self.lock:
+            if self.buffer and self.buffer[-1].kind == "points" and self.buffer[-1].step == step:
+                self.buffer[-1].values.update(values)
+            else:
+                self.buffer.append(Record("points", step, "", dict(values)))
+
+    def histogram(self, step: int, name: str, hist: dict[str, Any]) -> None:
+        with self.lock:
+            self.buffer.append(Record("histogram", step, name, {"edges": list(hist.get("edges", [])),
+                                                                "counts": list(hist.get("counts", []))}))
+
+    def event(self, step: int, kind: str, data: dict[str, Any] | None = None) -> None:
+        with self.lock:
+            self.buffer.append(Record("event", step, kind, dict(data or {})))
+        self.flush()
+
+    def flush(self) -> None:
+        with self.lock:
+            records, self.buffer = self.buffer, []
+        if not records:
+            return
+        if self.thread is None:
+            self.thread = threading.Thread(target=self._writer, name=f"db-sink-{self.run_id}", daemon=True)
+            self.thread.start()
+        self.queue.put(records)
+
+    def drain(self) -> None:
+        self.flush()
+        if self.thread is not None:
+            self.queue.join()
+
+    def close(self) -> None:
+        self.drain()
+        if self.thread is not None:
+            self.queue.put(None)
+            self.thread.join(30)
+            self.thread = None
+        if self._own_bell:
+            self.doorbell.close()
+
+    # --- the writer thread ---------------------------------------------------------------------
+    def _writer(self) -> None:
+        try:
+            while True:
+                batch = self.queue.get()
+                if batch is None:
+                    self.queue.task_done()
+                    return
+                n = 1
+                while True:   # coalesce whatever else is waiting into the same transaction
+                    try:
+                        more = self.queue.get_nowait()
+                    except queue.Empty:
+                        break
+                    n += 1
+                    if more is None:
+                        self.queue.put(None)
+                        self.queue.task_done()
+                        n -= 1
+                        break
+                    batch = batch + more
+                try:
+                    self._write(batch)
+                except Exception:
+                    self.errors += 1
+                    log.exception("run %s: writing %d telemetry records failed", self.run_id, len(batch))
+                    close_old_connections()
+                finally:
+                    for _ in range(n):
+                        self.queue.task_done()
+        finally:
+            connection.close()
+
+    def _write(self, records: list[Record]) -> None:
+        t0 = time.perf_counter()
+        updates: dict[str, Any] = {"heartbeat_at": datetime.now(dt_timezone.utc)}
+        steps = [r.step for r in records if r.kind == "points"]
+        if steps:
+            updates["step"] = max(steps)
+        seq = actions.append(self.run_id, records, updates, ring_bell=False)
+        for r in records:
+            status = _EVENT_STATUS.get(r.name) if r.kind == "event" else None
+            if status:
+                actions.set_status(self.run_id, status, only_from=LIVE, step=r.step)
+        self.doorbell.ring(self.run_id, seq)
+        self.write_seconds += time.perf_counter() - t0
+
+
+class DbControlSource(ControlSource):
+    """Turns the run's `desired` state and pending knob changes into trainer Commands.
+
+    A watcher thread reads them every `min_interval` seconds (one small query; knob changes
+    only when the run's knob_version moved), so poll() at a step boundary costs the trainer no
+    database round trip. With min_interval=0 poll() reads the database itself (tests)."""
+
+    def __init__(self, run_id: int, sink: DbSink | None = None, min_interval: float = 0.1):
+        self.run_id = run_id
+        self.sink = sink
+        self.min_interval = min_interval
+        self.seen: set[str] = set()        # knob changes already read (owned by the reader)
+        self.knob_version = -1
+        self.paused = False
+        self.stop_sent = False
+        self.orphaned_since: float | None = None
+        self.lock = threading.Lock()
+        self.row: dict | None = None
+        self.inbox: list[Command] = []
+        self.closing = threading.Event()
+        self.thread: threading.Thread | None = None
+
+    def _read(self) -> None:
+        row = Run.objects.filter(pk=self.run_id).values("desired", "status", "knob_version").first()
+        new = []
+        if row is not None and row["knob_version"] != self.knob_version:
+            self.knob_version = row["knob_version"]
+            for kc in (KnobChange.objects.filter(run_id=self.run_id, status=KnobChange.PENDING)
+                       .exclude(change_id__in=self.seen).select_related("requested_by")):
+                self.seen.add(kc.change_id)
+                new.append(Command(SET_KNOBS, knobs=dict(kc.knobs), id=kc.change_id,
+                                   requested_by=kc.requested_by.get_username() if kc.requested_by else "web",
+                                   requested_at=kc.requested_at.timestamp()))
+        with self.lock:
+            self.row = row if row is not None else {"deleted": True}
+            self.inbox.extend(new)
+
+    def _watch(self) -> None:
+        try:
+            while not self.closing.wait(self.min_interval):
+                try:
+                    self._read()
+                except Exception:
+                    log.exception("run %s: reading controls failed", self.run_id)
+                    close_old_connections()
+        finally:
+            connection.close()
+
+    def poll(self) -> list[Command]:
+        if self.sink is not None:
+            self.sink.flush()   # a step boundary: the step's rows go out now (in the background)
+        if self.min_interval <= 0 or self.row is None:
+            self._read()        # synchronous mode, and the first poll
+        if self.min_interval > 0 and self.thread is None:
+            self.thread = threading.Thread(target=self._watch, name=f"controls-{self.run_id}", daemon=True)
+            self.thread.start()
+        with self.lock:
+            row, cmds, self.inbox = self.row, self.inbox, []
+        if row.get("deleted"):   # the run was deleted
+            return [] if self.stop_sent else self._stop()
+        now = time.monotonic()
+        # a run marked stopped/killed while this process still trains it (the kill signal got
+        # lost): stop cooperatively after a grace period that lets a kill land first
+        if row["status"] not in LIVE:
+            self.orphaned_since = self.orphaned_since or now
+        orphaned = self.orphaned_since is not None and now - self.orphaned_since > 5.0
+        if (row["desired"] == Desired.STOP and row["status"] in LIVE or orphaned) and not self.stop_sent:
+            cmds += self._stop()
+        elif row["desired"] == Desired.PAUSE and not self.paused:
+            self.paused = True
+            cmds.append(Command(PAUSE, requested_by="web"))
+        elif row["desired"] == Desired.RUN and self.paused:
+            self.paused = False
+            cmds.append(Command(RESUME, requested_by="web"))
+        return cmds
+
+    def _stop(self) -> list[Command]:
+        self.stop_sent = True
+        return [Command(STOP, requested_by="web")]
+
+    def acknowledge(self, command: Command, step: int, ok: bool, message: str = "") -> None:
+        if command.kind == SET_KNOBS:
+            KnobChange.objects.filter(change_id=command.id).update(
+                status=KnobChange.APPLIED if ok else KnobChange.REJECTED, applied_step=step,
+                message=message)
+
+    def close(self) -> None:
+        self.closing.set()
+        if self.thread is not None:
+            self.thread.join(5)
+            self.thread = None
+
+
+class Heartbeat:
+    """Updates the run's heartbeat every few seconds from a thread (its own DB connection)."""
+
+    def __init__(self, run_id: int, interval: float | None = None):
+        self.run_id = run_id
+        self.interval = interval or settings.HEARTBEAT_S
+        self.stop_event = threading.Event()
+        self.thread = threading.Thread(target=self._loop, name="heartbeat", daemon=True)
+
+    def start(self) -> "Heartbeat":
+        self.thread.start()
+        return self
+
+    def _loop(self) -> None:
+        try:
+            while not self.stop_event.wait(self.interval):
+                try:
+                    Run.objects.filter(pk=self.run_id, status__in=LIVE).update(
+                        heartbeat_at=datetime.now(dt_timezone.utc))
+                except Exception:
+                    log.exception("heartbeat failed")
+                    close_old_connections()
+        finally:
+            connection.close()
+
+    def stop(self) -> None:
+        self.stop_event.set()
+        self.thread.join(self.interval + 5)

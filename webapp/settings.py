@@ -1,0 +1,175 @@
+"""Django settings, read from the environment with safe defaults for local use.
+
+Embedded default (nothing installed): SQLite in WAL mode under var/, a Celery broker on the
+filesystem (var/celery/) and an in-process channel layer (consumers poll the database).
+With DATABASE_URL (PostgreSQL) and REDIS_URL: PostgreSQL, Redis as the Celery broker and
+channels_redis as the channel layer (consumers wait on a doorbell).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from webapp.env import database_from_url, env, env_bool, env_float, env_int, env_list, sqlite_database
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+VAR_DIR = Path(env("RLPILOT_VAR_DIR", str(BASE_DIR / "var"))).resolve()
+VAR_DIR.mkdir(parents=True, exist_ok=True)
+
+DEBUG = env_bool("DEBUG", False)
+_secret = env("SECRET_KEY")
+if not _secret:
+    # local use: a random key kept in var/ so sessions survive restarts
+    _key_file = VAR_DIR / "secret_key"
+    if not _key_file.exists():
+        import secrets
+
+        _key_file.write_text(secrets.token_urlsafe(50))
+        _key_file.chmod(0o600)
+    _secret = _key_file.read_text().strip()
+SECRET_KEY = _secret
+ALLOWED_HOSTS = env_list("ALLOWED_HOSTS", ["127.0.0.1", "localhost", "[::1]"])
+CSRF_TRUSTED_ORIGINS = env_list("CSRF_TRUSTED_ORIGINS", [])
+
+INSTALLED_APPS = [
+    "daphne",
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "channels",
+    "webapp.dashboard",
+]
+
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+]
+
+ROOT_URLCONF = "webapp.urls"
+ASGI_APPLICATION = "webapp.asgi.application"
+TEMPLATES = [{
+    "BACKEND": "django.template.backends.django.DjangoTemplates",
+    "DIRS": [BASE_DIR / "templates"],
+    "APP_DIRS": True,
+    "OPTIONS": {"context_processors": [
+        "django.template.context_processors.request",
+        "django.contrib.auth.context_processors.auth",
+        "django.contrib.messages.context_processors.messages",
+    ]},
+}]
+
+# --- database ------------------------------------------------------------------------------------
+DATABASE_URL = env("DATABASE_URL")
+if DATABASE_URL:
+    DATABASES = {"default": database_from_url(DATABASE_URL)}
+else:
+    DATABASES = {"default": sqlite_database(str(VAR_DIR / "rlpilot.sqlite3"))}
+if DATABASES["default"]["ENGINE"].endswith("sqlite3"):
+    # tests: a file (not :memory:) so that workers and servers in other processes share it
+    DATABASES["default"]["TEST"] = {"NAME": env("RLPILOT_TEST_DB_NAME",
+                                                str(VAR_DIR / "test-rlpilot.sqlite3"))}
+elif env("RLPILOT_TEST_DB_NAME"):
+    DATABASES["default"]["TEST"] = {"NAME": env("RLPILOT_TEST_DB_NAME")}
+EMBEDDED_DB = DATABASES["default"]["ENGINE"].endswith("sqlite3")
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+# --- channel layer and Celery ---------------------------------------------------------------------
+REDIS_URL = env("REDIS_URL")
+CHANNEL_PREFIX = env("RLPILOT_CHANNEL_PREFIX", "rlpilot")
+if REDIS_URL:
+    CHANNEL_LAYERS = {"default": {
+        "BACKEND": "channels_redis.core.RedisChannelLayer",
+        # redis-py 8's default socket timeout races channels_redis's 5 s blocking pops
+        # ("Timeout reading from ...", django/channels_redis#422): give reads more time.
+        "CONFIG": {"hosts": [{"address": REDIS_URL, "socket_timeout": 30, "socket_connect_timeout": 5}],
+                   "prefix": CHANNEL_PREFIX, "capacity": 1000, "expiry": 30},
+    }}
+else:
+    CHANNEL_LAYERS = {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}}
+# True when the channel layer reaches other processes; otherwise consumers poll the database.
+CROSS_PROCESS_DOORBELL = bool(REDIS_URL)
+WS_POLL_INTERVAL_S = env_float("RLPILOT_WS_POLL_S", 0.2 if not REDIS_URL else 2.0)
+
+TRAINING_QUEUE = env("RLPILOT_TRAINING_QUEUE", "training")
+CELERY_TASK_DEFAULT_QUEUE = TRAINING_QUEUE
+CELERY_TASK_ROUTES = {"webapp.dashboard.tasks.*": {"queue": TRAINING_QUEUE}}
+CELERY_TASK_IGNORE_RESULT = True
+CELERY_RESULT_BACKEND = None
+# One run per worker process; never fetch a second task while one is running, and acknowledge
+# a task when it starts: a multi-hour run is never redelivered and restarted from scratch behind
+# the user's back (a lost worker shows up as "interrupted" instead, and the user resumes it).
+CELERY_WORKER_PREFETCH_MULTIPLIER = 1
+CELERY_TASK_ACKS_LATE = False
+CELERY_TASK_REJECT_ON_WORKER_LOST = False
+CELERY_WORKER_CONCURRENCY = env_int("RLPILOT_WORKER_CONCURRENCY", 1)
+CELERY_WORKER_HIJACK_ROOT_LOGGER = False
+CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+CELERY_DIR = VAR_DIR / "celery"
+if REDIS_URL:
+    CELERY_BROKER_URL = REDIS_URL
+    CELERY_WORKER_DISABLE_PREFETCH = True   # (Redis only) fetch a task only when a process is free
+    CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": 7 * 24 * 3600}
+else:
+    # The filesystem broker needs no server; absolute folders shared by every process make
+    # remote control (ping, revoke(terminate=True)) work with the prefork pool.
+    for _d in ("queue", "processed", "control"):
+        (CELERY_DIR / _d).mkdir(parents=True, exist_ok=True)
+    CELERY_BROKER_URL = "filesystem://"
+    CELERY_BROKER_TRANSPORT_OPTIONS = {
+        "data_folder_in": str(CELERY_DIR / "queue"),
+        "data_folder_out": str(CELERY_DIR / "queue"),
+        "processed_folder": str(CELERY_DIR / "processed"),
+        "control_folder": str(CELERY_DIR / "control"),
+        "store_processed": False,
+        "polling_interval": 0.25,
+    }
+
+# --- runs ----------------------------------------------------------------------------------------
+RUNS_DIR = Path(env("RLPILOT_RUNS_DIR", str(VAR_DIR / "runs"))).resolve()
+HEARTBEAT_S = env_float("RLPILOT_HEARTBEAT_S", 5.0)
+HEARTBEAT_TIMEOUT_S = env_float("RLPILOT_HEARTBEAT_TIMEOUT_S", 30.0)
+CHART_MAX_POINTS = env_int("RLPILOT_CHART_MAX_POINTS", 1000)
+
+# --- auth and security ---------------------------------------------------------------------------
+LOGIN_URL = "login"
+LOGIN_REDIRECT_URL = "runs"
+LOGOUT_REDIRECT_URL = "login"
+AUTH_PASSWORD_VALIDATORS = [
+    {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
+]
+SECURE_SSL_REDIRECT = env_bool("SECURE_SSL_REDIRECT", False)
+SESSION_COOKIE_SECURE = env_bool("SESSION_COOKIE_SECURE", not DEBUG and SECURE_SSL_REDIRECT)
+CSRF_COOKIE_SECURE = env_bool("CSRF_COOKIE_SECURE", not DEBUG and SECURE_SSL_REDIRECT)
+SECURE_HSTS_SECONDS = env_int("SECURE_HSTS_SECONDS", 0)
+SECURE_HSTS_INCLUDE_SUBDOMAINS = env_bool("SECURE_HSTS_INCLUDE_SUBDOMAINS", SECURE_HSTS_SECONDS > 0)
+SECURE_HSTS_PRELOAD = env_bool("SECURE_HSTS_PRELOAD", False)
+if env_bool("BEHIND_TLS_PROXY", False):
+    SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
+X_FRAME_OPTIONS = "DENY"
+
+# --- static files --------------------------------------------------------------------------------
+STATIC_URL = "/static/"
+STATICFILES_DIRS = [BASE_DIR / "static"]
+STATIC_ROOT = Path(env("STATIC_ROOT", str(VAR_DIR / "static"))).resolve()
+# The ASGI app serves static files itself (local use, offline: Plotly comes from static/vendor).
+SERVE_STATIC = env_bool("RLPILOT_SERVE_STATIC", True)
+
+LANGUAGE_CODE = "en-us"
+TIME_ZONE = "UTC"
+USE_I18N = False
+USE_TZ = True
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "handlers": {"console": {"class": "logging.StreamHandler"}},
+    "root": {"handlers": ["console"], "level": env("LOG_LEVEL", "INFO")},
+    "loggers": {"django.channels.server": {"level": "WARNING"}},
+}
