@@ -20,8 +20,23 @@ from trainer import config as config_mod
 
 
 def _cmd_run(args) -> int:
-    from trainer.controls import FileControlSource
-    from trainer.metrics import ConsoleSink, JsonlSink, MultiSink
+    from trainer import distributed
+
+    ok = False
+    try:
+        rc = _run(args)
+        ok = rc == 0  # an interrupted rank may be alone: no barrier then
+    finally:
+        size = distributed.destroy(sync=ok)  # leave the process group (torchrun)
+    if size > 1:
+        distributed.exit_process(rc)
+    return rc
+
+
+def _run(args) -> int:
+    from trainer import distributed
+    from trainer.controls import ControlSource, FileControlSource
+    from trainer.metrics import ConsoleSink, JsonlSink, MetricsSink, MultiSink
     from trainer.runner import Runner, prepare_run_dir
 
     if args.resume:
@@ -36,12 +51,21 @@ def _cmd_run(args) -> int:
             raise config_mod.ConfigError({"config": "name a preset or a .toml file (presets: "
                                           + ", ".join(config_mod.preset_names()) + ")"})
         cfg = config_mod.load(args.config, args.set)
+        world = distributed.init(cfg.model.device)  # torchrun: one of K processes
+        distributed.check_config(cfg, world.size)
         out = args.out or f"runs/{Path(args.config).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
-        run_dir = prepare_run_dir(out, overwrite=args.overwrite)
+        # rank 0 prepares the directory (and names it: the default holds the time)
+        run_dir = Path(world.main_only(lambda: str(prepare_run_dir(out, overwrite=args.overwrite))))
         overridden = set()
-    sink = MultiSink([JsonlSink(run_dir), ConsoleSink(cfg.run.max_steps)])
-    print(f"run directory: {run_dir}", flush=True)
-    runner = Runner(cfg, run_dir, sink=sink, controls=FileControlSource(run_dir),
+    world = distributed.init(cfg.model.device)
+    if world.is_main:  # the other ranks report through rank 0
+        sink = MultiSink([JsonlSink(run_dir), ConsoleSink(cfg.run.max_steps)])
+        controls = FileControlSource(run_dir)
+        print(f"run directory: {run_dir}" + (f" ({world.size} processes)" if world.size > 1
+                                              else ""), flush=True)
+    else:
+        sink, controls = MetricsSink(), ControlSource()
+    runner = Runner(cfg, run_dir, sink=sink, controls=controls,
                     resume=bool(args.resume), keep_knobs=overridden)
     try:
         with runner:
@@ -51,7 +75,8 @@ def _cmd_run(args) -> int:
         return 130
     finally:
         sink.close()
-    print(json.dumps({"status": status, **runner.summary()}))
+    if world.is_main:
+        print(json.dumps({"status": status, **runner.summary()}))
     return 0
 
 

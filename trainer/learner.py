@@ -58,9 +58,14 @@ def micro_batches(seqs: list[TrainSequence], max_tokens: int) -> list[list[Train
 
 class Learner:
     def __init__(self, model, *, lr: float, weight_decay: float, track_reference: bool,
-                 reference=None):
+                 reference=None, dist=None):
         self.model = model
         self.device = next(model.parameters()).device
+        # data parallel (trainer/distributed.py): a World of K > 1 processes; token counts and
+        # gradients are summed over them so the loss is the token mean of the global batch
+        self.dist = dist if dist is not None and dist.size > 1 else None
+        if self.dist is not None:
+            self.dist.broadcast_module(model)  # every rank starts from rank 0's weights
         self.reference = None
         if track_reference:
             self.reference = reference if reference is not None else copy.deepcopy(model)
@@ -136,8 +141,10 @@ class Learner:
                 "behave_imp_weight": 0.0, "behave_capped": 0.0}
         tokens_total, grad_norms = 0.0, []
         chunks = [seqs[i::mini_batches] for i in range(mini_batches)]
-        for k, chunk in enumerate(c for c in chunks if c):
+        for mb_index, chunk in enumerate(c for c in chunks if c or self.dist):  # every rank, every chunk
             total = sum(sum(s.weights) for s in chunk)
+            if self.dist is not None:  # the global token count: each rank's loss is its share
+                total = self.dist.all_sum(float(total))
             if total <= 0:
                 continue
             self.optimizer.zero_grad(set_to_none=True)
@@ -156,15 +163,18 @@ class Learner:
                     prox = old
                     if decoupled_loss["prox"] == "loglinear":
                         V = float(decoupled_loss["version"])
-                        prox = decoupled.loglinear_prox(behave, logp, vers, V, V + k / mini_batches)
+                        prox = decoupled.loglinear_prox(behave, logp, vers, V,
+                                                       V + mb_index / mini_batches)
                     loss, stats = decoupled.token_loss(
                         logp, prox, behave, adv, w, clip_low=clip_low, clip_high=clip_high,
                         cap=decoupled_loss["cap"], cap_mode=decoupled_loss["cap_mode"],
                         total_tokens=total, ref_logp=ref, kl_coef=kl_coef)
                 loss.backward()
-                for k, v in stats.items():
-                    sums[k] += float(v)
+                for name, v in stats.items():
+                    sums[name] += float(v)
                 sums["entropy"] += float((entropy * w).sum())
+            if self.dist is not None:
+                self.dist.all_reduce_grads(self.model.parameters())
             norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(),
                                                   grad_clip if grad_clip > 0 else float("inf"))
             grad_norms.append(float(norm))
@@ -172,6 +182,8 @@ class Learner:
                 self.optimizer.step()
             tokens_total += total
         self.model.eval()
+        if self.dist is not None:
+            sums = self.dist.all_sum_dict(sums)
         n = max(tokens_total, 1e-9)
         metrics = {"actor/pg_loss": sums["pg_loss"] / n, "actor/clip_ratio": sums["clipped"] / n,
                    "actor/importance_weight": sums["ratio"] / n, "actor/entropy": sums["entropy"] / n,
