@@ -98,6 +98,11 @@ CROSS_PROCESS_DOORBELL = bool(REDIS_URL)
 WS_POLL_INTERVAL_S = env_float("RLPILOT_WS_POLL_S", 0.2 if not REDIS_URL else 2.0)
 
 TRAINING_QUEUE = env("RLPILOT_TRAINING_QUEUE", "training")
+# The queues a run may be sent to (one per kind of worker machine, e.g. "gpu-h200"); the first
+# entry is the default. A worker consumes one or more of them: `celery -A webapp worker -Q gpu-h200`.
+RLPILOT_QUEUES = env_list("RLPILOT_QUEUES", [TRAINING_QUEUE])
+if TRAINING_QUEUE not in RLPILOT_QUEUES:
+    RLPILOT_QUEUES.insert(0, TRAINING_QUEUE)
 CELERY_TASK_DEFAULT_QUEUE = TRAINING_QUEUE
 CELERY_TASK_ROUTES = {"webapp.dashboard.tasks.*": {"queue": TRAINING_QUEUE}}
 CELERY_TASK_IGNORE_RESULT = True
@@ -136,6 +141,14 @@ RUNS_DIR = Path(env("RLPILOT_RUNS_DIR", str(VAR_DIR / "runs"))).resolve()
 HEARTBEAT_S = env_float("RLPILOT_HEARTBEAT_S", 5.0)
 HEARTBEAT_TIMEOUT_S = env_float("RLPILOT_HEARTBEAT_TIMEOUT_S", 30.0)
 CHART_MAX_POINTS = env_int("RLPILOT_CHART_MAX_POINTS", 1000)
+
+# --- alerts (webapp/dashboard/alerts.py): evaluated as a run's metrics arrive -----------------------
+ALERT_KL_MAX = env_float("RLPILOT_ALERT_KL_MAX", 0.5)              # actor/kl above this
+ALERT_KL_RISE_PER_STEP = env_float("RLPILOT_ALERT_KL_RISE", 0.01)  # actor/kl slope over the window
+ALERT_KL_RISE_WINDOW = env_int("RLPILOT_ALERT_KL_RISE_WINDOW", 5)  # steps
+ALERT_COLLAPSE_RATIO = env_float("RLPILOT_ALERT_COLLAPSE_RATIO", 0.95)  # all_wrong share "near 1"
+ALERT_COLLAPSE_STEPS = env_int("RLPILOT_ALERT_COLLAPSE_STEPS", 5)       # for this many steps
+# (the heartbeat alert uses RLPILOT_HEARTBEAT_TIMEOUT_S above)
 
 # --- auth and security ---------------------------------------------------------------------------
 LOGIN_URL = "login"

@@ -82,6 +82,29 @@ def test_browser_flow(live_asgi, django_user_model, monkeypatch):
             expect(page.locator("#run-status")).to_have_text("stopped", timeout=60_000)
             expect(page.locator("#event-log")).to_contain_text("run_stopped")
             expect(page.locator("#btn-resume")).to_be_enabled()
+
+            # the report: the same charts, static, and the knob change in the timeline
+            run_id = int(re.search(r"/runs/(\d+)/", page.url).group(1))
+            page.click("#report-link")
+            page.wait_for_selector("body[data-charts-drawn='1']")
+            expect(page.locator("#chart-reward")).not_to_have_class(re.compile("empty"))
+            expect(page.locator("#chart-len-heat")).not_to_have_class(re.compile("empty"))
+            expect(page.locator("#knob-timeline")).to_contain_text("optim.lr")
+            expect(page.locator("#run-name")).to_have_text("e2e <i>run</i>")
+
+            # compare it with a second (empty) run: one chart per chosen metric, EMA smoothing
+            from conftest import make_run
+
+            other = make_run(django_user_model.objects.get(username="erin"), "finished", name="other")
+            page.goto(f"{live_asgi}/compare/?ids={run_id},{other.pk}")
+            page.wait_for_selector("body[data-charts-drawn='1']")
+            chart = page.locator('[data-metric="reward/mean"]')
+            expect(chart.locator(".main-svg").first).to_be_attached()
+            assert int(chart.get_attribute("data-npoints")) >= 3
+            page.fill("#ema", "0.9")
+            page.dispatch_event("#ema", "input")
+            expect(page.locator("#ema-value")).to_have_text("0.9")
+            expect(page.locator("#config-diff")).to_contain_text("run.max_steps")
         finally:
             browser.close()
     assert not errors, errors

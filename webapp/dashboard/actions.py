@@ -230,8 +230,22 @@ def build_config(preset: str | None, overrides: Any, toml: str | None = None) ->
     return cfg
 
 
-def launch_run(user, name: Any, preset: Any = None, overrides: Any = None, toml: str | None = None) -> Run:
+def validate_queue(queue: Any) -> str:
+    """The Celery queue a run goes to: one of settings.RLPILOT_QUEUES (default: the first)."""
+    if queue in (None, ""):
+        return settings.RLPILOT_QUEUES[0]
+    if not isinstance(queue, str) or queue not in settings.RLPILOT_QUEUES:
+        raise Invalid("unknown queue", {"queue": "one of " + ", ".join(settings.RLPILOT_QUEUES)})
+    return queue
+
+
+def launch_run(user, name: Any, preset: Any = None, overrides: Any = None, toml: str | None = None,
+               queue: Any = None) -> Run:
     errors: dict[str, str] = {}
+    try:
+        queue = validate_queue(queue)
+    except Invalid as e:
+        errors.update(e.errors)
     if not isinstance(name, str) or not name.strip():
         errors["name"] = "required: a short name for the run"
     elif len(name) > 200:
@@ -253,22 +267,26 @@ def launch_run(user, name: Any, preset: Any = None, overrides: Any = None, toml:
     with transaction.atomic():
         run = Run.objects.create(owner=user, name=name.strip(), preset=preset or "",
                                  config=cfg.to_dict(), knobs=cfg.knob_values(),
-                                 max_steps=cfg.run.max_steps, status=Status.QUEUED)
+                                 max_steps=cfg.run.max_steps, status=Status.QUEUED, queue=queue)
         append(run.pk, [Record("event", 0, "status", {"status": Status.QUEUED, "previous": None})],
                ring_bell=False)
         _enqueue(run, resume=False)
     return run
 
 
-def _enqueue(run: Run, resume: bool) -> None:
+def _enqueue(run: Run, resume: bool, resume_step: int | None = None) -> None:
     task_id = uuid.uuid4().hex
     Run.objects.filter(pk=run.pk).update(celery_task_id=task_id)
     run.celery_task_id = task_id
+    queue = run.queue or settings.TRAINING_QUEUE
+    kwargs = {"resume": resume}
+    if resume_step is not None:
+        kwargs["resume_step"] = resume_step
 
     def send():
         from webapp.dashboard.tasks import train
-        train.apply_async(args=[run.pk], kwargs={"resume": resume}, task_id=task_id,
-                          queue=settings.TRAINING_QUEUE)
+        # the run's queue: only workers on machines with the right resources consume it
+        train.apply_async(args=[run.pk], kwargs=kwargs, task_id=task_id, queue=queue)
 
     transaction.on_commit(send)
 
@@ -318,7 +336,16 @@ def request_knobs(run: Run, user, knobs: Any) -> KnobChange:
 
 # --- stop / pause / resume / kill / delete --------------------------------------------------------------
 
-def control(run: Run, user, action: str) -> Run:
+def _clear_alert(run: Run, rule: str) -> None:
+    state = Run.objects.filter(pk=run.pk).values_list("alerts", flat=True).first() or {}
+    active = dict(state.get("active") or {})
+    if rule in active:
+        del active[rule]
+        append(run.pk, [Record("event", run.step, "alert_cleared", {"rule": rule})],
+               {"alerts": {**state, "active": active}})
+
+
+def control(run: Run, user, action: str, resume_step: int | None = None) -> Run:
     if not run.can_control(user):
         raise Forbidden(f"only the run's owner or staff can {action} it")
     with transaction.atomic():
@@ -348,7 +375,8 @@ def control(run: Run, user, action: str) -> Run:
                     status=KnobChange.REJECTED, message="the run ended before this change was applied")
                 set_status(run, Status.QUEUED, desired=Desired.RUN, error="", finished_at=None,
                            heartbeat_at=None)
-                _enqueue(run, resume=True)
+                _clear_alert(run, "heartbeat")
+                _enqueue(run, resume=True, resume_step=resume_step)
             else:
                 raise Conflict(f"cannot resume a run that is {st}")
         elif action == "kill":
@@ -382,6 +410,46 @@ def _revoke(run: Run, terminate: bool) -> None:
     transaction.on_commit(send)
 
 
+def annotate_run(run: Run, user, note: Any = None, tags: Any = None, archived: Any = None) -> Run:
+    """Set a run's note, tags and archived flag (owner or staff)."""
+    if not run.can_control(user):
+        raise Forbidden("only the run's owner or staff can change its note, tags or archive state")
+    errors, fields = {}, {}
+    if note is not None:
+        if not isinstance(note, str) or len(note) > 20_000 or "\x00" in note:
+            errors["note"] = "expected text (at most 20000 characters)"
+        else:
+            fields["note"] = note
+    if tags is not None:
+        if isinstance(tags, str):
+            tags = tags.split(",")
+        if not isinstance(tags, list) or not all(isinstance(t, str) for t in tags):
+            errors["tags"] = 'expected a list of short strings, or "a, b"'
+        else:
+            clean = []
+            for t in (t.strip() for t in tags):
+                if t and t not in clean:
+                    clean.append(t)
+            if len(clean) > 20 or any(len(t) > 40 or "\x00" in t for t in clean):
+                errors["tags"] = "at most 20 tags of at most 40 characters"
+            else:
+                fields["tags"] = clean
+    if archived is not None:
+        if not isinstance(archived, bool):
+            errors["archived"] = "expected true or false"
+        elif archived and run.status in ACTIVE:
+            errors["archived"] = f"the run is {run.status}: stop it before archiving"
+        else:
+            fields["archived"] = archived
+    if errors:
+        raise Invalid("not saved", errors)
+    if fields:
+        Run.objects.filter(pk=run.pk).update(**fields)
+        event(run.pk, run.step, "annotated", {"by": user.get_username(), "fields": sorted(fields)})
+        run.refresh_from_db()
+    return run
+
+
 def delete_run(run: Run, user) -> None:
     if not run.can_control(user):
         raise Forbidden("only the run's owner or staff can delete it")
@@ -409,8 +477,14 @@ def mark_stale_runs(force: bool = False) -> int:
     _last_check = now
     cutoff = timezone.now() - timedelta(seconds=settings.HEARTBEAT_TIMEOUT_S)
     n = 0
-    for run in Run.objects.filter(status__in=LIVE, heartbeat_at__lt=cutoff).only("id", "status"):
-        if set_status(run.pk, Status.INTERRUPTED, only_from=LIVE,
-                      error="heartbeat lost: the worker running this run disappeared"):
-            n += 1
+    from webapp.dashboard import alerts
+
+    for run in Run.objects.filter(status__in=LIVE, heartbeat_at__lt=cutoff).only("id", "status", "step",
+                                                                                 "alerts"):
+        with transaction.atomic():
+            if set_status(run.pk, Status.INTERRUPTED, only_from=LIVE,
+                          error="heartbeat lost: the worker running this run disappeared"):
+                rec, state = alerts.heartbeat_alert(run, run.step)
+                append(run.pk, [rec], {"alerts": state})
+                n += 1
     return n

@@ -8,13 +8,13 @@ import logging
 
 from django.conf import settings
 from django.contrib.auth.models import AnonymousUser
-from django.http import HttpRequest, JsonResponse
+from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.middleware.csrf import CsrfViewMiddleware
 from django.utils import timezone
 from django.views.decorators.csrf import csrf_exempt
 
 from trainer import config as config_mod
-from webapp.dashboard import actions, streams
+from webapp.dashboard import actions, reports, streams
 from webapp.dashboard.models import ApiToken, KnobChange, Run
 
 log = logging.getLogger(__name__)
@@ -97,11 +97,13 @@ def run_json(run: Run, user, detail: bool = False) -> dict:
         "finished_at": run.finished_at.isoformat() if run.finished_at else None,
         "heartbeat_at": run.heartbeat_at.isoformat() if run.heartbeat_at else None,
         "summary": run.summary, "error": run.error, "cursor": run.last_seq,
-        "can_control": run.can_control(user),
+        "can_control": run.can_control(user), "queue": run.queue, "tags": run.tags,
+        "archived": run.archived, "active_alerts": sorted(((run.alerts or {}).get("active") or {})),
     }
     if detail:
         d.update({"config": run.config, "knobs": run.knobs, "desired": run.desired,
                   "celery_task_id": run.celery_task_id, "worker_host": run.worker_host,
+                  "note": run.note, "alerts": (run.alerts or {}).get("active") or {},
                   "pending_knob_changes": [
                       {"change_id": k.change_id, "knobs": k.knobs}
                       for k in run.knob_changes.filter(status=KnobChange.PENDING)]})
@@ -127,12 +129,12 @@ def presets(request, body):
 @api("GET", "POST")
 def runs(request, body):
     if request.method == "POST":
-        unknown = set(body) - {"name", "preset", "overrides", "toml"}
+        unknown = set(body) - {"name", "preset", "overrides", "toml", "queue"}
         if unknown:
-            return error(400, "unknown fields", {k: "unknown field; expected name, preset, overrides, toml"
-                                                 for k in sorted(unknown)})
+            return error(400, "unknown fields", {k: "unknown field; expected name, preset, overrides, "
+                                                    "toml, queue" for k in sorted(unknown)})
         run = actions.launch_run(request.user, body.get("name"), body.get("preset"),
-                                 body.get("overrides"), body.get("toml"))
+                                 body.get("overrides"), body.get("toml"), queue=body.get("queue"))
         return JsonResponse({"id": run.pk, "status": run.status, "url": f"/runs/{run.pk}/"}, status=201)
     actions.mark_stale_runs()
     qs = filter_runs(Run.objects.select_related("owner"), request.GET)
@@ -152,15 +154,30 @@ def filter_runs(qs, params):
         qs = qs.filter(owner__username=get("owner"))
     if get("q"):
         qs = qs.filter(name__icontains=get("q"))
+    archived = get("archived")
+    if archived in ("1", "true", "only"):
+        qs = qs.filter(archived=True)
+    elif archived != "all":
+        qs = qs.filter(archived=False)   # archived runs are hidden unless asked for
+    if get("tag"):   # JSON list membership, portable across SQLite and PostgreSQL
+        tag = get("tag")
+        qs = qs.filter(pk__in=[pk for pk, tags in qs.values_list("pk", "tags") if tag in (tags or [])])
     return qs
 
 
-@api("GET", "DELETE")
+@api("GET", "DELETE", "PATCH")
 def run_detail(request, body, run_id: int):
     run = get_run_or_404(run_id)
     if request.method == "DELETE":
         actions.delete_run(run, request.user)
         return JsonResponse({"deleted": run_id})
+    if request.method == "PATCH":   # {note?, tags?, archived?}
+        unknown = set(body) - {"note", "tags", "archived"}
+        if unknown:
+            return error(400, "unknown fields", {k: "unknown field; expected note, tags, archived"
+                                                 for k in sorted(unknown)})
+        run = actions.annotate_run(run, request.user, body.get("note"), body.get("tags"), body.get("archived"))
+        return JsonResponse(run_json(run, request.user, detail=True))
     actions.mark_stale_runs()
     run.refresh_from_db()
     return JsonResponse(run_json(run, request.user, detail=True))
@@ -190,6 +207,34 @@ def run_metrics(request, body, run_id: int):
         return error(400, "bad query", errors)
     keys = [k for k in request.GET.get("keys", "").split(",") if k]
     return JsonResponse(streams.metrics_snapshot(run, keys, after, max_points))
+
+
+EXPORTS = {"csv": "text/csv; charset=utf-8", "json": "application/json",
+           "toml": "application/toml; charset=utf-8", "html": "text/html; charset=utf-8"}
+
+
+def export_response(run, fmt: str) -> HttpResponse:
+    if fmt == "csv":
+        body = reports.export_csv(run)
+    elif fmt == "json":
+        body = json.dumps(reports.export_json(run), default=str)
+    elif fmt == "toml":
+        body = reports.export_toml(run)
+    else:
+        body = reports.export_html(run)
+    resp = HttpResponse(body, content_type=EXPORTS[fmt])
+    resp["Content-Disposition"] = f'attachment; filename="rlpilot-run-{run.pk}.{fmt}"'
+    return resp
+
+
+@api("GET")
+def run_export(request, body, run_id: int):
+    """Full-resolution metrics as CSV / JSON, the config as TOML, or a self-contained HTML report."""
+    run = get_run_or_404(run_id)
+    fmt = request.GET.get("format", "json")
+    if fmt not in EXPORTS:
+        return error(400, "bad format", {"format": "one of " + ", ".join(EXPORTS)})
+    return export_response(run, fmt)
 
 
 @api("POST")

@@ -58,6 +58,11 @@ class Run(models.Model):
     summary = models.JSONField(default=dict, blank=True)   # latest key figures + final summary
     error = models.TextField(blank=True)
     attempts = models.IntegerField(default=0)
+    queue = models.CharField(max_length=100, default="training")   # the Celery queue it runs on
+    note = models.TextField(blank=True)                   # free text by the owner
+    tags = models.JSONField(default=list, blank=True)     # ["april", "baseline"]
+    archived = models.BooleanField(default=False, db_index=True)
+    alerts = models.JSONField(default=dict, blank=True)   # {"active": {rule: {...}}, "state": {...}}
 
     class Meta:
         ordering = ["-id"]

@@ -31,7 +31,7 @@ def latest_checkpoint_step(path) -> int | None:
 
 
 @shared_task(name="webapp.dashboard.tasks.train", bind=True, acks_late=False, ignore_result=True)
-def train(self, run_id: int, resume: bool = False) -> str:
+def train(self, run_id: int, resume: bool = False, resume_step: int | None = None) -> str:
     close_old_connections()
     try:
         run = Run.objects.get(pk=run_id)
@@ -42,14 +42,33 @@ def train(self, run_id: int, resume: bool = False) -> str:
     if run.status != Status.QUEUED or (task_id and run.celery_task_id and task_id != run.celery_task_id):
         log.info("run %s is %s; task %s has nothing to do", run_id, run.status, task_id)
         return "skipped"
-    return execute(run, resume=resume)
+    # the Celery node name (e.g. "gpu-h200@host7"): which worker, on which machine, ran it
+    node = getattr(self.request, "hostname", None) or None
+    return execute(run, resume=resume, resume_step=resume_step, worker=node)
 
 
-def execute(run: Run, resume: bool = False) -> str:
+def drop_checkpoints_after(path, step: int) -> list[str]:
+    """Resuming from an older checkpoint: the newer ones belong to steps that will be trained
+    again (the run is rewound to `step`), so they go."""
+    import shutil
+
+    dropped = []
+    for ck in checkpoint.list_checkpoints(path):
+        m = re.search(r"(\d+)$", ck.name)
+        if m and int(m.group(1)) > step:
+            shutil.rmtree(ck, ignore_errors=True)
+            dropped.append(ck.name)
+    return dropped
+
+
+def execute(run: Run, resume: bool = False, resume_step: int | None = None,
+            worker: str | None = None) -> str:
     """Train `run` in this process (the Celery task's body; tests and benchmarks call it too)."""
     rid = run.pk
     directory = run_dir(rid)
     directory.mkdir(parents=True, exist_ok=True)
+    if resume and resume_step is not None:
+        drop_checkpoints_after(directory, resume_step)
     ck_step = latest_checkpoint_step(directory) if resume else None
     resume_from_ckpt = ck_step is not None
     attempt = run.attempts + 1
@@ -62,7 +81,7 @@ def execute(run: Run, resume: bool = False) -> str:
         Run.objects.filter(pk=rid).update(step=ck_step or 0)
     now = timezone.now()
     if not actions.set_status(rid, Status.RUNNING, only_from=[Status.QUEUED],
-                              worker_host=f"{socket.gethostname()}:{os.getpid()}", heartbeat_at=now,
+                              worker_host=f"{worker or socket.gethostname()}:{os.getpid()}"[:200], heartbeat_at=now,
                               started_at=run.started_at or now, attempts=attempt,
                               step=ck_step or 0, desired=Desired.RUN):
         return "skipped"

@@ -23,7 +23,7 @@ from django.db import close_old_connections, connection
 
 from trainer.controls import PAUSE, RESUME, SET_KNOBS, STOP, Command, ControlSource
 from trainer.metrics import MetricsSink
-from webapp.dashboard import actions
+from webapp.dashboard import actions, alerts
 from webapp.dashboard.actions import Record
 from webapp.dashboard.models import LIVE, Desired, KnobChange, Run, Status
 
@@ -121,6 +121,7 @@ class DbSink(MetricsSink):
         self.write_seconds = 0.0     # time the writer thread spent writing
         self.errors = 0
         self.thread: threading.Thread | None = None
+        self.monitor = None          # alerts.Monitor, loaded from the run row by the writer
 
     # --- the trainer's side --------------------------------------------------------------------
     def scalars(self, step: int, values: dict[str, float]) -> None:
@@ -203,6 +204,20 @@ class DbSink(MetricsSink):
         steps = [r.step for r in records if r.kind == "points"]
         if steps:
             updates["step"] = max(steps)
+        try:   # an alert-rule bug must never cost the run its telemetry
+            if self.monitor is None:
+                state = Run.objects.filter(pk=self.run_id).values_list("alerts", flat=True).first()
+                self.monitor = alerts.Monitor(state)
+            raised = self.monitor.check(records)   # alert / alert_cleared events, same transaction
+        except Exception:
+            log.exception("run %s: evaluating alerts failed", self.run_id)
+            raised = []
+            self.monitor = self.monitor or alerts.Monitor()
+        if raised:
+            records = records + raised
+            updates["alerts"] = self.monitor.as_json()
+        elif any(r.kind == "points" for r in records) and self.monitor.mem:
+            updates["alerts"] = self.monitor.as_json()   # streak counters survive a resume
         seq = actions.append(self.run_id, records, updates, ring_bell=False)
         for r in records:
             status = _EVENT_STATUS.get(r.name) if r.kind == "event" else None

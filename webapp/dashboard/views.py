@@ -1,4 +1,5 @@
-"""HTML pages: the runs list with the launch form, and the live run page."""
+"""HTML pages: the runs list with the launch form, the live run page, the report page (notes,
+tags, archive, delete, checkpoints) and the comparison of runs."""
 from __future__ import annotations
 
 from django.contrib import messages
@@ -8,9 +9,11 @@ from django.shortcuts import redirect, render
 from django.views.decorators.http import require_http_methods, require_POST
 
 from trainer import config as config_mod
-from webapp.dashboard import actions
+from django.conf import settings
+
+from webapp.dashboard import actions, reports
 from webapp.dashboard.api import filter_runs
-from webapp.dashboard.models import Run, Status
+from webapp.dashboard.models import ACTIVE, RESUMABLE, Run, RunEvent, Status
 
 FIELD_PREFIX = "cfg:"
 
@@ -40,10 +43,11 @@ def _fmt(v) -> str:
 def runs_page(request):
     errors: dict[str, str] = {}
     values: dict[str, str] = {}
-    form = {"name": "", "preset": "demo" if "demo" in config_mod.preset_names() else "", "toml": ""}
+    form = {"name": "", "preset": "demo" if "demo" in config_mod.preset_names() else "", "toml": "",
+            "queue": ""}
     if request.method == "POST":
         form = {"name": request.POST.get("name", ""), "preset": request.POST.get("preset", ""),
-                "toml": request.POST.get("toml", "")}
+                "toml": request.POST.get("toml", ""), "queue": request.POST.get("queue", "")}
         overrides = {}
         for key, raw in request.POST.items():
             if key.startswith(FIELD_PREFIX) and raw.strip() != "":
@@ -51,7 +55,8 @@ def runs_page(request):
                 values[key[len(FIELD_PREFIX):]] = raw
         try:
             run = actions.launch_run(request.user, form["name"], form["preset"] or None, overrides,
-                                     form["toml"] if form["toml"].strip() else None)
+                                     form["toml"] if form["toml"].strip() else None,
+                                     queue=form["queue"] or None)
         except actions.Invalid as e:
             errors = e.errors
             messages.error(request, "The run was not launched: fix the fields marked below.")
@@ -59,11 +64,12 @@ def runs_page(request):
             return redirect("run", run_id=run.pk)
     actions.mark_stale_runs()
     runs = list(filter_runs(Run.objects.select_related("owner"), request.GET)[:200])
+    compare_error = request.GET.get("compare_error", "")
     for r in runs:
         latest = (r.summary or {}).get("latest", {})
         r.figures = [_fmt(latest.get(k)) for k in ("reward/accuracy", "reward/mean",
                                                    "rollout/response_len/mean", "perf/gen_tokens_per_s")]
-    known = set(p.name for p in config_mod.schema()) | {"name", "preset", "toml"}
+    known = set(p.name for p in config_mod.schema()) | {"name", "preset", "toml", "queue"}
     presets = {name: config_mod.to_toml(config_mod.from_dict(config_mod.preset_dict(name)))
                for name in config_mod.preset_names()}
     ctx = {
@@ -72,6 +78,8 @@ def runs_page(request):
         "other_errors": {k: v for k, v in errors.items() if k not in known},
         "presets": list(presets), "preset_toml": presets,
         "owners": sorted(set(Run.objects.values_list("owner__username", flat=True))),
+        "queues": settings.RLPILOT_QUEUES, "compare_error": compare_error,
+        "ended": [Status.STOPPED, Status.FINISHED, Status.FAILED, Status.INTERRUPTED],
     }
     return render(request, "dashboard/runs.html", ctx, status=400 if errors else 200)
 
@@ -88,8 +96,126 @@ def run_page(request, run_id: int):
             "max_steps": run.max_steps, "knobs": run.knobs, "config": run.config,
             "can_control": run.can_control(request.user), "knob_schema": knobs,
             "owner": run.owner.get_username(), "user": request.user.get_username()}
-    return render(request, "dashboard/run.html", {"run": run, "page": page,
+    return render(request, "dashboard/run.html", {"run": run, "page": page, "active_alerts": active_alerts(run),
                                                   "config_toml": config_mod.to_toml(config_mod.from_dict(run.config))})
+
+
+def active_alerts(run: Run) -> list[dict]:
+    return [{"rule": rule, **a} for rule, a in ((run.alerts or {}).get("active") or {}).items()]
+
+
+def _get_run(run_id: int) -> Run:
+    run = Run.objects.select_related("owner").filter(pk=run_id).first()
+    if run is None:
+        raise Http404("no such run")
+    return run
+
+
+@login_required
+def report_page(request, run_id: int):
+    """A run's report: config, summary, static charts, knob timeline, alerts, events,
+    checkpoints; note, tags, archive and delete for its owner or staff."""
+    run = _get_run(run_id)
+    actions.mark_stale_runs()
+    run.refresh_from_db()
+    events = list(RunEvent.objects.filter(run_id=run.pk).order_by("-seq")[:1000])
+    events.reverse()
+    page = {"id": run.pk, "config": run.config, "knobs": run.knobs}
+    return render(request, "dashboard/report.html", {
+        "run": run, "page": page, "rows": reports.summary_rows(reports.summary(run)),
+        "timeline": reports.knob_timeline(run), "alert_history": reports.alerts(run),
+        "active_alerts": active_alerts(run), "events": events, "checkpoints": reports.checkpoints(run),
+        "config_toml": config_mod.to_toml(config_mod.from_dict(run.config)),
+        "can_control": run.can_control(request.user), "is_active": run.status in ACTIVE,
+        "resumable": run.status in RESUMABLE, "tags_text": ", ".join(run.tags or []),
+    })
+
+
+@login_required
+@require_POST
+def run_annotate(request, run_id: int):
+    """The report page's note/tags form and archive button (owner or staff)."""
+    run = _get_run(run_id)
+    fields = {}
+    if "note" in request.POST:
+        fields["note"] = request.POST["note"]
+    if "tags" in request.POST:
+        fields["tags"] = request.POST["tags"]
+    if "archived" in request.POST:
+        fields["archived"] = request.POST["archived"] == "true"
+    try:
+        actions.annotate_run(run, request.user, **fields)
+    except actions.Forbidden as e:
+        messages.error(request, e.message)
+        return redirect("run-report", run_id=run_id)
+    except actions.ActionError as e:
+        messages.error(request, e.message + ": " + "; ".join(f"{k}: {v}" for k, v in e.errors.items()))
+        return redirect("run-report", run_id=run_id)
+    messages.info(request, "Saved.")
+    return redirect("run-report", run_id=run_id)
+
+
+@login_required
+@require_POST
+def run_checkpoint(request, run_id: int, step: int):
+    """Resume the run from this checkpoint, or launch a new run from it."""
+    run = _get_run(run_id)
+    path = reports.checkpoint_path(run, step)
+    if path is None:
+        raise Http404("no such checkpoint")
+    what = request.POST.get("action")
+    try:
+        if what == "resume":
+            actions.control(run, request.user, "resume", resume_step=step)
+            return redirect("run", run_id=run.pk)
+        if what == "new":
+            name = (request.POST.get("name") or f"{run.name} from step {step}")[:200]
+            toml = config_mod.to_toml(config_mod.from_dict(run.config))
+            new = actions.launch_run(request.user, name, None, {"model.path": f"{path}/model"}, toml,
+                                     queue=run.queue if run.queue in settings.RLPILOT_QUEUES else None)
+            return redirect("run", run_id=new.pk)
+    except actions.ActionError as e:
+        messages.error(request, e.message + (": " + "; ".join(f"{k}: {v}" for k, v in e.errors.items())
+                                             if e.errors else ""))
+        return redirect("run-report", run_id=run_id)
+    messages.error(request, "unknown checkpoint action")
+    return redirect("run-report", run_id=run_id)
+
+
+def parse_ids(params) -> list[int]:
+    raw = []
+    for v in params.getlist("ids"):
+        raw += [x for x in v.replace(" ", ",").split(",") if x]
+    ids = []
+    for x in raw:
+        try:
+            i = int(x)
+        except ValueError:
+            continue
+        if i not in ids:
+            ids.append(i)
+    return ids
+
+
+@login_required
+def compare_page(request):
+    """2-8 runs overlaid: one chart per metric (EMA smoothing), the config diff, the summaries
+    side by side with ratios against the first run."""
+    ids = parse_ids(request.GET)
+    if not 2 <= len(ids) <= 8:
+        messages.error(request, "Pick 2 to 8 runs to compare.")
+        return redirect("runs")
+    found = {r.pk: r for r in Run.objects.select_related("owner").filter(pk__in=ids)}
+    missing = [i for i in ids if i not in found]
+    if missing:
+        raise Http404(f"no run {missing[0]}")
+    runs = [found[i] for i in ids]
+    summaries = [reports.summary(r) for r in runs]
+    page = {"runs": [{"id": r.pk, "name": r.name, "status": r.status} for r in runs]}
+    return render(request, "dashboard/compare.html", {
+        "runs": runs, "rows": reports.compare_rows(runs, summaries), "diff": reports.config_diff(runs),
+        "headlines": reports.headlines(runs, summaries), "page": page,
+    })
 
 
 @login_required
@@ -98,10 +224,13 @@ def run_delete(request, run_id: int):
     run = Run.objects.filter(pk=run_id).first()
     if run is None:
         raise Http404("no such run")
+    if request.POST.get("confirm") != "delete" and run.can_control(request.user):
+        messages.error(request, "Not deleted: tick the confirmation box first.")
+        return redirect("run-report", run_id=run_id)
     try:
         actions.delete_run(run, request.user)
     except actions.ActionError as e:
         messages.error(request, e.message)
-        return redirect("run", run_id=run_id)
+        return redirect("run-report", run_id=run_id)
     messages.info(request, f"Run {run_id} deleted.")
     return redirect("runs")

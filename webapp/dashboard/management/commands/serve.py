@@ -18,10 +18,16 @@ from webapp.dashboard import actions
 from webapp.dashboard.models import LIVE, Desired, Run, Status
 
 
-def worker_command(concurrency: int | None = None, loglevel: str = "info") -> list[str]:
-    return [sys.executable, "-m", "celery", "-A", "webapp", "worker", "-Q", settings.TRAINING_QUEUE,
+def worker_command(concurrency: int | None = None, loglevel: str = "info", queues: list[str] | None = None,
+                   name: str | None = None) -> list[str]:
+    """A Celery worker consuming `queues` (default: the training queue). On another machine the
+    same command, with DATABASE_URL and REDIS_URL pointing at the shared services, adds a worker
+    (README: "Production layout and adding a worker machine")."""
+    queues = queues or [settings.TRAINING_QUEUE]
+    name = name or f"{'+'.join(queues)}-{os.getpid()}"
+    return [sys.executable, "-m", "celery", "-A", "webapp", "worker", "-Q", ",".join(queues),
             "--pool", "prefork", "-c", str(concurrency or settings.CELERY_WORKER_CONCURRENCY),
-            "--prefetch-multiplier", "1", "-n", f"training-{os.getpid()}@%h",
+            "--prefetch-multiplier", "1", "-n", f"{name}@%h",
             "--without-gossip", "--without-mingle", "--without-heartbeat", "-l", loglevel]
 
 
@@ -36,6 +42,9 @@ class Command(BaseCommand):
         parser.add_argument("--host", default=os.environ.get("RLPILOT_HOST", "127.0.0.1"))
         parser.add_argument("--port", type=int, default=int(os.environ.get("RLPILOT_PORT", "8000")))
         parser.add_argument("--no-worker", action="store_true", help="start only the web server")
+        parser.add_argument("--queues", default="",
+                            help="comma-separated Celery queues the local worker consumes (default: "
+                                 "every queue in RLPILOT_QUEUES, so a single machine runs everything)")
         parser.add_argument("--stop-timeout", type=float, default=20.0,
                             help="seconds to wait for running runs to stop at Ctrl-C")
 
@@ -57,7 +66,14 @@ class Command(BaseCommand):
         procs.append(("web", subprocess.Popen(server_command(opts["host"], opts["port"]), env=env,
                                               start_new_session=True)))
         if not opts["no_worker"]:
-            procs.append(("worker", subprocess.Popen(worker_command(), env=env, start_new_session=True)))
+            queues = [q.strip() for q in opts["queues"].split(",") if q.strip()] or list(settings.RLPILOT_QUEUES)
+            unknown = [q for q in queues if q not in settings.RLPILOT_QUEUES]
+            if unknown:
+                self.stderr.write(f"note: queue(s) {', '.join(unknown)} are not in RLPILOT_QUEUES; "
+                                  "the launch form will not offer them")
+            self.stdout.write(f"worker consumes: {', '.join(queues)}")
+            procs.append(("worker", subprocess.Popen(worker_command(queues=queues), env=env,
+                                                     start_new_session=True)))
         host = "127.0.0.1" if opts["host"] in ("0.0.0.0", "::") else opts["host"]
         self.stdout.write(self.style.SUCCESS(f"rlpilot dashboard: http://{host}:{opts['port']}/  "
                                              "(Ctrl-C stops everything)"))

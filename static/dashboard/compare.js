@@ -1,0 +1,60 @@
+// The comparison page: the chosen runs overlaid, one chart per metric, with EMA smoothing.
+(function () {
+  "use strict";
+  const page = JSON.parse(document.getElementById("compare-page").textContent);
+  const DEFAULT = ["reward/accuracy", "reward/mean", "eval/accuracy", "perf/trained_tokens_per_s",
+                   "perf/gen_tokens_per_s", "actor/kl", "rollout/response_len/mean", "async/staleness/max",
+                   "rollout/zero_var_ratio", "greso/skip_rate", "timing/step_s", "system/gpu_util"];
+  const el = RLCharts.el;
+  const data = [];          // per run: {key: {steps, values}}
+  const divs = {};
+  const chartsEl = document.getElementById("compare-charts");
+  const picks = document.getElementById("metric-picks");
+  const ema = document.getElementById("ema");
+
+  function selected() {
+    return Array.from(picks.querySelectorAll("input:checked")).map(i => i.value);
+  }
+  function draw() {
+    const alpha = parseFloat(ema.value) || 0;
+    document.getElementById("ema-value").textContent = String(alpha);
+    const keys = selected();
+    Object.keys(divs).forEach(k => { divs[k].hidden = keys.indexOf(k) < 0; });
+    keys.forEach(function (key) {
+      let div = divs[key];
+      if (!div) {
+        div = divs[key] = el("div", { class: "chart", "data-metric": key, "data-npoints": "0" });
+        chartsEl.appendChild(div);
+      }
+      let n = 0;
+      const traces = page.runs.map(function (r, i) {
+        const s = data[i][key] || { steps: [], values: [] };
+        n += s.steps.length;
+        return { type: "scatter", mode: s.steps.length < 60 ? "lines+markers" : "lines",
+                 name: "#" + r.id + " " + r.name, x: s.steps, y: RLCharts.ema(s.values, alpha), marker: { size: 4 } };
+      });
+      Plotly.react(div, traces, { title: { text: key, font: { size: 13 } }, margin: { l: 48, r: 20, t: 32, b: 32 },
+        legend: { orientation: "h", y: -0.2, font: { size: 10 } }, uirevision: key }, { displaylogo: false, responsive: true });
+      div.setAttribute("data-npoints", String(n));
+    });
+  }
+  Promise.all(page.runs.map(r => fetch("/api/runs/" + r.id + "/metrics", { credentials: "same-origin" }).then(x => x.json())))
+    .then(function (snaps) {
+      snaps.forEach(s => data.push(s.points || {}));
+      const all = new Set();
+      data.forEach(d => Object.keys(d).forEach(k => all.add(k)));
+      Array.from(all).sort().forEach(function (k) {
+        const lab = el("label");
+        const box = el("input", { type: "checkbox", value: k });
+        box.checked = DEFAULT.indexOf(k) >= 0;
+        box.addEventListener("change", draw);
+        lab.appendChild(box);
+        lab.appendChild(document.createTextNode(" " + k));
+        picks.appendChild(lab);
+        picks.appendChild(el("br"));
+      });
+      draw();
+      document.body.setAttribute("data-charts-drawn", "1");
+    });
+  ema.addEventListener("input", draw);
+})();

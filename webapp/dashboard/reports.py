@@ -1,0 +1,309 @@
+"""Past-run reports: the summary of a run, its knob timeline and checkpoints, the comparison of
+runs (config diff, summaries with ratios) and the exports (CSV, JSON, TOML, self-contained HTML).
+Reads only; nothing here writes rows."""
+from __future__ import annotations
+
+import csv
+import io
+import json
+from datetime import datetime
+from typing import Any
+
+from django.conf import settings
+from django.db.models import Avg, Count, Max, Sum
+from django.template.loader import render_to_string
+from django.utils import timezone
+
+from trainer import checkpoint
+from trainer import config as config_mod
+from webapp.dashboard import streams
+from webapp.dashboard.actions import run_dir
+from webapp.dashboard.models import HistogramSnapshot, MetricPoint, Run, RunEvent
+
+# (key, label, higher is better) -- the order of the summary table
+SUMMARY = [
+    ("steps", "steps", None),
+    ("wall_time_s", "wall time (s)", False),
+    ("gen_tokens", "generated tokens", None),
+    ("trained_tokens", "trained tokens", None),
+    ("samples_generated", "samples generated", None),
+    ("samples_skipped", "samples skipped (GRESO)", None),
+    ("accuracy_final", "accuracy (final)", True),
+    ("accuracy_best", "accuracy (best)", True),
+    ("reward_final", "reward (final)", True),
+    ("reward_best", "reward (best)", True),
+    ("eval_accuracy_final", "eval accuracy (final)", True),
+    ("eval_accuracy_best", "eval accuracy (best)", True),
+    ("gen_tokens_per_s", "generated tokens/s (mean)", True),
+    ("trained_tokens_per_s", "trained tokens/s (mean)", True),
+    ("trained_tokens_per_train_s", "trained tokens/s (trained tokens / step time)", True),
+    ("gpu_util", "GPU utilisation % (mean)", True),
+    ("cpu_util", "CPU utilisation % (mean, no GPU)", None),
+    ("time_gen_s", "time: generation (s)", None),
+    ("time_reward_s", "time: reward (s)", None),
+    ("time_train_s", "time: training (s)", None),
+    ("time_weight_sync_s", "time: weight sync (s)", None),
+    ("time_gen_pct", "time: generation (%)", None),
+    ("time_reward_pct", "time: reward (%)", None),
+    ("time_train_pct", "time: training (%)", None),
+    ("time_weight_sync_pct", "time: weight sync (%)", None),
+]
+LABELS = {k: label for k, label, _ in SUMMARY}
+
+_KEYS = ["train/gen_tokens_total", "train/trained_tokens_total", "train/samples_total",
+         "rollout/gen_tokens", "rollout/trained_tokens", "rollout/samples", "reward/accuracy",
+         "reward/mean", "eval/accuracy", "perf/gen_tokens_per_s", "perf/trained_tokens_per_s",
+         "system/gpu_util", "system/cpu_util", "timing/gen_s", "timing/reward_s", "timing/train_s",
+         "timing/weight_sync_s", "timing/step_s"]
+
+
+def _last(run_id: int, key: str) -> float | None:
+    return (MetricPoint.objects.filter(run_id=run_id, key=key, value__isnull=False)
+            .order_by("-step", "-seq").values_list("value", flat=True).first())
+
+
+def summary(run: Run) -> dict[str, Any]:
+    """The report's key figures, computed from the run's rows (None where a metric is missing)."""
+    agg = {r["key"]: r for r in (MetricPoint.objects.filter(run_id=run.pk, key__in=_KEYS)
+                                 .values("key").annotate(n=Count("value"), avg=Avg("value"),
+                                                         mx=Max("value"), sm=Sum("value")))}
+
+    def avg(k):
+        return agg[k]["avg"] if k in agg and agg[k]["n"] else None
+
+    def best(k):
+        return agg[k]["mx"] if k in agg and agg[k]["n"] else None
+
+    def total(k):
+        return agg[k]["sm"] if k in agg and agg[k]["n"] else None
+
+    def last(k):
+        return _last(run.pk, k) if k in agg and agg[k]["n"] else None
+
+    def cumulative(total_key, per_step_key):
+        v = last(total_key)
+        return v if v is not None else total(per_step_key)
+
+    out: dict[str, Any] = {"steps": run.step}
+    if run.started_at:
+        end = run.finished_at or timezone.now()
+        out["wall_time_s"] = round((end - run.started_at).total_seconds(), 3)
+    else:
+        out["wall_time_s"] = None
+    out["gen_tokens"] = cumulative("train/gen_tokens_total", "rollout/gen_tokens")
+    out["trained_tokens"] = cumulative("train/trained_tokens_total", "rollout/trained_tokens")
+    out["samples_generated"] = cumulative("train/samples_total", "rollout/samples")
+    sampled = dict(MetricPoint.objects.filter(run_id=run.pk, key="greso/prompts_sampled")
+                   .values_list("step", "value"))
+    skipped_prompts = None
+    if sampled:
+        rates = dict(MetricPoint.objects.filter(run_id=run.pk, key="greso/skip_rate")
+                     .values_list("step", "value"))
+        skipped_prompts = sum((sampled[s] or 0) * (rates.get(s) or 0) for s in sampled)
+    n = ((run.config or {}).get("rollout") or {}).get("n_samples_per_prompt") or 1
+    out["samples_skipped"] = round(skipped_prompts * n) if skipped_prompts is not None else None
+    for name, key in (("accuracy", "reward/accuracy"), ("reward", "reward/mean"),
+                      ("eval_accuracy", "eval/accuracy")):
+        out[f"{name}_final"], out[f"{name}_best"] = last(key), best(key)
+    out["gen_tokens_per_s"] = avg("perf/gen_tokens_per_s")
+    out["trained_tokens_per_s"] = avg("perf/trained_tokens_per_s")
+    step_s = total("timing/step_s")
+    out["trained_tokens_per_train_s"] = (out["trained_tokens"] / step_s
+                                         if out["trained_tokens"] is not None and step_s else None)
+    out["gpu_util"] = avg("system/gpu_util")
+    out["cpu_util"] = avg("system/cpu_util") if out["gpu_util"] is None else None
+    parts = {p: total(f"timing/{p}_s") for p in ("gen", "reward", "train", "weight_sync")}
+    whole = sum(v for v in parts.values() if v)
+    for p, v in parts.items():
+        out[f"time_{p}_s"] = v
+        out[f"time_{p}_pct"] = 100.0 * v / whole if v is not None and whole else None
+    return out
+
+
+def fmt(v: Any) -> str:
+    if v is None:
+        return "—"
+    if isinstance(v, bool):
+        return str(v).lower()
+    if isinstance(v, int):
+        return f"{v:,}"
+    if isinstance(v, float):
+        if v != v:
+            return "nan"
+        if abs(v) >= 1000:
+            return f"{v:,.0f}"
+        return f"{v:.4g}"
+    return str(v)
+
+
+def summary_rows(s: dict[str, Any]) -> list[dict[str, Any]]:
+    return [{"key": k, "label": label, "value": s.get(k), "text": fmt(s.get(k))}
+            for k, label, _ in SUMMARY if s.get(k) is not None]
+
+
+# --- timeline, events, checkpoints --------------------------------------------------------------
+
+def knob_timeline(run: Run) -> list[dict[str, Any]]:
+    """Every applied knob change: who, old -> new, applied at which step."""
+    out = []
+    for e in RunEvent.objects.filter(run_id=run.pk, kind__in=("knob_applied", "auto_staleness")).order_by("seq"):
+        d = e.data or {}
+        who = d.get("requested_by") or ("auto (staleness controller)" if e.kind == "auto_staleness" else "")
+        for key, ch in (d.get("changes") or {}).items():
+            ch = ch if isinstance(ch, dict) else {}
+            out.append({"step": e.step, "who": who, "key": key, "old": ch.get("old"), "new": ch.get("new"),
+                        "time": e.time})
+    return out
+
+
+def alerts(run: Run) -> list[dict[str, Any]]:
+    return [{"step": e.step, "time": e.time, "kind": e.kind, "rule": (e.data or {}).get("rule", ""),
+             "message": (e.data or {}).get("message", "")}
+            for e in RunEvent.objects.filter(run_id=run.pk, kind__in=("alert", "alert_cleared")).order_by("seq")]
+
+
+def checkpoints(run: Run) -> list[dict[str, Any]]:
+    out = []
+    for ck in checkpoint.list_checkpoints(run_dir(run.pk)):
+        try:
+            step = int(ck.name.rsplit("_", 1)[-1])
+        except ValueError:
+            continue
+        size = sum(f.stat().st_size for f in ck.rglob("*") if f.is_file())
+        out.append({"name": ck.name, "step": step, "path": str(ck), "size_mb": round(size / 2**20, 1),
+                    "time": datetime.fromtimestamp(ck.stat().st_mtime, tz=timezone.get_current_timezone())})
+    return out
+
+
+def checkpoint_path(run: Run, step: int):
+    for ck in checkpoints(run):
+        if ck["step"] == step:
+            return ck["path"]
+    return None
+
+
+# --- comparison ---------------------------------------------------------------------------------
+
+def flatten(config: dict) -> dict[str, Any]:
+    return {f"{sec}.{k}": v for sec, values in (config or {}).items() if isinstance(values, dict)
+            for k, v in values.items()}
+
+
+def config_diff(runs: list[Run]) -> list[dict[str, Any]]:
+    """Only the keys whose values differ between the runs (the launch config)."""
+    flats = [flatten(r.config) for r in runs]
+    keys = sorted(set().union(*flats)) if flats else []
+    missing = object()
+    out = []
+    for k in keys:
+        vals = [f.get(k, missing) for f in flats]
+        if len({json.dumps(v, sort_keys=True, default=str) if v is not missing else "\0" for v in vals}) > 1:
+            out.append({"key": k, "values": ["(absent)" if v is missing else v for v in vals]})
+    return out
+
+
+def ratio_text(v: Any, base: Any) -> str:
+    if not isinstance(v, (int, float)) or not isinstance(base, (int, float)) or not base:
+        return ""
+    return f"{v / base:.2f}x"
+
+
+def compare_rows(runs: list[Run], summaries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    rows = []
+    for key, label, better in SUMMARY:
+        vals = [s.get(key) for s in summaries]
+        if all(v is None for v in vals):
+            continue
+        base = vals[0]
+        rows.append({"key": key, "label": label, "better": better,
+                     "cells": [{"text": fmt(v), "ratio": ratio_text(v, base) if i else ""}
+                               for i, v in enumerate(vals)]})
+    return rows
+
+
+HEADLINE_KEYS = ("trained_tokens_per_s", "gen_tokens_per_s", "accuracy_best", "wall_time_s")
+
+
+def headlines(runs: list[Run], summaries: list[dict[str, Any]]) -> list[str]:
+    """e.g. 'april vs sync: 1.42x trained tokens/s (mean)'"""
+    out = []
+    base = summaries[0]
+    for r, s in zip(runs[1:], summaries[1:]):
+        parts = [f"{ratio_text(s.get(k), base.get(k))} {LABELS[k]}" for k in HEADLINE_KEYS
+                 if ratio_text(s.get(k), base.get(k))]
+        if parts:
+            out.append(f"{r.name} vs {runs[0].name}: " + ", ".join(parts))
+    return out
+
+
+# --- exports ------------------------------------------------------------------------------------
+
+def all_points(run: Run):
+    """Every point written, in order: (seq, step, key, value); NaN/inf are stored as NULL."""
+    return (MetricPoint.objects.filter(run_id=run.pk).order_by("seq", "id")
+            .values_list("seq", "step", "key", "value").iterator(chunk_size=5000))
+
+
+def export_csv(run: Run) -> str:
+    buf = io.StringIO()
+    w = csv.writer(buf, lineterminator="\n")
+    w.writerow(["seq", "step", "key", "value"])
+    for seq, step, key, value in all_points(run):
+        w.writerow([seq, step, key, "" if value is None else repr(value)])
+    return buf.getvalue()
+
+
+def full_series(run: Run) -> dict[str, dict[str, list]]:
+    series: dict[str, dict[str, list]] = {}
+    for _, step, key, value in all_points(run):
+        s = series.setdefault(key, {"steps": [], "values": []})
+        s["steps"].append(step)
+        s["values"].append(value)
+    return series
+
+
+def run_meta(run: Run) -> dict[str, Any]:
+    return {"id": run.pk, "name": run.name, "owner": run.owner.get_username(), "preset": run.preset,
+            "status": run.status, "step": run.step, "max_steps": run.max_steps, "queue": run.queue,
+            "worker_host": run.worker_host, "note": run.note, "tags": run.tags, "archived": run.archived,
+            "created_at": run.created_at.isoformat(),
+            "started_at": run.started_at.isoformat() if run.started_at else None,
+            "finished_at": run.finished_at.isoformat() if run.finished_at else None,
+            "error": run.error}
+
+
+def export_json(run: Run) -> dict[str, Any]:
+    return {"run": run_meta(run), "config": run.config, "knobs": run.knobs, "summary": summary(run),
+            "trainer_summary": (run.summary or {}).get("final"),
+            "metrics": full_series(run),
+            "histograms": [{"step": h.step, "name": h.name, "edges": h.edges, "counts": h.counts}
+                           for h in HistogramSnapshot.objects.filter(run_id=run.pk).order_by("seq")],
+            "events": [{"seq": e.seq, "step": e.step, "kind": e.kind, "time": e.time.isoformat(),
+                        "data": e.data} for e in RunEvent.objects.filter(run_id=run.pk).order_by("seq")],
+            "knob_timeline": [{**k, "time": k["time"].isoformat()} for k in knob_timeline(run)]}
+
+
+def export_toml(run: Run) -> str:
+    head = (f"# rlpilot run {run.pk} {json.dumps(run.name)} ({run.status}): the launch config.\n"
+            f"# Knob values at the end: {json.dumps(run.knobs, sort_keys=True)}\n")
+    return head + config_mod.to_toml(config_mod.from_dict(run.config))
+
+
+def _inline_script(text: str) -> str:
+    return text.replace("</script", "<\\/script").replace("<!--", "<\\!--")
+
+
+def export_html(run: Run, max_points: int = 2000) -> str:
+    """One HTML file: Plotly, the chart code, the data and the tables inlined; no network."""
+    static = settings.BASE_DIR / "static"
+    snap = streams.metrics_snapshot(run, None, None, max_points, max_histograms=300, max_events=2000)
+    return render_to_string("dashboard/report_export.html", {
+        "run": run, "rows": summary_rows(summary(run)), "timeline": knob_timeline(run),
+        "alerts": alerts(run), "events": RunEvent.objects.filter(run_id=run.pk).order_by("seq")[:2000],
+        "config_toml": export_toml(run), "generated": timezone.now(),
+        "css": (static / "dashboard" / "style.css").read_text(),
+        "plotly_js": _inline_script((static / "vendor" / "plotly.min.js").read_text()),
+        "charts_js": _inline_script((static / "dashboard" / "charts.js").read_text()),
+        "data": {"points": snap["points"], "histograms": snap["histograms"],
+                 "events": snap["events"], "config": run.config, "knobs": run.knobs},
+    })
