@@ -1,0 +1,51 @@
+"""GPU code paths. They need CUDA and are skipped (with the reason) on machines without it;
+on a GPU machine: `pytest tests/test_gpu.py`."""
+import pytest
+import torch
+
+from trainer import config as C
+from trainer.engine.base import Sample, SamplingParams
+from trainer.engine.embedded import EmbeddedEngine
+from trainer.metrics import MemorySink
+from trainer.model import load_model, load_tokenizer
+from trainer.runner import Runner
+from trainer.system import SystemSampler
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def test_bf16_training_steps_report_peak_memory_and_gpu_telemetry(tmp_path):
+    cfg = C.load("demo", ["model.device=cuda", "rollout.rollout_batch_size=8",
+                          "rollout.n_samples_per_prompt=4", "run.max_steps=3",
+                          "run.eval_every=0", "run.checkpoint_every=0"])
+    sink = MemorySink()
+    with Runner(cfg, tmp_path, sink=sink) as r:
+        assert r.run() == "finished"
+        assert r.dtype == torch.bfloat16 and next(r.model.parameters()).is_cuda
+    peaks = sink.series("system/cuda_peak_mem_gb")
+    assert len(peaks) == 3 and all(p > 0 for p in peaks)
+    assert "system/gpu_util" in sink.steps[-1] and "system/gpu0/mem_gb" in sink.steps[-1]
+
+
+def test_kv_cache_release_returns_memory_and_results_stay_the_same():
+    model = load_model("builtin", torch.device("cuda"), torch.float32).eval()
+    tok = load_tokenizer("builtin")
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=64)
+    eng = EmbeddedEngine(model, eos_token_ids=[tok.eos_token_id], max_slots=64, max_seq_len=256)
+    a = Sample(tok("[1,2,3,4]=").input_ids, greedy)
+    eng.generate([a])
+    before = torch.cuda.memory_allocated()
+    eng.release_memory()
+    assert torch.cuda.memory_allocated() < before
+    b = Sample(tok("[1,2,3,4]=").input_ids, greedy)
+    eng.generate([b])
+    assert b.response_ids == a.response_ids
+
+
+def test_nvml_sampler_sees_the_devices():
+    s = SystemSampler(interval_s=0.1).start()
+    try:
+        m = s.summary()
+    finally:
+        s.close()
+    assert s.has_gpu and 0 <= m["system/gpu_util"] <= 100
