@@ -27,7 +27,7 @@ def test_bench_greso_reports_samples_reduction():
 
 
 def test_bench_async_reports_speedup_and_best_eta():
-    out = asynchronous.run(args(preset="demo", etas="0,1", sync_threads=1),
+    out = asynchronous.run(args(preset="demo", etas="0,1", sync_threads=1, trainer_threads=1),
                            log=lambda *a: None)
     assert set(out["ratio"]) >= {"speedup", "best_eta", "accuracy_delta"}
     assert out["ratio"]["best_eta"] in (0, 1)

@@ -69,3 +69,18 @@ def test_control_writes_commands_the_run_reads(tmp_path):
     assert p.returncode == 2 and "cannot change during a run" in p.stderr
     p = cli("control", str(tmp_path / "nope"), "--stop")
     assert p.returncode == 2 and "not a run directory" in p.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", ["april", "greso", "async", "all"])
+def test_every_technique_preset_trains_from_the_cli(tmp_path, preset):
+    out = tmp_path / preset
+    p = cli("run", preset, "--set", "run.max_steps=2", "--set", "rollout.rollout_batch_size=4",
+            "--set", "rollout.n_samples_per_prompt=4", "--set", "rollout.max_response_len=128",
+            "--set", "run.eval_every=0", "--set", "model.threads=1", "--out", str(out))
+    assert p.returncode == 0, p.stderr[-2000:]
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    key = {"april": "april/buffer_size", "greso": "greso/p_easy",
+           "async": "async/staleness/max", "all": "async/staleness/max"}[preset]
+    assert key in rows[-1]

@@ -57,6 +57,13 @@ def test_presets_load_and_toml_round_trips():
     assert again == cfg and again.optim.lr == 2e-5
 
 
+def test_every_shipped_preset_loads():
+    names = C.preset_names()
+    assert {"demo", "april", "greso", "async", "all"} <= set(names)
+    for name in names:
+        C.load(name)  # raises ConfigError on a bad or duplicated key
+
+
 def test_unknown_preset_and_bad_toml():
     with pytest.raises(C.ConfigError) as e:
         C.load("nosuch")

@@ -207,7 +207,7 @@ def test_two_ranks_train_in_step_and_only_rank_0_reports(tmp_path):
     assert r0["cursor"] == r1["cursor"] == 8
     # the knob change sent to rank 0 before step 2 is applied on both ranks before step 2
     assert r0["seen"] == r1["seen"] == [
-        {"step": 1, "lr": 1e-4, "temperature": 1.0, "april": False},
+        {"step": 1, "lr": C.load("demo").optim.lr, "temperature": 1.0, "april": False},
         {"step": 2, "lr": 5e-5, "temperature": 0.7, "april": False}]
     # metrics, events and the checkpoint come from rank 0 only, with global values
     assert (tmp_path / "sink1" / "metrics.jsonl").read_text() == ""

@@ -3,6 +3,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
+from helpers import full_forward_logprobs
 from trainer.engine.base import ABORT, SEGMENT, STOP, Sample, SamplingParams
 from trainer.engine.embedded import EmbeddedEngine
 from trainer.model import load_model, load_tokenizer
@@ -12,15 +13,6 @@ from trainer.model import load_model, load_tokenizer
 def builtin():
     model = load_model("builtin", torch.device("cpu"), torch.float32).eval()
     return model, load_tokenizer("builtin")
-
-
-def full_forward_logprobs(model, s: Sample, temperature: float = 1.0) -> torch.Tensor:
-    ids = torch.tensor([s.prompt_ids + s.response_ids])
-    with torch.no_grad():
-        logits = model(ids).logits[0].float() / temperature
-    logp = torch.log_softmax(logits, -1)
-    P = len(s.prompt_ids)
-    return logp[P - 1:-1].gather(1, torch.tensor(s.response_ids).unsqueeze(1)).squeeze(1)
 
 
 def prompts(tok, texts):

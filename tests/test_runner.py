@@ -80,9 +80,10 @@ def test_knob_change_is_applied_at_a_step_boundary_and_recorded(tmp_path, tiny_o
         runner.run()
     applied = [e for e in sink.events if e["kind"] == "knob_applied"]
     assert len(applied) == 1 and applied[0]["step"] == 1
-    assert applied[0]["changes"]["optim.lr"] == {"old": 1e-4, "new": 5e-5}
+    start_lr = C.load("demo").optim.lr
+    assert applied[0]["changes"]["optim.lr"] == {"old": start_lr, "new": 5e-5}
     assert applied[0]["requested_by"] == "alice"
-    assert sink.series("actor/lr") == [1e-4, 5e-5, 5e-5]
+    assert sink.series("actor/lr") == [start_lr, 5e-5, 5e-5]
     state = json.loads((checkpoint.latest(tmp_path) / "state.json").read_text())
     assert state["knobs"]["optim.lr"] == 5e-5 and state["knobs"]["rollout.temperature"] == 0.9
 
@@ -112,3 +113,17 @@ def test_pause_holds_the_run_and_stop_ends_it_with_a_checkpoint(tmp_path, tiny_o
     assert runner.step == 3  # paused before step 2, stopped before step 4
     assert checkpoint.latest(tmp_path).name == "step_000003"
     assert kinds[-1] == "run_stopped"
+
+
+def test_greso_state_survives_checkpoint_and_resume(tmp_path, tiny_overrides):
+    extra = ["greso.enabled=true", "rollout.dynamic_sampling=true", "data.train_size=8"]
+    first, _ = make(tmp_path, tiny_overrides + extra, steps=3)
+    with first:
+        first.run()
+        saved = first.greso.state_dict()
+    assert saved["traces"] and (saved["p_easy"], saved["p_hard"]) != (0.5, 0.5)  # adapted
+    again, _ = make(tmp_path, tiny_overrides + extra, steps=4, resume=True)
+    with again:
+        assert again.greso.state_dict() == saved
+        again.run()
+    assert again.step == 4

@@ -12,6 +12,7 @@ import urllib.request
 import pytest
 import torch
 
+from helpers import full_forward_logprobs
 from trainer.engine.base import ABORT, SEGMENT, STOP, EngineError, Sample, SamplingParams
 from trainer.engine.embedded import EmbeddedEngine
 from trainer.engine.sglang import SGLangEngine, parse_urls
@@ -66,15 +67,6 @@ def ids(tok, text):
     return tok(text).input_ids
 
 
-def forward_logprobs(model, s: Sample, temperature: float = 1.0) -> torch.Tensor:
-    x = torch.tensor([s.prompt_ids + s.response_ids])
-    with torch.no_grad():
-        logits = model(x).logits[0].float() / temperature
-    logp = torch.log_softmax(logits, -1)
-    P = len(s.prompt_ids)
-    return logp[P - 1:-1].gather(1, torch.tensor(s.response_ids).unsqueeze(1)).squeeze(1)
-
-
 def greedy_alone(model, tok, prompt, max_new=200):
     s = Sample(list(prompt), SamplingParams(temperature=0.0, max_new_tokens=max_new))
     EmbeddedEngine(model, eos_token_ids=[tok.eos_token_id], max_slots=1,
@@ -106,7 +98,7 @@ def test_tokens_and_logprobs_match_the_embedded_engine(builtin, server, engines)
     for s in sampled:
         s.check()
         assert s.response_ids and s.finish_reason in ("stop", "length")
-        assert torch.allclose(torch.tensor(s.logprobs), forward_logprobs(model, s), atol=1e-4)
+        assert torch.allclose(torch.tensor(s.logprobs), full_forward_logprobs(model, s), atol=1e-4)
         assert set(s.versions) == {0}
     greedy = [Sample(ids(tok, t), SamplingParams(temperature=0.0, max_new_tokens=120))
               for t in TEXTS]
@@ -197,7 +189,7 @@ def test_update_weights_tags_later_tokens_and_loads_the_weights(builtin, server,
     eng.generate([s])
     s.check()
     assert s.versions[:n_old] == [0] * n_old and set(s.versions[n_old:]) == {3}
-    ref_new = forward_logprobs(model2, s)
+    ref_new = full_forward_logprobs(model2, s)
     assert torch.allclose(torch.tensor(s.logprobs[n_old:]), ref_new[n_old:], atol=1e-4)
     # the folder is a save_pretrained layout transformers can load
     from transformers import AutoModelForCausalLM

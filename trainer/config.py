@@ -188,6 +188,9 @@ class AsyncConfig:
     worker: str = param("process", choices=["process", "thread"],
                         help="where the embedded engine decodes: its own process (no contention "
                         "with the trainer for Python's interpreter lock) or a thread")
+    worker_threads: int = param(1, min=1, max=256,
+                                help="torch threads of the engine process (async.worker=process); "
+                                "model.threads is the trainer's")
     max_staleness: int = param(2, min=0, max=64, tunable=True,
                                help="eta: a trained token may come from a policy at most this many "
                                "versions old (0 = the synchronous loop)")

@@ -96,7 +96,7 @@ class Runner:
             self.engine = ProcessEngine(
                 self.model, eos_token_ids=[self.tokenizer.eos_token_id],
                 max_slots=self.cfg.rollout.max_slots, max_seq_len=self._max_seq_len(),
-                seed=self.cfg.run.seed, threads=self.cfg.model.threads or 1)
+                seed=self.cfg.run.seed, threads=a.worker_threads)
         else:
             self.engine = build_engine(self.cfg, self.model, self.tokenizer, self.device,
                                        self.dtype, self._max_seq_len(),

@@ -72,7 +72,7 @@ def test_launch_run(alice, tiny):
     assert run.celery_task_id
     detail = alice.get(f"/api/runs/{run.pk}").json()
     assert detail["config"]["rollout"]["rollout_batch_size"] == 4
-    assert detail["knobs"]["optim.lr"] == pytest.approx(1e-4)
+    assert detail["knobs"]["optim.lr"] == pytest.approx(config_mod.load("demo").optim.lr)
     assert detail["owner"] == "alice" and detail["status"] == "queued"
 
 

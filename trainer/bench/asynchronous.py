@@ -7,7 +7,9 @@ synchronous loop's, `ratio.best_eta` that setting and `ratio.accuracy_delta` its
 the synchronous loop's (a fraction).
 
 The synchronous loop uses every core for each phase (torch intra-op threads); the asynchronous
-one gives generation and training one thread each, so both use the same cores.
+one gives generation (its own process) and training one thread each by default, so both use
+the same cores. The asynchronous variants use the log-linear pi_prox (no extra forward pass per
+step) unless --set says otherwise.
 """
 from __future__ import annotations
 
@@ -24,6 +26,9 @@ def add_arguments(p) -> None:
     p.add_argument("--etas", default="1,2,4", help="comma-separated staleness bounds")
     p.add_argument("--sync-threads", type=int, default=os.cpu_count() or 1,
                    help="torch threads of the synchronous loop (default: every core)")
+    p.add_argument("--trainer-threads", type=int, default=1,
+                   help="torch threads of the asynchronous trainer (its engine process has "
+                   "async.worker_threads, default 1)")
 
 
 def run(args, log=print) -> dict:
@@ -33,7 +38,9 @@ def run(args, log=print) -> dict:
     out = {"sync": sync}
     for eta in (int(e) for e in args.etas.split(",")):
         out[f"eta_{eta}"] = train_variant(
-            f"eta_{eta}", args.preset, [*args.set, "async.enabled=true", "model.threads=1",
+            f"eta_{eta}", args.preset, ["async.prox_logp=loglinear", *args.set,
+                                        "async.enabled=true",
+                                        f"model.threads={args.trainer_threads}",
                                         f"async.max_staleness={eta}"], **common)
     best = max((k for k in out if k != "sync"), key=lambda k: out[k]["trained_tokens_per_s"])
     out["ratio"] = {"speedup": ratio(out[best]["trained_tokens_per_s"],

@@ -14,7 +14,7 @@ HELP = "dynamic sampling vs dynamic sampling + GRESO selective rollouts"
 
 
 def add_arguments(p) -> None:
-    add_comparison_arguments(p, preset="greso", steps=60)
+    add_comparison_arguments(p, preset="greso", steps=100)
 
 
 def run(args, log=print) -> dict:
