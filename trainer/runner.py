@@ -20,22 +20,21 @@ from typing import Any
 
 import torch
 
-from trainer import checkpoint
+from trainer import april as april_mod
+from trainer import checkpoint, distributed
 from trainer import config as config_mod
-from trainer import distributed
 from trainer.algo import grpo
+from trainer.asynchronous import AsyncRollout
 from trainer.controls import PAUSE, RESUME, SET_KNOBS, STOP, Command, ControlSource
-from trainer.engine.base import LENGTH, SamplingParams
 from trainer.engine import build_engine
+from trainer.engine.base import LENGTH
 from trainer.engine.embedded import EmbeddedEngine
 from trainer.evaluate import evaluate
+from trainer.greso import GresoFilter, classify
 from trainer.learner import Learner, TrainSequence
 from trainer.metrics import MetricsSink, histogram, length_edges, percentile
 from trainer.model import load_model, load_tokenizer, resolve_device, resolve_dtype
-from trainer import april as april_mod
-from trainer.asynchronous import AsyncRollout
-from trainer.greso import GresoFilter, classify
-from trainer.rollout import Group, PromptSource, Rollout, StepCounts
+from trainer.rollout import Group, Rollout, StepCounts
 from trainer.system import SystemSampler
 from trainer.tasks.base import build_task
 
@@ -61,7 +60,6 @@ class Runner:
                        "reward_timeouts": 0}
         self.best_eval: float | None = None
         self.last_eval: float | None = None
-        self._stop_requested = False
 
         ckpt_state = ckpt_tensors = None
         if resume:
@@ -117,7 +115,9 @@ class Runner:
         self._reward_counts = [0, 0]  # errors, timeouts of the current step
         self._reward_seconds = 0.0
 
-        from trainer.rewards import RewardService  # process pool: start after the model loads
+        from trainer.rewards import (
+            RewardService,  # process pool: start after the model loads
+        )
         self.rewards = RewardService(workers=self.cfg.run.reward_workers,
                                      timeout_s=self.cfg.run.reward_timeout_s)
         self.system = (SystemSampler(use_gpu=self.device.type == "cuda")

@@ -9,7 +9,6 @@ training step reports the utilisation during that step.
 from __future__ import annotations
 
 import threading
-import time
 
 import psutil
 
