@@ -202,9 +202,10 @@ class Rollout:
                 break
             if counts.rounds >= cfg.rollout.max_sampling_rounds:
                 break
-            observed = counts.filtered_groups / max(len(scored), 1)
-            more = next_sampling_batch_size(N - len(ready), observed, 1, 8 * N)
-            if not dynamic:  # APRIL alone: everything left is parked; top up to N
+            if dynamic:
+                observed = counts.filtered_groups / max(len(scored), 1)
+                more = next_sampling_batch_size(N - len(ready), observed, 1, 8 * N)
+            else:  # APRIL alone: everything left is parked; top up to N
                 more = N - len(ready)
             self._start_new(cfg, more, params, start, counts)
             counts.rounds += 1

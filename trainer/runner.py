@@ -454,12 +454,15 @@ class Runner:
                 counts.skipped_hard += 1
         return draw, problem  # every prompt skippable: take the last one rather than loop
 
+    def _logprobs(self, seqs: list[TrainSequence], reference: bool = False) -> list[list[float]]:
+        """Per-token logprobs of `seqs` under the current policy (or the reference)."""
+        return self.learner.logprobs(seqs, self.tokenizer.pad_token_id,
+                                     self.cfg.optim.micro_batch_tokens, reference=reference)
+
     def _kl(self, samples) -> float:
         seqs = [TrainSequence(s.prompt_ids, s.response_ids, s.logprobs, 0.0, s.params.temperature)
                 for s in samples]
-        pad, budget = self.tokenizer.pad_token_id, self.cfg.optim.micro_batch_tokens
-        pol = self.learner.logprobs(seqs, pad, budget)
-        ref = self.learner.logprobs(seqs, pad, budget, reference=True)
+        pol, ref = self._logprobs(seqs), self._logprobs(seqs, reference=True)
         flat_p = torch.tensor([x for lp in pol for x in lp])
         flat_r = torch.tensor([x for lp in ref for x in lp])
         return float(grpo.kl_k3(flat_p, flat_r).mean()) if flat_p.numel() else 0.0
@@ -490,7 +493,9 @@ class Runner:
         self.totals["reward_timeouts"] += batch.timeouts
         self._reward_seconds += time.monotonic() - t0
 
-    def _train_sequences(self, groups: list[Group]) -> tuple[list[TrainSequence], dict[str, float]]:
+    def _train_sequences(self, groups: list[Group]
+                         ) -> tuple[list[TrainSequence], dict[str, float], dict | None]:
+        """Sequences to train on, their metrics, and the decoupled-loss settings (async)."""
         cfg = self.cfg
         if not groups:
             return [], {}, None
@@ -512,8 +517,7 @@ class Runner:
         need_current = cfg.algo.recompute_old_logprobs or (offpolicy and cfg.april.offpolicy == "tis")
         current = None
         if need_current and seqs:
-            current = self.learner.logprobs(seqs, self.tokenizer.pad_token_id,
-                                            cfg.optim.micro_batch_tokens)
+            current = self._logprobs(seqs)
         masked = 0
         for i, (seq, s) in enumerate(zip(seqs, samples)):
             cur = current[i] if current is not None else None
@@ -536,9 +540,7 @@ class Runner:
         for seq, s in zip(seqs, samples):
             seq.behave_logprobs, seq.versions = list(s.logprobs), list(s.versions)
         if a.prox_logp == "recompute" and seqs:
-            prox = self.learner.logprobs(seqs, self.tokenizer.pad_token_id,
-                                         self.cfg.optim.micro_batch_tokens)
-            for seq, p in zip(seqs, prox):
+            for seq, p in zip(seqs, self._logprobs(seqs)):
                 seq.old_logprobs = p
         return {"cap": a.behave_imp_cap, "cap_mode": a.behave_cap_mode, "prox": a.prox_logp,
                 "version": self.version}

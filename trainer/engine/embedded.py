@@ -205,9 +205,6 @@ class EmbeddedEngine(RolloutEngine):
                 done.append(self.queue.popleft())
                 continue
             n = len(s.prompt_ids) + len(s.response_ids) - 1
-            if self._unpark(s):
-                self.queue.popleft()
-                continue
             if new and n > budget:
                 break
             budget -= n
