@@ -22,9 +22,10 @@ bootstrap: $(STAMP)
 run: $(STAMP)
 	$(BIN)/python manage.py serve
 
-# Every test; then the web tests again on PostgreSQL + Redis (DATABASE_URL / REDIS_URL, defaults
+# The linter, then every test; then the web tests again on PostgreSQL + Redis (DATABASE_URL / REDIS_URL, defaults
 # on 127.0.0.1; they fail loudly if the servers are down).
 test: $(STAMP) chromium
+	$(BIN)/ruff check .
 	$(BIN)/python -m pytest
 	RLPILOT_TEST_SETUP=redis $(BIN)/python -m pytest tests/web
 

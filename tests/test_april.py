@@ -5,13 +5,15 @@ import math
 import pytest
 import torch
 
-from trainer import april
 from trainer import config as C
+from trainer.algo import objective
 from trainer.engine.embedded import EmbeddedEngine
 from trainer.metrics import MemorySink
 from trainer.model import load_model, load_tokenizer
 from trainer.rewards import score
-from trainer.rollout import PromptSource, Rollout
+from trainer.rollout import PromptSource, april
+from trainer.rollout.base import StepRun
+from trainer.rollout.synchronous import SynchronousDriver
 from trainer.runner import Runner
 from trainer.tasks.sum import SumTask
 
@@ -41,7 +43,8 @@ def make_rollout(parts, seed=0):
                          for s in g.samples]
             g.raw_scores = list(g.rewards)
 
-    return Rollout(engine, tok, PromptSource(SumTask(seed=seed)), scorer=scorer), engine
+    prompts = PromptSource(SumTask(seed=seed))
+    return SynchronousDriver(engine, tok, lambda cfg, counts: prompts.next(), scorer), engine
 
 
 def test_every_step_accounts_for_every_sample_and_token(parts):
@@ -75,6 +78,28 @@ def test_early_termination_stops_once_n_groups_are_complete(parts):
     assert res.counts.parked > 0 and engine.num_pending == 0
     # each parked sample generated at most one segment this step
     assert all(len(s.response_ids) <= 24 for s in rollout.buffer.samples())
+
+
+def test_parked_groups_are_replaced_while_the_engine_still_generates(parts, monkeypatch):
+    """Groups parked at the segment limit leave the engine short of N' in hand: new prompts start
+    at once, not only when the engine has run dry, and the accounting still closes."""
+    rollout, engine = make_rollout(parts)
+    cfg = cfg_for("april.segment_max_tokens=4")
+    busy_top_ups = []
+    start_new = StepRun.start_new
+
+    def spy(self, n, order=None):
+        if engine.num_pending:   # started while other samples were still generating
+            busy_top_ups.append(n)
+        return start_new(self, n, order)
+
+    monkeypatch.setattr(StepRun, "start_new", spy)
+    res = rollout.collect(cfg, 0)
+    c = res.counts
+    assert c.top_ups > 0 and busy_top_ups and res.metrics["april/top_ups"] == c.top_ups
+    assert c.submitted == c.completed + c.parked + c.dropped
+    assert len(res.groups) == 6
+    assert c.groups_started <= cfg.rollout.max_sampling_rounds * 12
 
 
 def test_without_april_every_group_finishes_and_nothing_is_buffered(parts):
@@ -114,7 +139,7 @@ def test_keep_policy_trains_old_samples(parts):
 def test_short_first_admission_orders_new_prompts_by_history(parts):
     rollout, engine = make_rollout(parts)
     cfg = cfg_for("april.admission=short_first")
-    task = rollout.prompts.task
+    task = SumTask(seed=0)  # the task make_rollout draws from
     history = {task.train_problem(i).id: float(1000 - i) for i in range(40)}
     rollout.length_history = dict(history)
     first_batch = []
@@ -129,15 +154,15 @@ def test_short_first_admission_orders_new_prompts_by_history(parts):
 
 def test_token_weights_by_hand():
     versions, behave, current = [3, 3, 5], [-1.0, -2.0, -0.5], [-0.5, -2.5, -0.5]
-    w, old = april.token_weights(versions, 5, behave, None, mode="as_is", cap=2.0, decay=1.0)
+    w, old = objective.token_weights(versions, 5, behave, None, mode="as_is", cap=2.0, decay=1.0)
     assert w == [1.0, 1.0, 1.0] and old == behave
-    w, old = april.token_weights(versions, 5, behave, None, mode="mask", cap=2.0, decay=1.0)
+    w, old = objective.token_weights(versions, 5, behave, None, mode="mask", cap=2.0, decay=1.0)
     assert w == [0.0, 0.0, 1.0]
-    w, old = april.token_weights(versions, 5, behave, current, mode="tis", cap=1.5, decay=1.0)
+    w, old = objective.token_weights(versions, 5, behave, current, mode="tis", cap=1.5, decay=1.0)
     # exp(-0.5 - -1) = 1.6487 -> capped 1.5; exp(-2.5 - -2) = 0.6065; on-policy token: 1
     assert w[0] == 1.5 and abs(w[1] - math.exp(-0.5)) < 1e-12 and w[2] == 1.0
     assert old == current
-    w, _ = april.token_weights(versions, 5, behave, None, mode="as_is", cap=2.0, decay=0.9)
+    w, _ = objective.token_weights(versions, 5, behave, None, mode="as_is", cap=2.0, decay=0.9)
     assert [round(x, 6) for x in w] == [0.81, 0.81, 1.0]
 
 
@@ -167,3 +192,90 @@ def test_buffer_survives_checkpoint_and_resume(tmp_path):
         assert restored == saved
         again.run()
     assert again.step == 3
+
+
+def test_as_is_and_mask_use_the_recomputed_policy_when_asked():
+    # algo.recompute_old_logprobs: pi_old is the current policy even with stale tokens present
+    versions, behave, current = [3, 3, 5], [-1.0, -2.0, -0.5], [-0.5, -2.5, -0.7]
+    w, old = objective.token_weights(versions, 5, behave, current, mode="as_is", cap=2.0, decay=1.0)
+    assert w == [1.0, 1.0, 1.0] and old == current
+    w, old = objective.token_weights(versions, 5, behave, current, mode="mask", cap=2.0, decay=1.0)
+    assert w == [0.0, 0.0, 1.0] and old == current
+
+
+@pytest.mark.parametrize("mode", ["as_is", "mask"])
+def test_runner_recomputes_old_logprobs_with_stale_tokens(tmp_path, mode, monkeypatch):
+    cfg = C.load("demo", ["rollout.rollout_batch_size=4", "rollout.n_samples_per_prompt=4",
+                          "rollout.max_response_len=96", "rollout.max_slots=12",
+                          "april.enabled=true", "april.segment_max_tokens=8",
+                          f"april.offpolicy={mode}", "algo.recompute_old_logprobs=true",
+                          "run.reward_workers=0", "model.threads=1", "run.eval_every=0",
+                          "run.checkpoint_every=0", "run.max_steps=4"])
+    weighted = []  # (sample had stale tokens, current-policy logprobs were passed)
+    real_weights = objective.token_weights
+
+    def token_weights(versions, version, behave, current, **kw):
+        weighted.append((any(v < version for v in versions), current is not None))
+        return real_weights(versions, version, behave, current, **kw)
+
+    monkeypatch.setattr(objective, "token_weights", token_weights)
+    compared = []
+    with Runner(cfg, tmp_path, sink=MemorySink(), system_telemetry=False) as r:
+        real_update = r.learner.update
+
+        def update(seqs, **kw):
+            for seq, cur in zip(seqs, r._logprobs(seqs)):
+                assert seq.old_logprobs == pytest.approx(cur, abs=1e-5)
+            compared.append(len(seqs))
+            return real_update(seqs, **kw)
+
+        r.learner.update = update
+        r.run()
+    assert (True, True) in weighted, "no step trained stale tokens: the test proves nothing"
+    assert (True, False) not in weighted
+    assert sum(compared) > 0
+
+
+def test_restored_samples_never_share_a_request_id_with_new_ones():
+    from trainer.engine.base import Sample
+
+    buf = april.PartialBuffer()
+    probe = Sample([1, 2])
+    far = probe.request_id + 1000
+    buf.load_state_dict({"groups": [{
+        "problem": {"id": "p1", "prompt": "[1]=", "answer": 1, "kind": "sum"}, "rewards": [], "draw": 0,
+        "samples": [{"prompt_ids": [1, 2], "params": {}, "response_ids": [], "logprobs": [],
+                     "versions": [], "finish_reason": None, "request_id": far, "meta": {}}]}]})
+    assert Sample([3]).request_id > far
+
+
+def test_tis_runs_the_trainers_forward_over_the_stale_samples_alone():
+    """pi_old of a sample made wholly by the current policy is its behaviour logprob; the extra
+    forward pass TIS needs covers only the samples with tokens of older versions."""
+    from trainer.engine.base import Sample, SamplingParams
+    from trainer.rollout.base import Group
+    from trainer.tasks.base import Problem
+
+    cfg = C.load("demo", ["april.enabled=true", "april.offpolicy=tis", "april.tis_cap=2.0"])
+
+    def sample(versions, logprobs):
+        s = Sample([5, 6], SamplingParams())
+        s.response_ids, s.logprobs, s.versions = [7] * len(versions), list(logprobs), list(versions)
+        return s
+
+    fresh, stale = sample([4, 4], [-1.0, -2.0]), sample([3, 4], [-1.0, -2.0])
+    group = Group(problem=Problem(id="p", prompt="[1]=", answer=1, kind="sum"), samples=[fresh, stale],
+                  rewards=[1.0, 0.0])
+    asked = []
+
+    def forward(seqs):   # the trainer's current-policy logprobs, made up
+        asked.append([list(q.old_logprobs) for q in seqs])
+        return [[-0.5, -2.5] for _ in seqs]
+
+    seqs, _, _ = objective.train_sequences([group], cfg, 4, forward)
+    assert asked == [[[-1.0, -2.0]]] and len(asked[0]) == 1          # the stale sample only
+    by_sample = dict(zip(("fresh", "stale"), seqs))
+    assert by_sample["fresh"].old_logprobs == [-1.0, -2.0] and by_sample["fresh"].weights == [1.0, 1.0]
+    assert by_sample["stale"].old_logprobs == [-0.5, -2.5]
+    # its age-1 token: min(exp(-0.5 - -1.0), 2) = 1.6487; its current token: 1
+    assert by_sample["stale"].weights == [pytest.approx(math.exp(0.5)), 1.0]

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from trainer import config as C
-from trainer.asynchronous import AsyncRollout, admission_allowed
 from trainer.controls import PAUSE, RESUME, STOP, Command, ControlSource
 from trainer.metrics import MemorySink
+from trainer.rollout.asynchronous import AsyncDriver, admission_allowed
 from trainer.runner import Runner
 
 BASE = ["rollout.rollout_batch_size=6", "rollout.n_samples_per_prompt=4",
@@ -62,13 +62,13 @@ def test_engine_in_its_own_process_respects_the_bound(tmp_path, eta):
     assert status == "finished" and r.step == 3
     assert max(sink.series("async/staleness/max")) <= eta
     assert sum(sink.series("rollout/trained_tokens")) > 0
-    assert not r.engine.proc.is_alive()
+    assert r.engine.proc.poll() is not None  # the engine child has exited
 
 
 def _instrument(monkeypatch):
     """Record accepted + running and the bound at every admission."""
     seen = []
-    real = AsyncRollout._launch
+    real = AsyncDriver._launch
 
     def launch(self, g, samples):
         real(self, g, samples)
@@ -76,7 +76,7 @@ def _instrument(monkeypatch):
         bound = (cfg.async_.max_staleness + self.version + 1) * cfg.rollout.rollout_batch_size
         seen.append((self.accepted + len(self.running), bound))
 
-    monkeypatch.setattr(AsyncRollout, "_launch", launch)
+    monkeypatch.setattr(AsyncDriver, "_launch", launch)
     return seen
 
 
@@ -129,3 +129,249 @@ def test_pause_holds_generation(tmp_path):
         assert r.run() == "finished"
     paused = decode_steps[3:8]  # polls while paused, after the worker settled
     assert len(set(paused)) == 1, decode_steps
+
+
+# --- the loop can never wait forever ------------------------------------------------------------
+
+class IdleEngine:
+    """An engine with nothing to do (the worker only admits and waits)."""
+    num_pending = 0
+    version = 0
+
+    def submit(self, samples):
+        for s in samples:
+            s.finish_reason = None
+
+    def step(self):
+        return []
+
+    def abort(self, request_ids=None, keep_cache=False):
+        return []
+
+
+def _finished_group(version: int, draw: int):
+    from trainer.engine.base import STOP, Sample
+    from trainer.rollout import Group
+    from trainer.tasks.base import Problem
+
+    s = Sample([1, 2], response_ids=[3], logprobs=[-0.1], versions=[version], finish_reason=STOP)
+    return Group(problem=Problem(f"p{draw}", "[1]=", 1, "sum"), samples=[s], rewards=[1.0],
+                 draw=draw)
+
+
+def _cfg(**knobs):
+    return C.load("demo", BASE + [f"{k}={v}" for k, v in knobs.items()])
+
+
+def test_a_stale_drop_gives_its_admission_back():
+    # B = 1, version 3, eta 1: the two groups from version 0 are dropped, the fresh one taken;
+    # accepted falls from 3 to 1 (only the group trained), as AReaL counts rejected rollouts
+    cfg = _cfg(**{"rollout.rollout_batch_size": 1, "async.max_staleness": 1})
+    ar = AsyncDriver(IdleEngine(), None, None, None, lock=threading.RLock())
+    ar.cfg, ar.version = cfg, 3
+    ar.queue.extend([_finished_group(0, 0), _finished_group(0, 1), _finished_group(3, 2)])
+    ar.accepted = 3
+    ar._thread = threading.current_thread()  # collect() only checks that a worker exists
+    res = ar.collect(cfg, 3)
+    assert [g.draw for g in res.groups] == [2]
+    assert ar.accepted == 1 and ar.dropped_stale == 2
+    assert res.metrics["async/accepted"] == 1 and res.metrics["async/admission_bound"] == 5
+    assert res.counts.discarded_tokens == 2
+
+
+def test_a_deadlock_is_raised_with_the_admission_counters():
+    from trainer.rollout.asynchronous import AsyncStall
+
+    # accepted inflated past the bound (what stale drops used to do): nothing can be admitted
+    cfg = _cfg(**{"rollout.rollout_batch_size": 2, "async.max_staleness": 0})
+    ar = AsyncDriver(IdleEngine(), None, None, None, lock=threading.RLock())
+    ar.accepted = 4
+    ar.start(cfg, version=1)
+    try:
+        with pytest.raises(AsyncStall) as err:
+            ar.collect(cfg, 1)
+    finally:
+        ar.close()
+    msg = str(err.value)
+    for part in ("deadlocked", "accepted=4", "running=0", "queued=0", "taken=0/2",
+                 "bound=(eta 0 + version 1 + 1) x B 2 = 4"):
+        assert part in msg, msg
+
+
+def test_no_progress_times_out_with_the_counters(monkeypatch):
+    from trainer.rollout.asynchronous import AsyncStall
+
+    # a group admitted but never finishing (an engine that hangs): the deadline fires
+    class Hung(IdleEngine):
+        num_pending = 1
+
+    cfg = _cfg(**{"rollout.rollout_batch_size": 1, "async.collect_timeout_s": 1})
+    tok = load_builtin_tokenizer()
+    ar = AsyncDriver(Hung(), tok, _one_prompt, lambda gs: None, lock=threading.RLock())
+    ar.start(cfg, version=0)
+    try:
+        with pytest.raises(AsyncStall, match=r"no generation progress for 1 s .*running=\d"):
+            ar.collect(cfg, 0)
+    finally:
+        ar.close()
+
+
+def load_builtin_tokenizer():
+    from trainer.model import load_tokenizer
+
+    return load_tokenizer("builtin")
+
+
+def _one_prompt(cfg, counts):
+    from trainer.tasks.base import Problem
+
+    return 0, Problem("p0", "[1]=", 1, "sum")
+
+
+class AtStep(ControlSource):
+    """Commands to send at given step boundaries (polled once per boundary while running)."""
+
+    def __init__(self, runner_ref, plan):
+        self.ref, self.plan, self.sent = runner_ref, dict(plan), set()
+
+    def poll(self):
+        step = self.ref[0].step
+        if step in self.plan and step not in self.sent:
+            self.sent.add(step)
+            return [self.plan[step]]
+        return []
+
+
+@pytest.mark.parametrize("worker", ["thread", "process"])
+def test_eta_lowered_to_zero_and_raised_again_keeps_training(tmp_path, worker):
+    from trainer.controls import SET_KNOBS
+
+    cfg = C.load("demo", BASE + ["async.enabled=true", f"async.worker={worker}",
+                                 "async.max_staleness=2", "run.max_steps=9"])
+    ref, sink = [], MemorySink()
+    plan = {3: Command(SET_KNOBS, knobs={"async.max_staleness": 0}),
+            6: Command(SET_KNOBS, knobs={"async.max_staleness": 2})}
+    with Runner(cfg, tmp_path, sink=sink, controls=AtStep(ref, plan),
+                system_telemetry=False) as r:
+        ref.append(r)
+        assert r.run() == "finished" and r.step == 9
+    applied = [e for e in sink.events if e["kind"] == "knob_applied"]
+    assert [e["step"] for e in applied] == [3, 6]
+    stale = sink.series("async/staleness/max")
+    assert max(stale[3:6]) == 0 and max(stale) <= 2  # steps 4..6 trained under eta = 0
+
+
+def test_auto_staleness_cannot_deadlock(tmp_path, monkeypatch):
+    # behaviour weights far from 1 every step: auto eta tightens 2 -> 1 -> 0 and stays there;
+    # the run still trains every step
+    real = AsyncDriver.retune
+
+    def drifting(self, cfg, tm):
+        return real(self, cfg, {**tm, "actor/behave_imp_weight": 1.5})
+
+    monkeypatch.setattr(AsyncDriver, "retune", drifting)
+    r, sink, status = run(tmp_path, ["async.enabled=true", "async.auto_staleness=true",
+                                     "async.max_staleness=2", "async.prox_logp=loglinear"],
+                          steps=7)
+    assert status == "finished" and r.step == 7
+    changes = [e["changes"]["async.max_staleness"]["new"] for e in sink.events
+               if e["kind"] == "auto_staleness"]
+    assert changes == [1, 0]
+    assert r.cfg.async_.max_staleness == 0
+
+
+@pytest.mark.timeout(180)  # the bug this guards against hung the resumed run forever
+def test_resume_with_the_process_worker_continues_from_the_restored_version(tmp_path,
+                                                                             monkeypatch):
+    extra = ["async.enabled=true", "async.worker=process", "async.max_staleness=1",
+             "run.checkpoint_every=3"]
+    first, first_sink, _ = run(tmp_path, extra, steps=3)
+    assert first.version == 3
+    # every token generated after the resume carries the restored version or a later one (a
+    # child stamping version 0 made every new group too stale: all dropped, the run hung)
+    new_versions = []
+    real = AsyncDriver._handle
+
+    def handle(self, finished):
+        new_versions.extend(v for s in finished for v in s.versions[-s.segment_tokens:]
+                            if s.segment_tokens)
+        real(self, finished)
+
+    monkeypatch.setattr(AsyncDriver, "_handle", handle)
+    again, sink, status = run(tmp_path, extra, steps=6, resume=True)
+    assert status == "finished" and again.step == 6
+    assert new_versions and min(new_versions) >= 3
+    assert max(sink.series("async/staleness/max")) <= 1
+
+
+def test_a_stall_stops_the_run_with_an_error_and_a_resumable_checkpoint(tmp_path, monkeypatch):
+    from trainer import checkpoint
+    from trainer.rollout import asynchronous
+    from trainer.rollout.asynchronous import AsyncStall
+
+    real = asynchronous.admission_allowed
+    monkeypatch.setattr(asynchronous, "admission_allowed",
+                        lambda acc, run_, v, eta, b: v < 2 and real(acc, run_, v, eta, b))
+    cfg = C.load("demo", BASE + ["async.enabled=true", "async.max_staleness=0", "run.max_steps=5"])
+    sink = MemorySink()
+    with Runner(cfg, tmp_path, sink=sink, system_telemetry=False) as r:
+        with pytest.raises(AsyncStall):
+            r.run()
+    err = [e for e in sink.events if e["kind"] == "error"][-1]
+    assert "accepted=" in err["message"] and "bound=" in err["message"]
+    assert err["resumable_from_step"] == 2
+    assert checkpoint.latest(tmp_path).name.endswith("2")
+    assert not [t for t in threading.enumerate() if t.name == "rlpilot-generator"]
+
+
+class OwnedLock:
+    """A re-entrant lock that knows whether the calling thread holds it."""
+
+    def __init__(self):
+        self._lock, self._owner, self._depth = threading.RLock(), None, 0
+
+    def __enter__(self):
+        self._lock.acquire()
+        self._owner, self._depth = threading.get_ident(), self._depth + 1
+
+    def __exit__(self, *exc):
+        self._depth -= 1
+        if not self._depth:
+            self._owner = None
+        self._lock.release()
+
+    def held(self) -> bool:
+        return self._owner == threading.get_ident()
+
+
+def test_greso_state_and_totals_change_only_under_the_shared_lock(tmp_path):
+    # the generation worker reads GRESO's traces and p values (prompt selection) and adds
+    # reward counts to the totals while the trainer updates them: every write holds the lock
+    cfg = C.load("demo", BASE + ["async.enabled=true", "greso.enabled=true", "run.max_steps=4",
+                                 "data.train_size=16"])
+    unlocked = []
+    with Runner(cfg, tmp_path, sink=MemorySink(), system_telemetry=False) as r:
+        lock = OwnedLock()
+        r.lock = r.rollout.lock = r.selector.lock = lock
+
+        def guard(name, fn):
+            def call(*a, **kw):
+                if not lock.held():
+                    unlocked.append((name, threading.current_thread().name))
+                return fn(*a, **kw)
+            return call
+
+        r.greso.record = guard("record", r.greso.record)
+        r.greso.adapt_from_groups = guard("adapt", r.greso.adapt_from_groups)
+        r.greso.decide = guard("decide", r.greso.decide)
+
+        class Totals(dict):
+            def __setitem__(self, k, v):
+                if not lock.held():
+                    unlocked.append(("totals." + k, threading.current_thread().name))
+                super().__setitem__(k, v)
+
+        r.totals = Totals(r.totals)
+        assert r.run() == "finished"
+        assert r.greso.trace(next(iter(r.greso._traces)))  # traces were written
+    assert unlocked == []

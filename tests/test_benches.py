@@ -2,14 +2,14 @@
 (They measure; tests never assert their timings.)"""
 import argparse
 
-from trainer.bench import april, asynchronous, greso, learn
+from trainer.bench import april, asynchronous, common, greso, learn
 
 TINY = ["rollout.rollout_batch_size=4", "rollout.n_samples_per_prompt=4",
         "rollout.max_response_len=48", "rollout.max_slots=16", "run.reward_workers=0"]
 
 
 def args(**kw):
-    base = dict(steps=2, eval_size=16, seed=0, set=list(TINY), json=True)
+    base = dict(steps=2, eval_size=16, seed=0, set=list(TINY), json=True, reps=1, curve_every=0)
     return argparse.Namespace(**{**base, **kw})
 
 
@@ -24,6 +24,15 @@ def test_bench_greso_reports_samples_reduction():
     out = greso.run(args(preset="greso"), log=lambda *a: None)
     assert set(out["ratio"]) >= {"samples_reduction", "accuracy_delta"}
     assert out["dynamic_sampling"]["samples_generated"] > 0
+    z = out["dynamic_sampling"]["zero_var_ratio_mean"]
+    if z < 1:
+        assert out["ratio"]["samples_reduction_ceiling"] == round((1 - 0.25) / (1 - z), 3)
+
+
+def test_greso_ceiling_by_hand():
+    assert greso.reduction_ceiling(0.5, 0.25) == 1.5     # the default task: about 1.5x at most
+    assert greso.reduction_ceiling(0.9, 0.25) == 7.5     # the paper's regime: most groups zero-variance
+    assert greso.reduction_ceiling(1.0, 0.25) is None
 
 
 def test_bench_async_reports_speedup_and_best_eta():
@@ -31,9 +40,47 @@ def test_bench_async_reports_speedup_and_best_eta():
                            log=lambda *a: None)
     assert set(out["ratio"]) >= {"speedup", "best_eta", "accuracy_delta"}
     assert out["ratio"]["best_eta"] in (0, 1)
+    for eta in (0, 1):  # the counters that show whether a variant ran asynchronously at all
+        v = out[f"eta_{eta}"]
+        assert v["admission"]["eta"] == eta and v["staleness_max"] <= eta
+        assert v["admission"]["bound"] == (eta + v["admission"]["version"] + 1) * 4
+        assert v["dropped_stale_groups"] >= 0 and "staleness_mean" in v
+    assert "admission" not in out["sync"]
 
 
 def test_bench_learn_reports_before_after_and_delta():
     out = learn.run(args(preset="demo", seconds=5.0, steps=2, eval_size=16), log=lambda *a: None)
     assert abs(out["delta"] - (out["accuracy_after"] - out["accuracy_before"])) < 1e-12
     assert out["steps"] == 2
+
+
+def test_variants_run_interleaved_and_report_medians_and_spread(monkeypatch):
+    calls = []
+
+    def fake_variant(name, preset, overrides, *, steps, eval_size, seed, curve_every, log):
+        calls.append((name, seed))
+        fast = {"a": [1.0, 3.0, 2.0], "b": [10.0, 30.0, 20.0]}[name][seed]
+        curve = [[0.0, 0.1], [5.0 * (seed + 1), 0.5], [9.0, 0.6]] if name == "b" else [[0.0, 0.1]]
+        return {"variant": name, "steps": steps, "tokens_per_s": fast, "heldout_accuracy": 0.5,
+                "note": "x", "accuracy_curve": curve}
+
+    monkeypatch.setattr(common, "train_variant", fake_variant)
+    out = common.compare([("a", "demo", []), ("b", "demo", [])], args(reps=3, curve_every=1))
+    assert calls == [("a", 0), ("b", 0), ("a", 1), ("b", 1), ("a", 2), ("b", 2)]   # A B A B A B
+    assert out["a"]["tokens_per_s"] == 2.0 and out["a"]["spread"]["tokens_per_s"] == [1.0, 3.0]
+    assert out["b"]["tokens_per_s"] == 20.0 and out["b"]["reps"] == 3 and len(out["b"]["rounds"]) == 3
+    assert "heldout_accuracy" not in out["a"]["spread"] and out["a"]["note"] == "x"
+    # b reached a's final accuracy (0.5) after 5, 10, 15 s; a's own curve never did (0.1)
+    assert out["b"]["time_to_baseline_accuracy_s"] == 10.0
+    assert out["a"]["time_to_baseline_accuracy_s"] is None
+
+
+def test_time_to_accuracy_and_the_curve_of_a_real_run():
+    assert common.time_to_accuracy([[0.0, 0.2], [3.5, 0.4], [7.0, 0.6]], 0.4) == 3.5
+    assert common.time_to_accuracy([[0.0, 0.2]], 0.4) is None
+    run = common.train_variant("april", "demo", [*TINY, "april.enabled=true"], steps=2, eval_size=8,
+                               seed=0, curve_every=1, log=lambda *a: None)
+    curve = run["accuracy_curve"]
+    assert [t for t, _ in curve] == sorted(t for t, _ in curve) and len(curve) >= 3   # steps 0, 1, 2
+    assert curve[0][0] == 0.0 and all(0 <= acc <= 1 for _, acc in curve)
+    assert run["buffer_tokens_at_end"] >= 0

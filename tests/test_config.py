@@ -80,3 +80,45 @@ def test_schema_json_shape_for_the_web_and_api():
     row = next(p.as_json() for p in C.schema() if p.name == "optim.lr")
     assert row == {"name": "optim.lr", "type": "float", "default": 1e-4, "min": 0.0, "max": 1.0,
                    "choices": None, "help": row["help"], "tunable": True}
+
+
+def test_strings_round_trip_through_toml_exactly():
+    # generated strings: every control character, quotes, backslashes, TOML syntax, non-ASCII
+    import random
+
+    rng = random.Random(11)
+    alphabet = ([chr(i) for i in range(1, 32)] + ["\x7f", '"', "\\", "'", "=", "[", "]", "#",
+                "{", "}", "\u00e9", "\u4e2d", "\U0001F600", "\u2028", " ", "a", "Z", "0"])
+    for _ in range(300):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 40)))
+        cfg = C.load("demo", {"data.prompt_template": text + "{prompt}", "data.eval_path": text})
+        again = C.loads_toml(C.to_toml(cfg))
+        assert again.data.prompt_template == text + "{prompt}"
+        assert again.data.eval_path == text
+        assert again.to_dict() == cfg.to_dict()
+
+
+def test_a_newline_in_a_prompt_template_survives_the_run_config():
+    cfg = C.load("demo", {"data.prompt_template": "Question: {prompt}\nAnswer:"})
+    assert C.loads_toml(C.to_toml(cfg)).data.prompt_template == "Question: {prompt}\nAnswer:"
+
+
+@pytest.mark.parametrize("bad, what", [("a\ud800b", "lone UTF-16 surrogate (U+D800) at character 1"),
+                                       ("x\x00", "NUL character at character 1")])
+def test_strings_the_database_cannot_hold_are_refused_by_name(bad, what):
+    with pytest.raises(C.ConfigError) as e:
+        C.load("demo", {"model.path": bad})
+    assert what in e.value.errors["model.path"]
+
+
+def test_a_huge_integer_for_a_float_key_is_a_config_error():
+    with pytest.raises(C.ConfigError) as e:
+        C.load("demo", {"optim.lr": 10 ** 400})
+    msg = e.value.errors["optim.lr"]
+    assert "expected a number" in msg and len(msg) < 200  # the value is shortened, not echoed
+
+
+def test_deeply_nested_toml_is_a_config_error():
+    with pytest.raises(C.ConfigError) as e:
+        C.loads_toml("a = " + "[" * 5000 + "]" * 5000)
+    assert "nested too deeply" in e.value.errors["toml"]

@@ -232,9 +232,9 @@ def test_two_ranks_train_in_step_and_only_rank_0_reports(tmp_path):
     assert [e["step"] for e in events if e["kind"] == "knob_applied"] == [1]
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [
         "step_000002", "step_000003"]
-    trainer_pt = torch.load(tmp_path / "checkpoints" / "step_000002" / "trainer.pt",
-                            weights_only=False)
-    assert len(trainer_pt["rng_ranks"]) == 2
+    from trainer import checkpoint
+    _, trainer_state = checkpoint.load(tmp_path / "checkpoints" / "step_000002")
+    assert len(trainer_state["rng_ranks"]) == 2
     # refused by name: async with two processes, a batch that does not split evenly
     assert "async.enabled" in r0["refused"] and "one process" in r0["refused"]["async.enabled"]
     assert "rollout.rollout_batch_size" in r1["refused"]

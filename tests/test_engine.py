@@ -1,9 +1,9 @@
 """The embedded engine against a plain forward pass, and its batching/abort/resume contract."""
 import pytest
 import torch
+from helpers import full_forward_logprobs, tiny_hf_model
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
-from helpers import full_forward_logprobs
 from trainer.engine.base import ABORT, SEGMENT, STOP, Sample, SamplingParams
 from trainer.engine.embedded import EmbeddedEngine
 from trainer.model import load_model, load_tokenizer
@@ -37,19 +37,61 @@ def test_logprobs_match_a_plain_forward_pass(builtin, temperature):
         assert torch.allclose(torch.tensor(s.logprobs), ref, atol=1e-4)
 
 
-def _tiny(config_cls, **extra):
-    torch.manual_seed(0)
-    cfg = config_cls(vocab_size=50, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                     tie_word_embeddings=False, **extra)
-    return AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
+def test_a_group_sharing_its_prompt_is_prefilled_once_and_matches_a_forward_pass(builtin):
+    model, tok = builtin
+    eng = EmbeddedEngine(model, eos_token_ids=[tok.eos_token_id], max_slots=16, max_seq_len=200,
+                         seed=4)
+    group, other = prompts(tok, ["[1,2,3,4,5,6]=", "[8,8]="])
+    samples = [Sample(group, SamplingParams(max_new_tokens=60)) for _ in range(6)]
+    samples += [Sample(other, SamplingParams(max_new_tokens=60)) for _ in range(3)]
+    eng.generate(samples)
+    # each distinct prompt went through the model once, the other 5 + 2 copies were shared
+    context = [len(group) - 1, len(other) - 1]
+    assert eng.stats.prefill_tokens == sum(context)
+    assert eng.stats.prefill_shared_tokens == 5 * context[0] + 2 * context[1]
+    assert len({tuple(s.response_ids) for s in samples[:6]}) > 1  # the copies still sample apart
+    for s in samples:
+        ref = full_forward_logprobs(model, s)
+        assert torch.allclose(torch.tensor(s.logprobs), ref, atol=1e-4)
+
+
+def test_a_group_admitted_over_several_steps_borrows_its_prompt_from_a_running_sibling(builtin):
+    """Three slots, five samples of one prompt: the later ones take the prompt's KV entries from
+    a sibling still running; after a weight update the old entries are never lent."""
+    model, tok = builtin
+    eng = EmbeddedEngine(model, eos_token_ids=[], max_slots=3, max_seq_len=200, seed=5)
+    prompt = prompts(tok, ["[2,7,1,8]="])[0]
+    samples = [Sample(prompt, SamplingParams(max_new_tokens=n)) for n in (40, 10, 40, 12, 5)]
+    eng.generate(samples)
+    assert eng.stats.prefill_tokens == len(prompt) - 1          # computed once
+    assert eng.stats.prefill_shared_tokens == 4 * (len(prompt) - 1)
+    for s in samples:
+        assert torch.allclose(torch.tensor(s.logprobs), full_forward_logprobs(model, s), atol=1e-4)
+
+    # a sibling running under the old weights does not lend its entries to a new sample
+    other = load_model("builtin", torch.device("cpu"), torch.float32).eval()
+    with torch.no_grad():
+        for p in other.parameters():
+            p.mul_(1.05)
+    first = Sample(prompt, SamplingParams(max_new_tokens=30))
+    eng.submit([first])
+    for _ in range(5):
+        eng.step()
+    eng.update_weights(other.state_dict(), version=1)
+    late = Sample(prompt, SamplingParams(max_new_tokens=8))
+    before = eng.stats.prefill_tokens
+    eng.submit([late])
+    while eng.num_pending:
+        eng.step()
+    assert eng.stats.prefill_tokens == before + len(prompt) - 1  # prefilled under the new weights
+    assert torch.allclose(torch.tensor(late.logprobs), full_forward_logprobs(other, late), atol=1e-4)
 
 
 @pytest.mark.parametrize("config_cls, extra", [
     (LlamaConfig, {}), (Qwen2Config, {}), (Qwen3Config, {"head_dim": 16}),
 ])
 def test_other_llama_family_architectures_match(config_cls, extra):
-    model = _tiny(config_cls, **extra)
+    model = tiny_hf_model(config_cls, 256, **extra)
     eng = EmbeddedEngine(model, eos_token_ids=[0], max_slots=4, max_seq_len=128, seed=0)
     samples = [Sample([5, 6, 7, 8][:n], SamplingParams(max_new_tokens=30)) for n in (1, 2, 3, 4, 2)]
     eng.generate(samples)

@@ -83,3 +83,18 @@ def test_auto_slots_are_capped(builtin):
     eng.release_memory()
     eng.reacquire_memory()
     assert eng.max_slots == 5 and eng.cache.k.shape[1] == 5
+
+
+def test_release_memory_is_part_of_the_engine_interface(builtin):
+    """The runner asks every engine (wrapped in stop strings or not); only one that holds the
+    trainer's device memory says it freed something."""
+    from trainer.engine.base import RolloutEngine
+    from trainer.engine.stops import StopStrings
+
+    model, tok = builtin
+    eng = EmbeddedEngine(model, eos_token_ids=[tok.eos_token_id], max_slots=2, max_seq_len=64)
+    wrapped = StopStrings(eng, tok, ["]"])
+    assert wrapped.release_memory() is True and eng.memory_released
+    wrapped.reacquire_memory()
+    assert not eng.memory_released
+    assert RolloutEngine().release_memory() is False   # SGLang servers, the process engine

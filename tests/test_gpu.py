@@ -49,3 +49,13 @@ def test_nvml_sampler_sees_the_devices():
     finally:
         s.close()
     assert s.has_gpu and 0 <= m["system/gpu_util"] <= 100
+
+
+def test_async_process_worker_decodes_on_cuda(tmp_path):
+    cfg = C.load("demo", ["model.device=cuda", "async.enabled=true", "async.worker=process",
+                          "rollout.rollout_batch_size=4", "rollout.n_samples_per_prompt=4",
+                          "run.max_steps=2", "run.eval_every=0", "run.checkpoint_every=0"])
+    with Runner(cfg, tmp_path, sink=MemorySink()) as r:
+        assert r.engine.child_info["device"].startswith("cuda")
+        assert r.engine.child_info["dtype"] == str(r.dtype)
+        assert r.run() == "finished"

@@ -266,3 +266,18 @@ def test_state_dict_round_trip_torch_save():
     restored = GresoFilter()
     restored.load_state_dict(torch.load(buf, weights_only=True))
     assert _continue(restored) == _continue(original)
+
+
+def test_adapt_counts_only_prompts_with_history():
+    # step 1: four first-time prompts, all zero-variance: nothing is known about them, p stays
+    f = GresoFilter(p_easy=0.5, p_hard=0.5, seed=0)
+    first = [("a", [1.0, 1.0]), ("b", [0.0, 0.0]), ("c", [1.0, 1.0]), ("d", [0.0, 1.0])]
+    assert f.adapt_from_groups(first, CFG) == 0
+    assert (f.p_easy, f.p_hard) == (0.5, 0.5)
+    for pid, rewards in first:
+        f.record(pid, 1, rewards)
+    # step 2: a and d recur (a all-correct, d mixed), e is new (all-wrong, not counted):
+    # easy share 1/2 >= alpha/3 -> p_easy 0.5 - 0.01; hard share 0/2 < 2*alpha/3 -> p_hard + 0.01
+    second = [("a", [1.0, 1.0]), ("d", [1.0, 0.0]), ("e", [0.0, 0.0])]
+    assert f.adapt_from_groups(second, CFG) == 2
+    assert f.p_easy == pytest.approx(0.49) and f.p_hard == pytest.approx(0.51)

@@ -89,7 +89,7 @@ def test_blank_lines_are_skipped_and_rows_count_objects_only(tmp_path):
     ([MATH[0], MATH[0], '{"prompt": "x", "answer": 1'], "math", "line 3: invalid JSON"),
     (['[1, 2]'], "math", "line 1: expected a JSON object, got a list"),
     ([{"answer": 1}], "math", "line 1: missing 'prompt'"),
-    ([{"prompt": 3, "answer": 1}], "math", "line 1: 'prompt' must be a string, got a number"),
+    ([{"prompt": 3, "answer": 1}], "math", "line 1: 'prompt' must be a string or a list of messages, got a number"),
     ([{"prompt": "x", "answer": True}], "math", "line 1: 'answer' must be a string or a number"),
     ([{"prompt": "x", "answer": None}], "math", "line 1: 'answer' must be a string or a number, got null"),
     ([{"prompt": "x", "answer": "  "}], "math", "line 1: 'answer' is empty"),

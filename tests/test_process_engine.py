@@ -1,4 +1,10 @@
 """The embedded engine in its own process behaves like the in-process one."""
+import multiprocessing as mp
+import os
+import signal
+import time
+from pathlib import Path
+
 import psutil
 import pytest
 import torch
@@ -64,3 +70,67 @@ def test_abort_resume_and_weight_versions_across_the_process_boundary(parts):
     finally:
         eng.close()
     assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+def test_child_decodes_on_the_parents_device_and_leaves_no_file(parts, tmp_path):
+    model, tok = parts
+    eng = ProcessEngine(model, eos_token_ids=[tok.eos_token_id], max_slots=2, max_seq_len=200)
+    try:
+        assert eng.child_info["device"] == str(next(model.parameters()).device) == "cpu"
+        assert eng.child_info["dtype"] == "torch.float32"
+        assert eng.child_info["pid"] == eng.proc.pid
+        # the shared weights file is unlinked once both sides mapped it
+        assert not Path(eng.weights.path).exists()
+    finally:
+        eng.close()
+
+
+def test_restored_version_reaches_the_child(parts):
+    # a resumed run sets engine.version; tokens generated afterwards must carry it
+    model, tok = parts
+    eng = ProcessEngine(model, eos_token_ids=[tok.eos_token_id], max_slots=2, max_seq_len=200)
+    try:
+        eng.version = 7
+        ss = _samples(tok, SamplingParams(temperature=1.0, max_new_tokens=20))
+        eng.generate(ss)
+        assert {v for s in ss for v in s.versions} == {7}
+    finally:
+        eng.close()
+
+
+def _engine_in_daemon(report, hold: bool):
+    """Runs in a daemonic process, as a Celery prefork child does."""
+    model = load_model("builtin", torch.device("cpu"), torch.float32).eval()
+    tok = load_tokenizer("builtin")
+    eng = ProcessEngine(model, eos_token_ids=[tok.eos_token_id], max_slots=2, max_seq_len=200)
+    ss = _samples(tok, SamplingParams(temperature=0.0, max_new_tokens=20))
+    eng.generate(ss)
+    report.put((eng.proc.pid, sum(len(s.response_ids) for s in ss)))
+    if hold:
+        time.sleep(120)  # killed by the test meanwhile
+    eng.close()
+
+
+@pytest.mark.parametrize("kill", [False, True], ids=["close", "sigkill-parent"])
+def test_starts_from_a_daemonic_process_and_dies_with_it(kill):
+    ctx = mp.get_context("spawn")
+    report = ctx.Queue()
+    parent = ctx.Process(target=_engine_in_daemon, args=(report, kill), daemon=True)
+    parent.start()
+    try:
+        child_pid, tokens = report.get(timeout=120)
+        assert tokens > 0
+        if kill:
+            os.kill(parent.pid, signal.SIGKILL)
+        parent.join(timeout=30)
+        # the engine child notices its socket closed and exits
+        deadline = time.monotonic() + 10
+        while psutil.pid_exists(child_pid) and time.monotonic() < deadline:
+            if psutil.Process(child_pid).status() == psutil.STATUS_ZOMBIE:
+                break
+            time.sleep(0.1)
+        assert (not psutil.pid_exists(child_pid)
+                or psutil.Process(child_pid).status() == psutil.STATUS_ZOMBIE), "engine child left"
+    finally:
+        if parent.is_alive():
+            parent.kill()

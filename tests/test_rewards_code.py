@@ -3,7 +3,7 @@ import time
 
 import pytest
 
-from trainer.rewards import (RewardService, extract_code, run_code, score, score_code)
+from trainer.rewards import RewardService, extract_code, run_code, score, score_code
 from trainer.tasks.base import Problem
 
 ADD = {"tests": "assert add(1, 2) == 3\nassert add(-1, 1) == 0", "entry_point": "add"}
@@ -133,6 +133,7 @@ def test_malformed_answer_raises_a_clear_error():
 
 def test_nproc_limit_for_non_root_counts_the_users_threads(monkeypatch):
     import os
+
     from trainer import rewards
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     limit = rewards._nproc_limit()

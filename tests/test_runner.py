@@ -5,11 +5,11 @@ import json
 import pytest
 import torch
 
+from trainer import checkpoint
 from trainer import config as C
 from trainer.controls import PAUSE, RESUME, SET_KNOBS, STOP, Command, ControlSource
 from trainer.metrics import JsonlSink, MemorySink, MultiSink
 from trainer.runner import Runner
-from trainer import checkpoint
 
 
 class ScriptedControls(ControlSource):

@@ -1,6 +1,7 @@
-"""The SGLang client engine against the in-repo stand-in server (NOT a real SGLang server):
-same tokens and log-probabilities as the embedded engine, abort + resume, weight updates with
-per-token versions, and clear errors (no hangs) when a server is down, failing or slow."""
+"""The SGLang client engine against the test stand-in server (tests/fakes/sglang_standin.py, NOT
+a real SGLang server): same tokens and log-probabilities as the embedded engine, abort + resume,
+weight updates with per-token versions, and clear errors (no hangs) when a server is down,
+failing or slow."""
 import json
 import socket
 import subprocess
@@ -8,15 +9,16 @@ import sys
 import threading
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 import torch
-
+from fakes.sglang_standin import StandinServer
 from helpers import full_forward_logprobs
+
 from trainer.engine.base import ABORT, SEGMENT, STOP, EngineError, Sample, SamplingParams
 from trainer.engine.embedded import EmbeddedEngine
 from trainer.engine.sglang import SGLangEngine, parse_urls
-from trainer.engine.sglang_standin import StandinServer
 from trainer.model import load_model, load_tokenizer
 
 LONG = "[" + ",".join(["9"] * 20) + "]="
@@ -305,8 +307,9 @@ def test_two_servers_share_the_load(builtin, server, engines):
 
 
 def test_standin_cli_listens_on_localhost_only():
-    proc = subprocess.Popen([sys.executable, "-m", "trainer.engine.sglang_standin", "--port", "0",
-                             "--threads", "1"], stdout=subprocess.PIPE, text=True)
+    script = Path(__file__).parent / "fakes" / "sglang_standin.py"
+    proc = subprocess.Popen([sys.executable, str(script), "--port", "0", "--threads", "1"],
+                            stdout=subprocess.PIPE, text=True)
     try:
         line = proc.stdout.readline()
         assert "not SGLang" in line
@@ -342,3 +345,93 @@ def test_abort_right_after_submit_and_close_do_not_hang(builtin, server, engines
                             if t.name.startswith("rlpilot-sglang")], timeout=5)
     with pytest.raises(EngineError, match="closed"):
         eng.step()
+
+
+class _RawServer:
+    """A bare HTTP/1.0-style server: answers every call with `reply(request_line)`, or never
+    answers when that returns None (the connection stays open)."""
+
+    def __init__(self, reply):
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.reply, self.held, self.lines = reply, [], []
+        threading.Thread(target=self._loop, daemon=True).start()
+
+    def _loop(self):
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            data = b""
+            while b"\r\n\r\n" not in data:
+                chunk = conn.recv(65536)
+                if not chunk:
+                    break
+                data += chunk
+            line = data.split(b"\r\n", 1)[0].decode()
+            self.lines.append(line)
+            out = self.reply(line)
+            if out is None:
+                self.held.append(conn)
+                continue
+            conn.sendall(out)
+            conn.close()
+
+    def close(self):
+        self.sock.close()
+        for c in self.held:
+            c.close()
+
+
+def _http(status, body=b"", headers=""):
+    return (f"HTTP/1.1 {status} X\r\n{headers}Content-Length: {len(body)}\r\n"
+            "Connection: close\r\n\r\n").encode() + body
+
+
+def test_close_wakes_calls_blocked_on_a_server_that_never_answers(builtin):
+    _, tok = builtin
+    srv = _RawServer(lambda line: None if line.startswith("POST /generate") else _http(200))
+    try:
+        eng = SGLangEngine(srv.url, eos_token_ids=[tok.eos_token_id], retries=2, backoff_s=0.05)
+        eng.submit([Sample(ids(tok, "[1,2]="), SamplingParams(max_new_tokens=20))])
+        wait_until(lambda: any(x.startswith("POST /generate") for x in srv.lines), timeout=10)
+        t0 = time.monotonic()
+        eng.close()
+        assert time.monotonic() - t0 < 3
+        # the pool's thread was blocked reading the reply (timeout_s = 300): close() woke it
+        wait_until(lambda: not [t for t in threading.enumerate()
+                                if t.name.startswith("rlpilot-sglang")], timeout=5)
+    finally:
+        srv.close()
+
+
+def test_errors_never_quote_the_server_and_redirects_are_not_followed(builtin, tmp_path):
+    _, tok = builtin
+    replies = {"GET /health": _http(200),
+               "POST /pause_generation": _http(503, b"SECRET-503"),
+               "POST /continue_generation": _http(302, headers="Location: http://127.0.0.1:9/\r\n"),
+               "POST /generate": b"SECRET-STATUS-LINE\r\n\r\n"}
+    srv = _RawServer(lambda line: replies.get(line.rsplit(" ", 1)[0], _http(404, b"SECRET-404")))
+    eng = SGLangEngine(srv.url, eos_token_ids=[tok.eos_token_id], retries=1, backoff_s=0.01,
+                       weights_dir=tmp_path)
+    try:
+        with pytest.raises(EngineError) as e:
+            eng.update_weights({"w": torch.zeros(2)}, version=1)
+        assert str(e.value) == (f"SGLang server {srv.url}: POST /pause_generation failed after "
+                                "2 attempts: HTTP 503")
+        assert srv.lines.count("POST /pause_generation HTTP/1.1") == 2
+        with pytest.raises(EngineError) as e:
+            eng._call(eng.servers[0], "POST", "/no_such_call", {})
+        assert str(e.value) == f"SGLang server {srv.url}: POST /no_such_call refused: HTTP 404"
+        assert srv.lines.count("POST /no_such_call HTTP/1.1") == 1   # a 4xx is not retried
+        assert eng._call(eng.servers[0], "POST", "/continue_generation", {}) is None
+        with pytest.raises(EngineError) as e:
+            eng.generate([Sample(ids(tok, "[1,2]="), SamplingParams(max_new_tokens=20))])
+        assert str(e.value) == (f"SGLang server {srv.url}: POST /generate failed after 2 "
+                                "attempts: BadStatusLine")   # not the line the server sent
+    finally:
+        eng.close()
+        srv.close()

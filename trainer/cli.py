@@ -7,6 +7,9 @@
   reward --dataset D.jsonl --completions C.jsonl                   score completions
   warmup [--out DIR]                                               rebuild the built-in model
   bench learn|... [--json]                                         benchmarks
+  docs config [--write | --check]                                  docs/configuration.md
+  samples RUN_DIR [--step N] [--worst | --longest]                 what the model wrote
+  import-gguf FILE [OUT_DIR]                                       a GGUF model -> a local HF directory
 """
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ import sys
 import time
 from pathlib import Path
 
+from trainer import checkpoint
 from trainer import config as config_mod
 
 
@@ -37,7 +41,8 @@ def _run(args) -> int:
     from trainer import distributed
     from trainer.controls import ControlSource, FileControlSource
     from trainer.metrics import ConsoleSink, JsonlSink, MetricsSink, MultiSink
-    from trainer.runner import Runner, prepare_run_dir
+    from trainer.run_state import prepare_run_dir
+    from trainer.runner import Runner
 
     if args.resume:
         run_dir = Path(args.resume)
@@ -51,6 +56,8 @@ def _run(args) -> int:
             raise config_mod.ConfigError({"config": "name a preset or a .toml file (presets: "
                                           + ", ".join(config_mod.preset_names()) + ")"})
         cfg = config_mod.load(args.config, args.set)
+        from trainer.model import require_model_dir
+        require_model_dir(cfg.model.path, engine=cfg.rollout.engine)  # before any run directory
         world = distributed.init(cfg.model.device)  # torchrun: one of K processes
         distributed.check_config(cfg, world.size)
         out = args.out or f"runs/{Path(args.config).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -171,9 +178,12 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--seed", type=int, default=0)
     w.set_defaults(func=_cmd_warmup)
 
-    from trainer import bench, reward_cli
+    from trainer import bench, docs, gguf_import, reward_cli, samples_cli
+    gguf_import.add_parser(sub)
     reward_cli.add_parser(sub)
+    samples_cli.add_parser(sub)
     bench.add_parser(sub)
+    docs.add_parser(sub)
     return p
 
 
@@ -185,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
         for key, msg in e.errors.items():
             print(f"error: {key}: {msg}", file=sys.stderr)
         return 2
-    except (FileNotFoundError, FileExistsError) as e:
+    except (FileNotFoundError, FileExistsError, checkpoint.CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 

@@ -15,6 +15,8 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+import os
+import re
 import tomllib
 from dataclasses import dataclass, field
 from importlib import resources
@@ -56,20 +58,28 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    task: str = param("sum", choices=["sum", "math", "code"],
-                      help="built-in list-sum task, or a JSONL file of math or code problems")
+    task: str = param("sum", choices=["sum", "math", "code", "arith"],
+                      help="built-in list-sum task, a JSONL file of math or code problems, or "
+                      "arith: built-in arithmetic and word problems scored as math (\\boxed{} answers)")
     path: str = param("", help="JSONL file for task=math ({prompt, answer}) or task=code "
                       "({prompt, tests, entry_point})")
     eval_path: str = param("", help="math/code: JSONL of held-out problems (empty = evaluate on "
                            "the first training rows)")
     train_size: int = param(4096, min=1, max=10_000_000,
-                            help="sum task: distinct training problems (drawn in shuffled epochs)")
+                            help="sum/arith tasks: distinct training problems (drawn in shuffled epochs)")
     max_list_len: int = param(24, min=1, max=64, help="sum task: longest list")
     length_alpha: float = param(1.0, min=0.1, max=10.0,
                                 help="sum task: Pareto shape of the list length (smaller = heavier tail)")
-    max_operand: int = param(9, min=1, max=999, help="sum task: largest list element")
-    prompt_template: str = param("{prompt}", help="math/code: how a problem becomes a prompt; "
-                                 "'{prompt}' is replaced by the problem text")
+    max_operand: int = param(9, min=1, max=999, help="sum task: largest list element; arith: "
+                             "largest operand")
+    prompt_template: str = param("{prompt}", help="how a problem becomes a prompt; "
+                                 "'{prompt}' is replaced by the problem text (inside the chat "
+                                 "template's user turn when one applies)")
+    chat_template: str = param("auto", choices=["auto", "none"],
+                               help="auto: wrap prompts in the tokenizer's chat template (with the "
+                               "assistant's generation prompt) when it has one; none: plain text")
+    system_prompt: str = param("", help="a system message put before every prompt (empty = none; "
+                               "a JSONL row's own system message wins)")
 
 
 @dataclass
@@ -98,6 +108,9 @@ class RolloutConfig:
                                    "has rollout_batch_size effective groups")
     max_sampling_rounds: int = param(8, min=1, max=1000, tunable=True,
                                      help="dynamic sampling: most generation rounds per step")
+    stop: str = param("", help="extra stop strings, as a JSON list (e.g. '[\"</answer>\"]'); a "
+                      "response ends with the token that completes one, which stays in it "
+                      "(the model's eos tokens always stop)")
 
 
 @dataclass
@@ -209,6 +222,10 @@ class AsyncConfig:
                                  "relax it while they stay near 1 (each change is an event)")
     auto_staleness_max: int = param(8, min=0, max=64, tunable=True,
                                     help="auto_staleness never raises eta above this")
+    collect_timeout_s: float = param(600.0, min=1.0, max=86400.0, tunable=True,
+                                     help="the trainer waits at most this long without any "
+                                     "generation progress; then the run stops with an error "
+                                     "naming the admission counters (resumable)")
 
 
 @dataclass
@@ -226,6 +243,10 @@ class RunConfig:
     reward_workers: int = param(1, min=0, max=64,
                                 help="reward processes (0 = score in the trainer process)")
     reward_timeout_s: float = param(10.0, min=0.1, max=3600.0, help="time limit for one reward batch")
+    log_samples: int = param(2, min=0, max=64, tunable=True,
+                             help="groups per step recorded whole for the rollout inspector, drawn at "
+                             "random, besides the step's longest and shortest sample and every sample "
+                             "whose reward failed (0 = record none)")
 
 
 SECTIONS: dict[str, type] = {
@@ -317,7 +338,7 @@ class ParamSpec:
 
     def coerce(self, value):
         """Return `value` as this parameter's type, or raise ConfigError naming the key."""
-        err = ConfigError({self.name: f"got {value!r}; expected {self.allowed()}"})
+        err = ConfigError({self.name: f"got {short_repr(value)}; expected {self.allowed()}"})
         t = self.type
         if t is bool:
             if isinstance(value, bool):
@@ -344,7 +365,10 @@ class ParamSpec:
             if isinstance(value, bool):
                 raise err
             if isinstance(value, (int, float)):
-                out = float(value)
+                try:
+                    out = float(value)
+                except OverflowError:  # an integer too large for a float
+                    raise err from None
             elif isinstance(value, str):
                 try:
                     out = float(value.strip())
@@ -357,6 +381,9 @@ class ParamSpec:
         else:
             if not isinstance(value, str):
                 raise err
+            problem = text_problem(value, MAX_TEXT_LEN)
+            if problem:
+                raise ConfigError({self.name: problem})
             out = value
         if self.choices and out not in self.choices:
             raise err
@@ -429,6 +456,33 @@ def preset_dict(name: str) -> dict[str, dict[str, Any]]:
     return tomllib.loads(text)
 
 
+def preset_config(name: str, *, project_dir: str | Path = ".",
+                  var_dir: str | Path | None = None) -> "Config":
+    """A shipped preset, its relative model.path made whole. A preset names its model relative to
+    the project folder (var/models/..., where import-gguf writes by default); var/ there is the
+    RLPILOT_VAR_DIR of whoever runs it (default <project_dir>/var). The one rule for the CLI
+    (project_dir: where it runs) and the web (the server's project folder and var dir)."""
+    cfg = from_dict(preset_dict(name))
+    path = cfg.model.path
+    if path != "builtin" and not Path(path).is_absolute():
+        project = Path(project_dir)
+        var = Path(var_dir or os.environ.get("RLPILOT_VAR_DIR") or project / "var")
+        head, _, rest = path.partition("/")
+        cfg.set("model.path", str((var / rest if head == "var" and rest else project / path).resolve()))
+    return cfg
+
+
+def preset_requires(name: str) -> str | None:
+    """What a preset needs beyond the default install, or None. A preset whose model.path is
+    not "builtin" needs a model directory of your own: it is opt-in, and the per-preset tests
+    (which must pass on a fresh checkout) skip it with this reason."""
+    path = preset_dict(name).get("model", {}).get("path", "builtin")
+    if path == "builtin":
+        return None
+    return (f"opt-in preset: needs the model directory model.path = {path!r} "
+            "(see docs/models.md)")
+
+
 def from_dict(data: dict[str, Any], base: Config | None = None) -> Config:
     """Apply a nested {section: {key: value}} mapping to `base` (defaults if None).
 
@@ -460,6 +514,8 @@ def loads_toml(text: str, base: Config | None = None) -> Config:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise ConfigError({"toml": f"not valid TOML: {e}"}) from None
+    except RecursionError:
+        raise ConfigError({"toml": "not valid here: nested too deeply"}) from None
     return from_dict(data, base)
 
 
@@ -500,7 +556,7 @@ def load(source: str, overrides: dict[str, Any] | Iterable[str] = ()) -> Config:
     """Load a preset name or a TOML file path, then apply overrides."""
     path = Path(source)
     if source in preset_names():
-        cfg = from_dict(preset_dict(source))
+        cfg = preset_config(source)
     elif path.suffix == ".toml" and path.is_file():
         cfg = loads_toml(path.read_text())
     else:
@@ -514,8 +570,12 @@ def check(cfg: Config) -> None:
     errors: dict[str, str] = {}
     if cfg.data.task in ("math", "code") and not cfg.data.path:
         errors["data.path"] = f"task={cfg.data.task!r} needs a JSONL file in data.path"
-    if cfg.data.task == "sum" and cfg.data.path:
-        errors["data.path"] = "the built-in sum task reads no file; leave data.path empty"
+    if cfg.data.task in ("sum", "arith") and cfg.data.path:
+        errors["data.path"] = f"the built-in {cfg.data.task} task reads no file; leave data.path empty"
+    try:
+        stop_strings(cfg.rollout.stop)
+    except ValueError as e:
+        errors["rollout.stop"] = str(e)
     if "{prompt}" not in cfg.data.prompt_template:
         errors["data.prompt_template"] = "must contain '{prompt}'"
     if cfg.algo.overlong_buffer >= cfg.rollout.max_response_len and cfg.algo.overlong_penalty:
@@ -543,6 +603,75 @@ def check(cfg: Config) -> None:
         raise ConfigError(errors)
 
 
+MAX_STOP_STRINGS = 16
+MAX_STOP_LEN = 200
+
+
+def stop_strings(value: str) -> list[str]:
+    """`rollout.stop` as a list: "" -> [], '["</answer>", "\\n\\nUser:"]' -> the strings. Raises
+    ValueError saying what is wrong (not JSON, not a list of non-empty strings, too many)."""
+    import json
+
+    if not value.strip():
+        return []
+    example = 'expected a JSON list of strings, e.g. ["</answer>"] (empty = none)'
+    try:
+        out = json.loads(value)
+    except (ValueError, RecursionError):
+        raise ValueError(f"not valid JSON: {example}") from None
+    if not isinstance(out, list) or not all(isinstance(x, str) for x in out):
+        raise ValueError(example)
+    if any(not x for x in out):
+        raise ValueError("a stop string is empty")
+    if len(out) > MAX_STOP_STRINGS:
+        raise ValueError(f"{len(out)} stop strings; at most {MAX_STOP_STRINGS}")
+    if any(len(x) > MAX_STOP_LEN for x in out):
+        raise ValueError(f"a stop string is longer than {MAX_STOP_LEN} characters")
+    return list(dict.fromkeys(out))
+
+
+def apply_knob_change(cfg: Config, knobs: dict[str, Any]) -> tuple[Config, dict[str, dict]]:
+    """A knob change as a whole: the new config and {key: {"old", "new"}}, or ConfigError with
+    every key that is unknown, not tunable or out of range (nothing is applied then)."""
+    errors: dict[str, str] = {}
+    for key, value in knobs.items():
+        try:
+            spec = param_spec(key)
+            if not spec.tunable:
+                raise ConfigError({key: "cannot change during a run"})
+            spec.coerce(value)
+        except ConfigError as e:
+            errors.update(e.errors)
+    if errors:
+        raise ConfigError(errors)
+    new = apply_overrides(cfg, knobs)
+    return new, {k: {"old": cfg.get(k), "new": new.get(k)} for k in knobs}
+
+
+# NUL (PostgreSQL refuses it) and lone UTF-16 surrogates (no UTF-8 encoding)
+UNSTORABLE = re.compile("[\x00\ud800-\udfff]")
+MAX_TEXT_LEN = 100_000  # characters of one config string (a prompt template, a system prompt)
+
+
+def short_repr(value, limit: int = 80) -> str:
+    """repr() cut to `limit` characters: error messages name a bad value, never echo it whole."""
+    r = repr(value)
+    return r if len(r) <= limit else r[:limit - 12] + f"... ({len(r)} chars)"
+
+
+def text_problem(value: str, max_len: int) -> str | None:
+    """Why `value` cannot be stored (UTF-8, PostgreSQL text/JSON, TOML), or None. Lone UTF-16
+    surrogates have no UTF-8 encoding; NUL is refused by PostgreSQL."""
+    if len(value) > max_len:
+        return f"too long: {len(value)} characters (at most {max_len})"
+    bad = UNSTORABLE.search(value)
+    if bad:
+        ch = bad.group()
+        what = "a NUL character" if ch == "\x00" else f"a lone UTF-16 surrogate (U+{ord(ch):04X})"
+        return f"contains {what} at character {bad.start()}"
+    return None
+
+
 def to_toml(cfg: Config) -> str:
     """Serialise a config as TOML (round-trips through loads_toml)."""
     lines = []
@@ -559,4 +688,13 @@ def _toml_value(v) -> str:
         return "true" if v else "false"
     if isinstance(v, (int, float)):
         return repr(v)
-    return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
+    return '"' + "".join(_TOML_ESCAPES.get(ch) or _toml_char(ch) for ch in str(v)) + '"'
+
+
+# TOML basic strings: these escapes, and \uXXXX for every other control character
+_TOML_ESCAPES = {"\\": "\\\\", '"': '\\"', "\b": "\\b", "\t": "\\t", "\n": "\\n",
+                 "\f": "\\f", "\r": "\\r"}
+
+
+def _toml_char(ch: str) -> str:
+    return f"\\u{ord(ch):04X}" if ch < " " or ch == "\x7f" else ch

@@ -12,8 +12,9 @@ helper here is the identity, so a single-process run takes exactly the code path
 The design (K processes, N = rollout.rollout_batch_size groups per step):
 
 - Every rank holds the whole policy, its frozen reference, an AdamW optimizer and its own
-  embedded engine. The policy is broadcast from rank 0 once at start; after that the ranks stay
-  identical because they apply identical (all-reduced) gradients.
+  embedded engine. The policy is broadcast from rank 0 once at start (DDP does it when it wraps
+  the model); after that the ranks stay identical because they apply identical (all-reduced)
+  gradients.
 - Rollouts: rank r generates N/K groups per step (N must be a multiple of K). Prompts are
   dealt round-robin from the one global data cursor: rank r takes draws c+r, c+r+K, c+r+2K...
   (`ShardedPromptSource`), so no prompt is generated twice, the union over ranks is exactly the
@@ -22,13 +23,15 @@ The design (K processes, N = rollout.rollout_batch_size groups per step):
 - Rewards and group advantages are per group, so they stay on the rank that generated it.
 - The update: the loss is the token mean over the *global* mini-batch. Each rank all-reduces
   its token count (sum of token weights) first, computes loss = (its token sum) / (global
-  count), back-propagates its own micro-batches, then the gradients are all-reduced (SUM) in
-  flat buckets before clipping and the optimizer step. Summing these per-rank gradients is the
-  gradient of the global token mean, so one update equals a single-process update on the union
-  of the sequences up to float rounding (tested). A rank with no sequence to train on (all its
-  groups zero-variance) still takes part, with zero gradients. Gradients are reduced after the
-  backward passes, not overlapped with them as DistributedDataParallel does: simpler, and it
-  allows a different number of micro-batches on each rank, at the price of less overlap.
+  count), and back-propagates its own micro-batches through DistributedDataParallel (trainer/
+  learner.py): `no_sync()` for all but the last micro-batch of a mini-batch, whose backward
+  all-reduces the accumulated gradients, bucketed and overlapped with the backward pass. DDP
+  averages over the K ranks, so the backward runs on K x the loss: the result is the sum of the
+  per-rank gradients, the gradient of the global token mean, and one update equals a
+  single-process update on the union of the sequences up to float rounding (tested). Ranks may
+  hold different numbers of micro-batches (each packs its own); a rank with no sequence in a
+  mini-batch (all its groups zero-variance) takes part with one empty backward (a one-token
+  forward times zero), so every rank joins each mini-batch's all-reduce exactly once.
   With optim.mini_batches > 1 each rank splits its own sequences, so a mini-batch holds other
   sequences than in a single-process run (each is still a token mean over all ranks' share).
 - Sampling: the engine's generator is seeded with run.seed + rank. A group's samples depend on
@@ -81,14 +84,13 @@ SUMMED = ("reward/errors", "reward/timeouts", "rollout/gen_tokens", "rollout/sam
           "perf/rollout_trained_tokens_per_s")
 MAXED_PREFIXES = ("timing/",)
 MAXED = ("rollout/decode_steps", "rollout/rounds", "system/cuda_peak_mem_gb")
-BUCKET_BYTES = 64 * 2**20  # gradients are all-reduced in flat buckets of at most this size
 
 
 def _env_int(name: str, default: int) -> int:
     try:
         return int(os.environ.get(name, default))
     except ValueError:
-        raise RuntimeError(f"environment variable {name}={os.environ[name]!r} is not an integer")
+        raise RuntimeError(f"environment variable {name}={os.environ[name]!r} is not an integer") from None
 
 
 @dataclass
@@ -189,43 +191,9 @@ class World:
         return self.device if self.backend == "nccl" else None
 
     # --- model ---------------------------------------------------------------------------------
-    def broadcast_module(self, module: torch.nn.Module) -> None:
-        """Copy rank 0's parameters and buffers into every rank's `module`."""
-        if self.size == 1:
-            return
-        import torch.distributed as dist
-
-        with torch.no_grad():
-            for t in list(module.parameters()) + list(module.buffers()):
-                dist.broadcast(t.data, src=0)
-
-    def all_reduce_grads(self, params) -> None:
-        """Sum every parameter's gradient over the ranks (a missing gradient counts as zero).
-        Each rank's loss is already divided by the global token count, so the sum is the
-        gradient of the global token mean."""
-        if self.size == 1:
-            return
-        import torch.distributed as dist
-        from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-
-        params = [p for p in params if p.requires_grad]
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        buckets: dict[tuple, list[list[torch.Tensor]]] = {}
-        for p in params:  # same order on every rank: the model's parameter order
-            key = (p.grad.dtype, p.grad.device)
-            groups = buckets.setdefault(key, [[]])
-            size = sum(g.numel() * g.element_size() for g in groups[-1])
-            if groups[-1] and size + p.grad.numel() * p.grad.element_size() > BUCKET_BYTES:
-                groups.append([])
-            groups[-1].append(p.grad)
-        for groups in buckets.values():
-            for grads in groups:
-                flat = _flatten_dense_tensors(grads)
-                dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-                for g, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
-                    g.copy_(reduced)
+    def ddp_device_ids(self) -> list[int] | None:
+        """DistributedDataParallel's device_ids: this rank's GPU under NCCL, none on the CPU."""
+        return [self.device.index] if self.backend == "nccl" else None
 
     # --- the runner's helpers ------------------------------------------------------------------
     def local_device(self, device: torch.device) -> torch.device:

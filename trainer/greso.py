@@ -19,7 +19,10 @@ such prompts tend to stay that way. GRESO skips them *before* generation, probab
    all-correct groups among the groups rolled out this step is >= alpha/3, p_easy falls by
    delta_p (explore easy prompts less), else it rises; the same for all-wrong groups against
    2*alpha/3 and p_hard. Both are clamped to [min_p, max_p]. A step with no groups changes
-   nothing.
+   nothing. Only groups whose prompt already had a trace count (`adapt_from_groups`), as in
+   the reference implementation: the filter can only have skipped prompts with history, so
+   first-time prompts say nothing about whether it skips too much; counting them would drive p
+   to min_p on a large dataset before any prompt recurs.
 
 `next_sampling_batch_size` sizes the next round of DAPO dynamic sampling from the zero-variance
 ratio seen so far: ceil(needed / (1 - ratio) * 1.25), clamped to [lo, hi].
@@ -140,6 +143,13 @@ class GresoFilter:
         hard_share = n_all_wrong / n_groups
         self.p_easy = self._step(self.p_easy, easy_share >= cfg.alpha / 3 - _RATIO_TOL, cfg)
         self.p_hard = self._step(self.p_hard, hard_share >= 2 * cfg.alpha / 3 - _RATIO_TOL, cfg)
+
+    def adapt_from_groups(self, groups: list[tuple[str, list[float]]], cfg) -> int:
+        """`adapt` from this step's (problem id, rewards) groups whose prompt had a trace before
+        this step; call it before `record`ing them. Returns how many groups counted."""
+        kinds = [classify(rewards) for pid, rewards in groups if self._traces.get(pid)]
+        self.adapt(len(kinds), kinds.count(ALL_CORRECT), kinds.count(ALL_WRONG), cfg)
+        return len(kinds)
 
     @staticmethod
     def _step(p: float, too_many: bool, cfg) -> float:

@@ -6,6 +6,7 @@ tokens; gradients accumulate so that the loss is the token mean over the whole m
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 from dataclasses import dataclass, field
 
@@ -64,8 +65,13 @@ class Learner:
         # data parallel (trainer/distributed.py): a World of K > 1 processes; token counts and
         # gradients are summed over them so the loss is the token mean of the global batch
         self.dist = dist if dist is not None and dist.size > 1 else None
+        self.ddp = None  # the DistributedDataParallel wrapper the update's forward runs through
         if self.dist is not None:
-            self.dist.broadcast_module(model)  # every rank starts from rank 0's weights
+            from torch.nn.parallel import DistributedDataParallel
+
+            # DDP broadcasts rank 0's weights and all-reduces the gradients, bucketed and
+            # overlapped with the backward pass, at the last micro-batch of each mini-batch
+            self.ddp = DistributedDataParallel(model, device_ids=self.dist.ddp_device_ids())
         self.reference = None
         if track_reference:
             self.reference = reference if reference is not None else copy.deepcopy(model)
@@ -100,6 +106,37 @@ class Learner:
         return (ids.to(dev), attn.to(dev), old.to(dev), adv.to(dev), w.to(dev), temps.to(dev),
                 behave.to(dev), vers.to(dev))
 
+    def _accumulating(self, last: bool):
+        """DDP's all-reduce runs once per mini-batch, at its last micro-batch's backward."""
+        return self.ddp.no_sync() if self.ddp is not None and not last else contextlib.nullcontext()
+
+    def _empty_backward(self, pad_id: int) -> None:
+        ids = torch.full((1, 1), pad_id, dtype=torch.long, device=self.device)
+        (self.ddp(input_ids=ids).logits.sum() * 0.0).backward()
+
+    def _micro_batch_loss(self, mb, pad_id, mb_index, mini_batches, decoupled_loss, total, *,
+                          clip_low, clip_high, kl_coef):
+        """One micro-batch's share of the loss (GRPO, or decoupled PPO for asynchronous runs)."""
+        ids, attn, old, adv, w, temps, behave, vers = self._pack(mb, pad_id)
+        logp, entropy = self._token_logprobs(self.ddp or self.model, ids, attn, temps, True)
+        ref = None
+        if self.reference is not None:
+            with torch.no_grad():
+                ref, _ = self._token_logprobs(self.reference, ids, attn, temps)
+        if decoupled_loss is None:
+            loss, stats = grpo.token_loss(logp, old, adv, w, clip_low=clip_low, clip_high=clip_high,
+                                          ref_logp=ref, kl_coef=kl_coef, total_tokens=total)
+        else:
+            prox = old
+            if decoupled_loss.prox == "loglinear":
+                V = float(decoupled_loss.version)
+                prox = decoupled.loglinear_prox(behave, logp, vers, V, V + mb_index / mini_batches)
+            loss, stats = decoupled.token_loss(
+                logp, prox, behave, adv, w, clip_low=clip_low, clip_high=clip_high,
+                cap=decoupled_loss.cap, cap_mode=decoupled_loss.cap_mode,
+                total_tokens=total, ref_logp=ref, kl_coef=kl_coef)
+        return loss, stats, entropy, w
+
     @staticmethod
     def _token_logprobs(model, ids, attn, temps, with_entropy=False):
         logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float() / temps
@@ -125,15 +162,39 @@ class Learner:
                 out[id(s)] = logp[b, start:start + len(s.response_ids)].tolist()
         return [out[id(s)] for s in seqs]
 
+    def kl_to_reference(self, samples, pad_id: int, max_tokens: int) -> float:
+        """Mean k3 KL of the policy to the reference over the samples' response tokens."""
+        seqs = [TrainSequence(s.prompt_ids, s.response_ids, s.logprobs, 0.0, s.params.temperature)
+                for s in samples]
+        pol = self.logprobs(seqs, pad_id, max_tokens)
+        ref = self.logprobs(seqs, pad_id, max_tokens, reference=True)
+        flat_p = torch.tensor([x for lp in pol for x in lp])
+        flat_r = torch.tensor([x for lp in ref for x in lp])
+        return float(grpo.kl_k3(flat_p, flat_r).mean()) if flat_p.numel() else 0.0
+
+    def train(self, seqs: list[TrainSequence], cfg, pad_id: int, samples: list,
+              decoupled_loss: decoupled.DecoupledLoss | None = None) -> dict[str, float]:
+        """The step's update with the config's settings. Every rank takes part while any rank has
+        sequences; with none anywhere (every group zero-variance) only the KL to the reference
+        of `samples` is measured, so the KL chart has no holes."""
+        total = self.dist.all_sum(len(seqs)) if self.dist is not None else len(seqs)
+        if not total:
+            if self.reference is None or not samples:
+                return {}
+            return {"actor/kl": self.kl_to_reference(samples, pad_id, cfg.optim.micro_batch_tokens)}
+        return self.update(seqs, pad_id=pad_id, lr=cfg.optim.lr, grad_clip=cfg.optim.grad_clip,
+                           clip_low=cfg.algo.clip_low, clip_high=cfg.algo.clip_high,
+                           kl_coef=cfg.algo.kl_coef, micro_batch_tokens=cfg.optim.micro_batch_tokens,
+                           mini_batches=cfg.optim.mini_batches, decoupled_loss=decoupled_loss)
+
     def update(self, seqs: list[TrainSequence], *, pad_id: int, lr: float, grad_clip: float,
                clip_low: float, clip_high: float, kl_coef: float, micro_batch_tokens: int,
-               mini_batches: int = 1, decoupled_loss: dict | None = None) -> dict[str, float]:
+               mini_batches: int = 1,
+               decoupled_loss: decoupled.DecoupledLoss | None = None) -> dict[str, float]:
         """One GRPO step over `seqs` (split into `mini_batches` optimizer updates).
 
-        `decoupled_loss` switches to AReaL's decoupled PPO (trainer/algo/decoupled.py):
-        {"cap": float, "cap_mode": "mask"|"clamp", "prox": "recompute"|"loglinear",
-         "version": V}. With "recompute", each sequence's old_logprobs must already hold pi_prox;
-        with "loglinear" pi_prox is interpolated from behave_logprobs and versions."""
+        `decoupled_loss` switches to AReaL's decoupled PPO (trainer/algo/decoupled.py; the
+        sequences come from trainer/algo/objective.py)."""
         for g in self.optimizer.param_groups:
             g["lr"] = lr
         self.model.train()
@@ -148,33 +209,22 @@ class Learner:
             if total <= 0:
                 continue
             self.optimizer.zero_grad(set_to_none=True)
-            for mb in micro_batches(chunk, micro_batch_tokens):
-                ids, attn, old, adv, w, temps, behave, vers = self._pack(mb, pad_id)
-                logp, entropy = self._token_logprobs(self.model, ids, attn, temps, True)
-                ref = None
-                if self.reference is not None:
-                    with torch.no_grad():
-                        ref, _ = self._token_logprobs(self.reference, ids, attn, temps)
-                if decoupled_loss is None:
-                    loss, stats = grpo.token_loss(logp, old, adv, w, clip_low=clip_low,
-                                                  clip_high=clip_high, ref_logp=ref,
-                                                  kl_coef=kl_coef, total_tokens=total)
-                else:
-                    prox = old
-                    if decoupled_loss["prox"] == "loglinear":
-                        V = float(decoupled_loss["version"])
-                        prox = decoupled.loglinear_prox(behave, logp, vers, V,
-                                                       V + mb_index / mini_batches)
-                    loss, stats = decoupled.token_loss(
-                        logp, prox, behave, adv, w, clip_low=clip_low, clip_high=clip_high,
-                        cap=decoupled_loss["cap"], cap_mode=decoupled_loss["cap_mode"],
-                        total_tokens=total, ref_logp=ref, kl_coef=kl_coef)
-                loss.backward()
+            mbs = micro_batches(chunk, micro_batch_tokens)
+            if self.ddp is not None and not mbs:
+                # this rank holds no sequence of the mini-batch: one empty backward keeps it in
+                # step with the others' gradient all-reduce
+                self._empty_backward(pad_id)
+            for i, mb in enumerate(mbs):
+                with self._accumulating(last=i == len(mbs) - 1):
+                    loss, stats, entropy, w = self._micro_batch_loss(
+                        mb, pad_id, mb_index, mini_batches, decoupled_loss, total,
+                        clip_low=clip_low, clip_high=clip_high, kl_coef=kl_coef)
+                    # DDP averages the ranks' gradients; each rank's loss is its share of the
+                    # global token mean, so the sum is wanted: scale by K
+                    (loss * (self.dist.size if self.ddp is not None else 1)).backward()
                 for name, v in stats.items():
                     sums[name] += float(v)
                 sums["entropy"] += float((entropy * w).sum())
-            if self.dist is not None:
-                self.dist.all_reduce_grads(self.model.parameters())
             norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(),
                                                   grad_clip if grad_clip > 0 else float("inf"))
             grad_norms.append(float(norm))

@@ -1,13 +1,14 @@
 """Metrics sinks: where a run's scalars, histograms and events go.
 
 The trainer only knows `MetricsSink`. The CLI uses a console display plus JSONL files in the
-run directory; the web app plugs in a database sink. Names follow DESIGN.md (slash-separated,
-verl/TRL style).
+run directory; the web app plugs in a database sink. Names are declared in trainer/metric_names.py
+(slash-separated, verl/TRL style).
 
 Files written by `JsonlSink` in the run directory:
   metrics.jsonl     one object per step: {"step": N, "time": unix, "<name>": value, ...}
   histograms.jsonl  {"step": N, "name": ..., "edges": [...], "counts": [...]}
   events.jsonl      {"step": N, "time": unix, "kind": ..., ...data}
+  samples.jsonl     one recorded sample per line (trainer/samples.py: the rollout inspector)
 """
 from __future__ import annotations
 
@@ -60,6 +61,7 @@ class MetricsSink:
     def scalars(self, step: int, values: dict[str, float]) -> None: ...
     def histogram(self, step: int, name: str, hist: dict[str, Any]) -> None: ...
     def event(self, step: int, kind: str, data: dict[str, Any] | None = None) -> None: ...
+    def samples(self, step: int, rows: list[dict[str, Any]]) -> None: ...
     def flush(self) -> None: ...
     def close(self) -> None: ...
 
@@ -80,6 +82,10 @@ class MultiSink(MetricsSink):
         for s in self.sinks:
             s.event(step, kind, data)
 
+    def samples(self, step, rows):
+        for s in self.sinks:
+            s.samples(step, rows)
+
     def flush(self):
         for s in self.sinks:
             s.flush()
@@ -96,6 +102,7 @@ class MemorySink(MetricsSink):
         self.steps: list[dict[str, Any]] = []
         self.histograms: list[dict[str, Any]] = []
         self.events: list[dict[str, Any]] = []
+        self.sample_rows: list[dict[str, Any]] = []
 
     def scalars(self, step, values):
         self.steps.append({"step": step, **values})
@@ -106,6 +113,9 @@ class MemorySink(MetricsSink):
     def event(self, step, kind, data=None):
         self.events.append({"step": step, "kind": kind, **(data or {})})
 
+    def samples(self, step, rows):
+        self.sample_rows.extend(rows)
+
     def series(self, name: str) -> list[float]:
         return [row[name] for row in self.steps if name in row]
 
@@ -114,6 +124,8 @@ def _clean(v):
     """JSON has no NaN/inf: write them as strings so a diverging run is still readable."""
     if isinstance(v, float) and not math.isfinite(v):
         return str(v)
+    if isinstance(v, list):   # a sample's per-token log-probabilities
+        return [_clean(x) for x in v]
     return v
 
 
@@ -122,7 +134,7 @@ class JsonlSink(MetricsSink):
         d = Path(run_dir)
         d.mkdir(parents=True, exist_ok=True)
         self._files = {name: open(d / f"{name}.jsonl", "a", encoding="utf-8")
-                       for name in ("metrics", "histograms", "events")}
+                       for name in ("metrics", "histograms", "events", "samples")}
 
     def _write(self, name, obj):
         self._files[name].write(json.dumps({k: _clean(v) for k, v in obj.items()}) + "\n")
@@ -137,6 +149,10 @@ class JsonlSink(MetricsSink):
     def event(self, step, kind, data=None):
         self._write("events", {"step": step, "time": time.time(), "kind": kind, **(data or {})})
         self._files["events"].flush()
+
+    def samples(self, step, rows):
+        for row in rows:
+            self._write("samples", {**row, "step": step})
 
     def flush(self):
         for f in self._files.values():

@@ -8,6 +8,7 @@ policy; the warmed-up weights ship in `trainer/assets/builtin-sum/`.
 """
 from __future__ import annotations
 
+import json
 import string
 from importlib import resources
 from pathlib import Path
@@ -78,26 +79,152 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return getattr(torch, name)
 
 
+def _missing_hint(path: str) -> str:
+    if path == BUILTIN:
+        return " (run `python -m trainer warmup` to rebuild the built-in model)"
+    from trainer.gguf_import import import_hint
+
+    hint = import_hint(path)
+    if hint:
+        return f" (create it with `{hint}`)"
+    return " (rlpilot only loads local directories, never from a hub)"
+
+
 def model_dir(path: str) -> Path:
     """The directory a `model.path` refers to, checked to look like a local HF model."""
     d = builtin_dir() if path == BUILTIN else Path(path).expanduser()
     if not d.is_dir():
-        hint = (" (run `python -m trainer warmup` to rebuild the built-in model)"
-                if path == BUILTIN else " (rlpilot only loads local directories, never from a hub)")
-        raise FileNotFoundError(f"model.path: no model directory at {d}{hint}")
+        raise FileNotFoundError(f"model.path: no model directory at {d}{_missing_hint(path)}")
     if not (d / "config.json").is_file():
         raise FileNotFoundError(f"model.path: {d} has no config.json; expected a Hugging Face "
                                 "model saved with save_pretrained()")
     return d
 
 
+# model_type -> the Hugging Face class, for the messages of check_model_dir
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                "pytorch_model.bin.index.json")
+
+
+def check_model_dir(path: str, *, engine: str = "embedded") -> list[str]:
+    """What is wrong with `model.path` (an empty list: nothing), checked before a run is
+    queued (CLI, API, launch form): the directory exists, holds a config.json of an
+    architecture the embedded engine supports (any causal LM with rollout.engine = "sglang"),
+    weights, and a tokenizer that loads and can end a response (an eos token)."""
+    from trainer.engine.decoder import SUPPORTED
+
+    d = builtin_dir() if path == BUILTIN else Path(path).expanduser()
+    if not d.is_dir():
+        return [f"no model directory at {d}{_missing_hint(path)}"]
+    if path == BUILTIN:
+        return []  # shipped with rlpilot: checked by its own tests
+    cfg_file = d / "config.json"
+    if not cfg_file.is_file():
+        return [f"{d} has no config.json; expected a Hugging Face model saved with "
+                "save_pretrained() (or `python -m trainer import-gguf FILE.gguf DIR`)"]
+    try:
+        data = json.loads(cfg_file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        return [f"{cfg_file} is not readable JSON: {e}"]
+    if not isinstance(data, dict):
+        return [f"{cfg_file}: expected a JSON object"]
+    problems = []
+    model_type = data.get("model_type")
+    archs = data.get("architectures") or []
+    arch = archs[0] if isinstance(archs, list) and archs and isinstance(archs[0], str) else None
+    if engine == "embedded" and model_type not in SUPPORTED:
+        supported = ", ".join(f"{ARCHITECTURES.get(t, t)} ({t})" for t in SUPPORTED)
+        name = f"{arch} (model_type {model_type!r})" if arch else f"model_type {model_type!r}"
+        problems.append(f"architecture {name} is not supported by the embedded engine; it runs "
+                        f"{supported} (other causal LMs: rollout.engine = 'sglang')")
+    if not any((d / f).is_file() for f in WEIGHT_FILES):
+        problems.append(f"{d} has no weights (expected one of {', '.join(WEIGHT_FILES)})")
+    try:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(str(d), local_files_only=True)
+    except Exception as e:  # whatever the tokenizer files are missing or broken with
+        first = (str(e).strip().splitlines() or [""])[0][:300]
+        problems.append(f"its tokenizer does not load ({type(e).__name__}: {first})")
+    else:
+        if tok.eos_token_id is None and not generation_eos_ids(d):
+            problems.append("the tokenizer has no eos token and the model's config names none: "
+                            "responses could never end")
+    return problems
+
+
+def require_model_dir(path: str, *, engine: str = "embedded") -> None:
+    """check_model_dir, as a ConfigError on model.path (the CLI prints it; the web shows it as
+    the field's error)."""
+    problems = check_model_dir(path, engine=engine)
+    if problems:
+        from trainer.config import ConfigError
+
+        raise ConfigError({"model.path": "; ".join(problems)})
+
+
+def _as_ids(value) -> list[int]:
+    if value is None:
+        return []
+    values = value if isinstance(value, (list, tuple)) else [value]
+    return [int(v) for v in values if isinstance(v, int) and not isinstance(v, bool) and v >= 0]
+
+
+def generation_eos_ids(d: Path) -> list[int]:
+    """The eos ids a model directory's generation_config.json and config.json name."""
+    out: list[int] = []
+    for name in ("generation_config.json", "config.json"):
+        try:
+            data = json.loads((d / name).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        if isinstance(data, dict):
+            out += [i for i in _as_ids(data.get("eos_token_id")) if i not in out]
+    return out
+
+
+def stop_token_ids(model, tokenizer) -> list[int]:
+    """Every token id that ends a response: the tokenizer's eos and each id of the model's
+    generation_config.eos_token_id and config.eos_token_id (an int or a list: Llama 3 and
+    Qwen instruct models end turns with several), within the vocabulary."""
+    ids = _as_ids(getattr(tokenizer, "eos_token_id", None))
+    for source in (getattr(model, "generation_config", None), getattr(model, "config", None)):
+        ids += _as_ids(getattr(source, "eos_token_id", None))
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    out = sorted({i for i in ids if vocab is None or i < vocab})
+    if not out:
+        raise ValueError("model.path: neither the tokenizer nor the model's generation config "
+                         "names an eos token: responses could never end")
+    return out
+
+
+def _vocab_size(d: Path) -> int | None:
+    try:
+        n = json.loads((d / "config.json").read_text(encoding="utf-8")).get("vocab_size")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return n if isinstance(n, int) else None
+
+
 def load_tokenizer(path: str):
+    """The tokenizer of `model.path`. One without a usable pad token (none, or one past the
+    model's embedding table: some tokenizer classes invent "<|endoftext|>" as a new token) gets
+    its eos token as pad. That is safe: the pad id only fills padded positions and never builds
+    a mask (the learner and the engine mask by sequence length), so a response's own eos is
+    still trained and scored."""
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(model_dir(path)), local_files_only=True)
+    d = model_dir(path)
+    tok = AutoTokenizer.from_pretrained(str(d), local_files_only=True)
     if tok.eos_token_id is None:
-        raise ValueError(f"model.path: the tokenizer in {path} has no eos token")
-    if tok.pad_token_id is None:
+        ids = generation_eos_ids(d)
+        if not ids:
+            raise ValueError(f"model.path: the tokenizer in {path} has no eos token")
+        tok.eos_token = tok.convert_ids_to_tokens(ids[0])
+    vocab = _vocab_size(d)
+    if tok.pad_token_id is None or (vocab is not None and tok.pad_token_id >= vocab):
         tok.pad_token = tok.eos_token
     return tok
 

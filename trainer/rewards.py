@@ -516,6 +516,20 @@ def _preload(kinds: Iterable[str]) -> None:
 # =============================================================================================
 # The reward service
 # =============================================================================================
+#
+# Why the pool is hand-written (subprocess.Popen + a multiprocessing Pipe) rather than
+# concurrent.futures.ProcessPoolExecutor or pebble: the trainer runs inside a Celery prefork
+# worker child, a daemonic process, and multiprocessing refuses to start children there. Measured
+# in a real Celery 5.7 prefork child (and in a daemonic multiprocessing.Process, fork and spawn),
+# Python 3.11, pebble 5.2.3:
+#   concurrent.futures.ProcessPoolExecutor (fork or spawn context), pebble.ProcessPool,
+#   pebble.concurrent.process, multiprocessing.Pool
+#       -> AssertionError: daemonic processes are not allowed to have children
+#   subprocess.Popen -> works
+# (the async engine's child, trainer/engine/process.py, is started with subprocess for the same
+# reason). What the libraries would give, this pool does itself: per-batch and per-item time
+# limits, killing a stuck worker with everything it started, counting errors and timeouts, and
+# replacing dead workers; memory and the rest of the sandbox are limited by run_code's child.
 
 @dataclass
 class RewardBatch:
@@ -570,10 +584,10 @@ class _Worker:
 
 
 def _kill_tree(proc: subprocess.Popen) -> None:
+    import psutil
     try:
-        import psutil
         kids = psutil.Process(proc.pid).children(recursive=True)
-    except Exception:  # noqa: BLE001 -- already gone, or psutil unavailable
+    except Exception:  # noqa: BLE001 -- already gone
         kids = []
     for p in [proc, *kids]:
         try:
@@ -586,7 +600,6 @@ def _kill_tree(proc: subprocess.Popen) -> None:
         log.error("reward worker %d did not die after SIGKILL", proc.pid)
     if kids:
         try:
-            import psutil
             psutil.wait_procs(kids, timeout=2)
         except Exception:  # noqa: BLE001
             pass
@@ -796,13 +809,7 @@ class RewardService:
                     self._worker_died(w, results, queue)
                     pending = sum(r is None for r in results)
                     continue
-                if msg[0] == "ready":
-                    w.ready = True
-                    self._startup_failures = 0
-                elif msg[0] in ("part", "done") and w.chunk is not None:
-                    record(w, msg[1])
-                    if msg[0] == "done":
-                        w.chunk = None
+                self._on_message(w, msg, record)
 
         # Out of time: take what already arrived, then kill the workers still busy.
         for w in list(self._workers):
@@ -813,12 +820,7 @@ class RewardService:
                     msg = w.conn.recv()
                 except (EOFError, OSError):
                     break
-                if msg[0] in ("part", "done"):
-                    record(w, msg[1])
-                    if msg[0] == "done":
-                        w.chunk = None
-                elif msg[0] == "ready":
-                    w.ready = True
+                self._on_message(w, msg, record)
             if w.chunk is not None:
                 log.warning("reward batch ran past %.1fs: killing reward worker %d",
                             self.timeout_s, w.proc.pid)
@@ -831,6 +833,16 @@ class RewardService:
                 self._replace(w)
         return [r if r is not None else (0.0, "timeout", f"the batch ran past {self.timeout_s:g}s")
                 for r in results]
+
+    def _on_message(self, w: _Worker, msg: tuple, record) -> None:
+        """A worker's message: ("ready", pid), or ("part" | "done", results of its chunk)."""
+        if msg[0] == "ready":
+            w.ready = True
+            self._startup_failures = 0
+        elif msg[0] in ("part", "done") and w.chunk is not None:
+            record(w, msg[1])
+            if msg[0] == "done":
+                w.chunk = None
 
     def _worker_died(self, w: _Worker, results: list, queue: collections.deque) -> None:
         try:

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from trainer.model import new_builtin_model
-from trainer.tasks.sum import SumTask, reference_solution, sample_list, format_prompt
+from trainer.tasks.sum import SumTask, format_prompt, reference_solution, sample_list
 
 
 def _example(tok, rng, task: SumTask) -> tuple[list[int], int]:

@@ -72,11 +72,22 @@ def database_from_url(url: str) -> dict:
     raise ValueError(f"DATABASE_URL={url!r}: expected postgres://... or sqlite:///path")
 
 
+def read_secret(path) -> str:
+    """The text of a secret kept in a file (stripped), or "" when there is none yet. Reads only."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read().strip()
+    except (FileNotFoundError, NotADirectoryError):
+        return ""
+
+
 def sqlite_database(path: str) -> dict:
     # WAL + IMMEDIATE transactions + a busy timeout: measured to give no "database is locked"
-    # with the web process and a worker writing rows every 100 ms (../shared/MEASURED.md).
+    # with the web process and a worker writing rows every 100 ms (docs/benchmarks.md).
+    # Django's SQLite backend, which also creates the database's folder when it first connects
+    # (webapp/backends/sqlite3), so the settings need not create it at import.
     return {
-        "ENGINE": "django.db.backends.sqlite3",
+        "ENGINE": "webapp.backends.sqlite3",
         "NAME": path,
         "OPTIONS": {
             "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;",

@@ -4,29 +4,29 @@ Embedded default (nothing installed): SQLite in WAL mode under var/, a Celery br
 filesystem (var/celery/) and an in-process channel layer (consumers poll the database).
 With DATABASE_URL (PostgreSQL) and REDIS_URL: PostgreSQL, Redis as the Celery broker and
 channels_redis as the channel layer (consumers wait on a doorbell).
+
+Importing this module creates no folder and writes no file: it only names paths. What the
+embedded setup keeps under RLPILOT_VAR_DIR is created where it is needed (webapp/vardir.py).
 """
 from __future__ import annotations
 
+import secrets
 from pathlib import Path
 
-from webapp.env import database_from_url, env, env_bool, env_float, env_int, env_list, sqlite_database
+from webapp.env import database_from_url, env, env_bool, env_float, env_int, env_list, read_secret, sqlite_database
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 VAR_DIR = Path(env("RLPILOT_VAR_DIR", str(BASE_DIR / "var"))).resolve()
-VAR_DIR.mkdir(parents=True, exist_ok=True)
 
 DEBUG = env_bool("DEBUG", False)
-_secret = env("SECRET_KEY")
-if not _secret:
-    # local use: a random key kept in var/ so sessions survive restarts
-    _key_file = VAR_DIR / "secret_key"
-    if not _key_file.exists():
-        import secrets
-
-        _key_file.write_text(secrets.token_urlsafe(50))
-        _key_file.chmod(0o600)
-    _secret = _key_file.read_text().strip()
-SECRET_KEY = _secret
+# SECRET_KEY from the environment; else (local use) the random key kept in var/secret_key so
+# sessions survive restarts; else, before the first start wrote that file, a random key for this
+# process, which `manage.py serve` and the web server's start keep there (vardir.ensure_secret_key).
+SECRET_KEY_FILE = VAR_DIR / "secret_key"
+SECRET_KEY = env("SECRET_KEY") or read_secret(SECRET_KEY_FILE)
+SECRET_KEY_GENERATED = not SECRET_KEY
+if SECRET_KEY_GENERATED:
+    SECRET_KEY = secrets.token_urlsafe(50)
 ALLOWED_HOSTS = env_list("ALLOWED_HOSTS", ["127.0.0.1", "localhost", "[::1]"])
 CSRF_TRUSTED_ORIGINS = env_list("CSRF_TRUSTED_ORIGINS", [])
 
@@ -77,7 +77,7 @@ if DATABASES["default"]["ENGINE"].endswith("sqlite3"):
                                                 str(VAR_DIR / "test-rlpilot.sqlite3"))}
 elif env("RLPILOT_TEST_DB_NAME"):
     DATABASES["default"]["TEST"] = {"NAME": env("RLPILOT_TEST_DB_NAME")}
-EMBEDDED_DB = DATABASES["default"]["ENGINE"].endswith("sqlite3")
+EMBEDDED_DB = DATABASES["default"]["ENGINE"].endswith("sqlite3")   # webapp.backends.sqlite3
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 # --- channel layer and Celery ---------------------------------------------------------------------
@@ -96,6 +96,16 @@ else:
 # True when the channel layer reaches other processes; otherwise consumers poll the database.
 CROSS_PROCESS_DOORBELL = bool(REDIS_URL)
 WS_POLL_INTERVAL_S = env_float("RLPILOT_WS_POLL_S", 0.2 if not REDIS_URL else 2.0)
+# An open socket re-reads its session and user this often (and before every control message):
+# logged out, deactivated or changed rights close it.
+WS_USER_RECHECK_S = env_float("RLPILOT_WS_USER_RECHECK_S", 10.0)
+# The channel layer down (Redis unreachable): sockets stay open and poll the database this often
+# (tell the client a `stream` frame), re-joining their group every CHANNEL_LAYER_RETRY_S; one call
+# to the layer waits at most CHANNEL_LAYER_TIMEOUT_S. The trainer's doorbell drops its rings
+# while the layer is down and tries again every CHANNEL_LAYER_RETRY_S.
+WS_FALLBACK_POLL_S = env_float("RLPILOT_WS_FALLBACK_POLL_S", 1.0)
+CHANNEL_LAYER_RETRY_S = env_float("RLPILOT_CHANNEL_LAYER_RETRY_S", 2.0)
+CHANNEL_LAYER_TIMEOUT_S = env_float("RLPILOT_CHANNEL_LAYER_TIMEOUT_S", 3.0)
 
 TRAINING_QUEUE = env("RLPILOT_TRAINING_QUEUE", "training")
 # The queues a run may be sent to (one per kind of worker machine, e.g. "gpu-h200"); the first
@@ -104,7 +114,6 @@ RLPILOT_QUEUES = env_list("RLPILOT_QUEUES", [TRAINING_QUEUE])
 if TRAINING_QUEUE not in RLPILOT_QUEUES:
     RLPILOT_QUEUES.insert(0, TRAINING_QUEUE)
 CELERY_TASK_DEFAULT_QUEUE = TRAINING_QUEUE
-CELERY_TASK_ROUTES = {"webapp.dashboard.tasks.*": {"queue": TRAINING_QUEUE}}
 CELERY_TASK_IGNORE_RESULT = True
 CELERY_RESULT_BACKEND = None
 # One run per worker process; never fetch a second task while one is running, and acknowledge
@@ -123,9 +132,8 @@ if REDIS_URL:
     CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": 7 * 24 * 3600}
 else:
     # The filesystem broker needs no server; absolute folders shared by every process make
-    # remote control (ping, revoke(terminate=True)) work with the prefork pool.
-    for _d in ("queue", "processed", "control"):
-        (CELERY_DIR / _d).mkdir(parents=True, exist_ok=True)
+    # remote control (ping, revoke(terminate=True)) work with the prefork pool. They are created
+    # when a worker starts or a task is sent (webapp/celery.py, webapp/vardir.py).
     CELERY_BROKER_URL = "filesystem://"
     CELERY_BROKER_TRANSPORT_OPTIONS = {
         "data_folder_in": str(CELERY_DIR / "queue"),
@@ -141,6 +149,28 @@ RUNS_DIR = Path(env("RLPILOT_RUNS_DIR", str(VAR_DIR / "runs"))).resolve()
 HEARTBEAT_S = env_float("RLPILOT_HEARTBEAT_S", 5.0)
 HEARTBEAT_TIMEOUT_S = env_float("RLPILOT_HEARTBEAT_TIMEOUT_S", 30.0)
 CHART_MAX_POINTS = env_int("RLPILOT_CHART_MAX_POINTS", 1000)
+# rollout samples kept per run (the inspector); past it the oldest steps are thinned (0 = no cap)
+SAMPLES_PER_RUN = env_int("RLPILOT_SAMPLES_PER_RUN", 20000)
+
+# --- the stale-run sweep (webapp/dashboard/sweep.py) -----------------------------------------------
+# A live run without a heartbeat for HEARTBEAT_TIMEOUT_S becomes `interrupted`: checked every
+# SWEEP_S seconds with nobody watching (production: Celery beat sends the sweep to SWEEP_QUEUE,
+# which a worker on the web machine consumes -- `celery -A webapp beat` and
+# `celery -A webapp worker -Q rlpilot-sweep`; training workers are busy with their runs and never
+# consume it. Locally: `manage.py serve`'s own timer), and lazily by pages, the API and sockets.
+SWEEP_S = env_float("RLPILOT_SWEEP_S", min(5.0, max(0.5, HEARTBEAT_TIMEOUT_S / 3)))
+SWEEP_QUEUE = env("RLPILOT_SWEEP_QUEUE", "rlpilot-sweep")
+SWEEP_TASK = "webapp.dashboard.tasks.sweep_stale_runs"
+CELERY_BEAT_SCHEDULE = {"sweep-stale-runs": {
+    "task": SWEEP_TASK, "schedule": SWEEP_S,
+    # a sweep nobody took in time is dropped, so a sweep worker that was down does not run a
+    # backlog of them when it comes back
+    "options": {"queue": SWEEP_QUEUE, "expires": max(10.0, 2 * SWEEP_S)},
+}}
+# beat keeps its schedule in memory (one fixed interval: nothing worth a schedule file)
+CELERY_BEAT_SCHEDULER = "celery.beat:Scheduler"
+CELERY_TASK_ROUTES = {SWEEP_TASK: {"queue": SWEEP_QUEUE},
+                      "webapp.dashboard.tasks.*": {"queue": TRAINING_QUEUE}}
 
 # --- alerts (webapp/dashboard/alerts.py): evaluated as a run's metrics arrive -----------------------
 ALERT_KL_MAX = env_float("RLPILOT_ALERT_KL_MAX", 0.5)              # actor/kl above this
@@ -148,6 +178,13 @@ ALERT_KL_RISE_PER_STEP = env_float("RLPILOT_ALERT_KL_RISE", 0.01)  # actor/kl sl
 ALERT_KL_RISE_WINDOW = env_int("RLPILOT_ALERT_KL_RISE_WINDOW", 5)  # steps
 ALERT_COLLAPSE_RATIO = env_float("RLPILOT_ALERT_COLLAPSE_RATIO", 0.95)  # all_wrong share "near 1"
 ALERT_COLLAPSE_STEPS = env_int("RLPILOT_ALERT_COLLAPSE_STEPS", 5)       # for this many steps
+# a raised alert clears only after its condition has been false for this many steps in a row, so
+# a value hovering at a threshold gives one alert, not an alert and a clear every other step
+ALERT_CLEAR_STEPS = env_int("RLPILOT_ALERT_CLEAR_STEPS", 3)
+# stalled: no step finished for ALERT_STALL_FACTOR x the run's median step time, and at least
+# ALERT_STALL_MIN_S (evaluated by the worker's heartbeat thread, so also when nothing is written)
+ALERT_STALL_FACTOR = env_float("RLPILOT_ALERT_STALL_FACTOR", 5.0)
+ALERT_STALL_MIN_S = env_float("RLPILOT_ALERT_STALL_MIN_S", 60.0)
 # (the heartbeat alert uses RLPILOT_HEARTBEAT_TIMEOUT_S above)
 
 # --- auth and security ---------------------------------------------------------------------------
@@ -186,3 +223,31 @@ LOGGING = {
     "root": {"handlers": ["console"], "level": env("LOG_LEVEL", "INFO")},
     "loggers": {"django.channels.server": {"level": "WARNING"}},
 }
+
+# --- hardening (issue #12; webapp/dashboard/limits.py) ----------------------------------------------
+# The SGLang servers a run may use (comma-separated URLs). Empty: the SGLang engine is refused.
+RLPILOT_SGLANG_URLS = env_list("RLPILOT_SGLANG_URLS", [])
+# model.path / data.path / data.eval_path of a run launched from the web must resolve (symlinks
+# and ".." followed) inside one of these folders (comma-separated); model.path "builtin" always
+# may. Default: the runs folder (checkpoints) and var/models for models, var/data for data files.
+RLPILOT_MODEL_ROOTS = [Path(p).resolve() for p in env_list(
+    "RLPILOT_MODEL_ROOTS", [str(RUNS_DIR), str(VAR_DIR / "models")])]
+RLPILOT_DATA_ROOTS = [Path(p).resolve() for p in env_list("RLPILOT_DATA_ROOTS", [str(VAR_DIR / "data")])]
+# Login throttling: this many failed logins for one username from one address within the window
+# (seconds, from the first failure) and further attempts wait for the window's end. 0 = off.
+RLPILOT_LOGIN_MAX_FAILURES = env_int("RLPILOT_LOGIN_MAX_FAILURES", 5)
+RLPILOT_LOGIN_WINDOW_S = env_int("RLPILOT_LOGIN_WINDOW_S", 300)
+AUTHENTICATION_BACKENDS = ["webapp.dashboard.limits.ThrottledModelBackend"]
+# Runs one (non-staff) user may have queued, running, paused or stopping at once. 0 = no limit.
+RLPILOT_MAX_ACTIVE_RUNS_PER_USER = env_int("RLPILOT_MAX_ACTIVE_RUNS_PER_USER", 8)
+# The cache holds the login failure counts: Redis when there is one (shared by every web
+# process; short timeouts, and the throttle lets logins through while it is down), else memory.
+if REDIS_URL:
+    CACHES = {"default": {
+        "BACKEND": "django.core.cache.backends.redis.RedisCache", "LOCATION": REDIS_URL,
+        "KEY_PREFIX": CHANNEL_PREFIX,
+        "OPTIONS": {"socket_timeout": 2, "socket_connect_timeout": 2},
+    }}
+else:
+    CACHES = {"default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache",
+                          "LOCATION": "rlpilot"}}

@@ -2,7 +2,20 @@
 // report. RLCharts.create(container, state) makes one div per chart; draw() (re)draws those whose
 // metrics exist. state: {series: {key: {steps, values}}, hists: {name: [{step, edges, counts}]},
 // annotations: [{step, text}], knobs: {dotted: value}, config: {section: {key: value}}}.
-// Nothing here inserts user text as HTML.
+//
+// Drawing live: Plotly redraws a trace only when it is handed new arrays (or extendTraces, or a
+// new layout.datarevision); arrays mutated in place are NOT redrawn. So a chart is drawn whole
+// (Plotly.react) with copies of the series, and afterwards only the points appended since are
+// handed over with Plotly.extendTraces. Whenever anything else changes (a new trace, a series
+// replaced or shortened -- thinned, rewound --, markers off past 60 points, a knob-change
+// annotation, η, the title) the chart is drawn whole again with a new datarevision.
+//
+// Line charts are SVG ("scatter"), never WebGL: Chromium keeps at most 16 WebGL contexts per
+// page and drops the oldest, so with ~13 scattergl charts the first ones drawn (the system
+// chart first of all) came out empty.
+//
+// Nothing here inserts user text as HTML, and text handed to Plotly (titles, legend names,
+// annotations, hover text) goes through plotlyText(): Plotly renders a subset of HTML in those.
 (function () {
   "use strict";
 
@@ -11,34 +24,44 @@
     for (const k in (attrs || {})) e.setAttribute(k, attrs[k]);
     return e;
   }
-  const devKeys = (series, what) => Object.keys(series).filter(k => new RegExp("^system/gpu\\d+/" + what + "$").test(k))
-    .sort((a, b) => parseInt(a.slice(10), 10) - parseInt(b.slice(10), 10));
+  // Plotly's text fields understand <b>, <i>, <br>, <a href>, <span style>...: escape them (Plotly
+  // turns &lt; &gt; &amp; back into the characters).
+  function plotlyText(s) {
+    return String(s === undefined || s === null ? "" : s)
+      .replace(/&/g, "&amp;").replace(/</g, "&lt;").replace(/>/g, "&gt;");
+  }
+  // The chart list and the histogram axes come from the trainer's one declaration of metric
+  // names (trainer/metric_names.py), which every page embeds as JSON (#chart-specs).
+  function registry() {
+    const el = document.getElementById("chart-specs");
+    return el ? JSON.parse(el.textContent) : { charts: [], histogram_axes: {} };
+  }
+  // names matching a pattern, one per device, in device order
+  const matching = (series, pattern) => Object.keys(series).filter(k => new RegExp(pattern).test(k))
+    .sort((a, b) => (parseInt((a.match(/\d+/) || [0])[0], 10) - parseInt((b.match(/\d+/) || [0])[0], 10)));
+
+  function histAxis(name) {
+    const axes = registry().histogram_axes || {};
+    if (axes[name]) return axes[name];
+    if (/(^|[/_])(len|length|tokens?)($|[/_])/.test(name)) return "tokens";
+    if (/staleness|version|age/.test(name)) return "policy versions";
+    return name;
+  }
 
   function specs(state) {
-    const hasGpu = () => !!state.series["system/gpu_util"];
-    return [
-      { id: "system", title: () => hasGpu() ? "GPU utilisation (%) and memory (GB), mean over devices" : "CPU utilisation (%) and RAM (GB) — no GPU",
-        keys: () => hasGpu() ? ["system/gpu_util", "system/gpu_mem_gb"] : ["system/cpu_util", "system/ram_gb"], y2: 1 },
-      { id: "gpu-util", title: "GPU utilisation per device (%)", keys: () => devKeys(state.series, "util") },
-      { id: "gpu-mem", title: "GPU memory per device (GB)", keys: () => devKeys(state.series, "mem_gb") },
-      { id: "gpu-power", title: "GPU power (W): mean and per device", keys: () => (state.series["system/gpu_power_w"] ? ["system/gpu_power_w"] : []).concat(devKeys(state.series, "power_w")) },
-      { id: "reward", title: "Reward and accuracy", keys: ["reward/mean", "reward/accuracy", "eval/accuracy"] },
-      { id: "kl", title: "KL to the reference (k3)", keys: ["actor/kl"] },
-      { id: "len-hist", type: "hist", name: "rollout/response_len", title: "Rollout length (latest step)" },
-      { id: "len-heat", type: "heat", name: "rollout/response_len", title: "Rollout length: steps × length bins" },
-      { id: "resp-len", title: "Response length (tokens)", keys: ["rollout/response_len/mean", "rollout/response_len/p50",
-        "rollout/response_len/p90", "rollout/response_len/max"] },
-      { id: "staleness", title: "Staleness: mean and max against η", keys: ["async/staleness/mean", "async/staleness/max"], eta: true },
-      { id: "staleness-hist", type: "hist", name: "async/staleness", title: "Staleness histogram (latest step)" },
-      { id: "throughput", title: "Throughput (tokens/s): generated and trained", keys: ["perf/gen_tokens_per_s", "perf/trained_tokens_per_s"] },
-      { id: "zero-var", title: "Zero-variance group ratio", keys: ["rollout/zero_var_ratio", "rollout/zero_var_ratio/all_correct",
-        "rollout/zero_var_ratio/all_wrong"] },
-      { id: "greso", title: "GRESO: skip rate, p_easy, p_hard", keys: ["greso/skip_rate", "greso/p_easy", "greso/p_hard"] },
-      { id: "april", title: "APRIL: buffer size and off-policy token ratio", keys: ["april/buffer_size", "april/offpolicy_token_ratio"], y2: 1 },
-      { id: "timing", title: "Step timings (s)", prefix: "timing/" },
-      { id: "actor", title: "Clip ratio, importance weight, grad norm", keys: ["actor/clip_ratio", "actor/importance_weight",
-        "actor/behave_imp_weight", "actor/grad_norm"] },
-    ];
+    return registry().charts.map(function (spec) {
+      const c = Object.assign({}, spec);
+      const useFallback = () => spec.fallback && !state.series[(spec.keys || [])[0]];
+      if (spec.fallback) c.title = () => useFallback() ? spec.fallback.title : spec.title;
+      if (spec.keys || spec.pattern || spec.fallback) {
+        c.keys = function () {
+          if (useFallback()) return spec.fallback.keys;
+          const fixed = (spec.keys || []).filter(k => !spec.pattern || state.series[k]);
+          return spec.pattern ? fixed.concat(matching(state.series, spec.pattern)) : fixed;
+        };
+      }
+      return c;
+    });
   }
 
   function findEta(state) {
@@ -51,9 +74,18 @@
     return null;
   }
 
+  // counts -> log10(1 + count) colour, with colour-bar ticks that read as real counts
+  const LOG_TICKS = [0, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000, 1000000];
+  function logColour(maxCount) {
+    const ticks = LOG_TICKS.filter(t => t <= maxCount);
+    if (maxCount > 1.6 * ticks[ticks.length - 1]) ticks.push(maxCount);   // the top, unless crowded
+    return { tickvals: ticks.map(t => Math.log10(1 + t)), ticktext: ticks.map(String), zmax: Math.log10(1 + Math.max(1, maxCount)) };
+  }
+
   function create(container, state, opts) {
     opts = opts || {};
     const charts = specs(state);
+    let revision = 0;
     charts.forEach(function (c) {
       c.div = el("div", { id: "chart-" + c.id, class: "chart empty", "data-npoints": "0" });
       container.appendChild(c.div);
@@ -63,68 +95,171 @@
       return typeof c.keys === "function" ? c.keys() : c.keys;
     }
     function layoutFor(c, title, withAnnotations) {
-      const lay = { title: { text: title, font: { size: 13 } }, margin: { l: 48, r: 40, t: 32, b: 32 },
+      const lay = { title: { text: plotlyText(title), font: { size: 13 } }, margin: { l: 48, r: 40, t: 32, b: 32 },
                     showlegend: true, legend: { orientation: "h", y: -0.2, font: { size: 10 } },
-                    xaxis: {}, uirevision: c.id };
-      if (c.y2) lay.yaxis2 = { overlaying: "y", side: "right", showgrid: false };
+                    xaxis: {}, uirevision: c.id, datarevision: ++revision };
+      if (c.y2) {
+        lay.yaxis2 = { overlaying: "y", side: "right", showgrid: false };
+        lay.margin.r = 60;   // room for the right axis' tick labels
+      }
       if (withAnnotations) {
         const anns = (state.annotations || []).slice(-30);
         lay.shapes = anns.map(a => ({ type: "line", x0: a.step, x1: a.step, yref: "paper", y0: 0, y1: 1,
                                       line: { color: "#9333ea", width: 1, dash: "dot" } }));
-        lay.annotations = anns.map(a => ({ x: a.step, yref: "paper", y: 1, text: "⚙", hovertext: a.text,
+        lay.annotations = anns.map(a => ({ x: a.step, yref: "paper", y: 1, text: "⚙", hovertext: plotlyText(a.text),
                                            showarrow: false, font: { color: "#9333ea" } }));
       }
       return lay;
     }
-    function drawChart(c) {
-      const title = typeof c.title === "function" ? c.title() : c.title;
-      let traces = [], npoints = 0, lay;
-      if (c.type === "hist" || c.type === "heat") {
-        const hs = state.hists[c.name] || [];
-        if (!hs.length) return;
-        const last = hs[hs.length - 1];
-        const centers = last.edges.slice(0, -1).map((e, i) => (e + last.edges[i + 1]) / 2);
-        if (c.type === "hist") {
-          traces = [{ type: "bar", x: centers, y: last.counts, name: "step " + last.step }];
-          lay = layoutFor(c, title + " — step " + last.step, false);
-          lay.xaxis = { title: { text: c.name.endsWith("staleness") ? "staleness (versions)" : "tokens" } };
-          lay.bargap = 0.05;
-        } else {
-          const rows = hs.filter(h => h.edges.length === last.edges.length).slice(-300);
-          traces = [{ type: "heatmap", x: centers, y: rows.map(h => h.step), z: rows.map(h => h.counts),
-                      colorscale: "Viridis" }];
-          lay = layoutFor(c, title, false);
-          lay.xaxis = { title: { text: "length (tokens)" } };
-          lay.yaxis = { title: { text: "step" } };
-          lay.showlegend = false;
+    const config = () => ({ displaylogo: false, responsive: true, staticPlot: !!opts.staticPlot });
+    // opts.onPick({step, min_len?, max_len?}): a click on a point of a line chart (its step), a
+    // bar of a histogram (the step drawn; for a length histogram, that bin's lengths) or a cell of
+    // the heatmap (its step and bin). The inspector (samples.js) opens those samples.
+    function binLengths(edges, i) {   // bins are [lo, hi), the last closed; outside values clamp in
+      const p = {};
+      if (i > 0) p.min_len = Math.max(0, Math.ceil(edges[i]));
+      if (i < edges.length - 2) p.max_len = Math.max(0, Math.ceil(edges[i + 1]) - 1);
+      return p;
+    }
+    const countsTokens = c => /token/.test(histAxis(c.name));   // a length histogram: bins are lengths
+    function pickable(c) {
+      if (!opts.onPick || c.div._rlPick) return;
+      c.div._rlPick = true;
+      c.div.on("plotly_click", function (ev) {
+        const pt = ev && ev.points && ev.points[0];
+        if (!pt || !c.drawn) return;
+        let pick = null;
+        if (c.type === "hist" && c.drawn.last) {
+          const i = pt.pointNumber;
+          pick = { step: c.drawn.last.step };
+          if (countsTokens(c)) Object.assign(pick, binLengths(c.drawn.last.edges, i));
+        } else if (c.type === "heat" && c.drawn.rows) {
+          const rc = pt.pointNumber || [];
+          const h = c.drawn.rows[rc[0]];
+          if (!h) return;
+          pick = Object.assign({ step: h.step }, countsTokens(c) ? binLengths(h.edges, rc[1]) : {});
+        } else if (typeof pt.x === "number") {
+          pick = { step: Math.round(pt.x) };
         }
-        npoints = hs.length;
-      } else {
-        keysOf(c).forEach(function (k, i) {
-          const s = state.series[k];
-          if (!s || !s.steps.length) return;
-          npoints += s.steps.length;
-          traces.push({ type: opts.svg ? "scatter" : "scattergl", mode: s.steps.length < 60 ? "lines+markers" : "lines",
-                        name: k, x: s.steps, y: s.values, yaxis: c.y2 && i === 1 ? "y2" : "y",
-                        marker: { size: 4 } });
-        });
-        if (!traces.length) return;
-        lay = layoutFor(c, title, true);
-        if (c.eta) {
-          const eta = findEta(state);
-          if (eta !== null && typeof eta.value === "number") {
-            lay.shapes.push({ type: "line", xref: "paper", x0: 0, x1: 1, y0: eta.value, y1: eta.value,
-                              line: { color: "#dc2626", dash: "dash" } });
-            lay.annotations.push({ xref: "paper", x: 1, y: eta.value, text: "η = " + eta.value, showarrow: false,
-                                   font: { color: "#dc2626" } });
-          }
-        }
-      }
+        if (pick) opts.onPick(pick);
+      });
+      c.div.classList.add("pickable");
+    }
+    function show(c, npoints) {
       c.div.classList.remove("empty");
-      Plotly.react(c.div, traces, lay, { displaylogo: false, responsive: true, staticPlot: !!opts.staticPlot });
       c.div.setAttribute("data-npoints", String(npoints));
     }
-    function addChartsForNewHistograms() { // e.g. an APRIL buffer-age histogram: a chart of its own
+
+    function drawHist(c, title) {
+      const hs = state.hists[c.name] || [];
+      if (!hs.length) return;
+      const last = hs[hs.length - 1];
+      const sig = hs.length + ":" + last.step + ":" + (last.cursor || "") + ":" + title;
+      if (c.drawn && c.drawn.hs === hs && c.drawn.sig === sig) return;   // nothing new
+      const edges = last.edges;
+      // unit-wide integer bins (versions, staleness): one bar per value, at the value
+      const unit = edges.length > 1 && edges.every((e, i) => Number.isInteger(e) && (i === 0 || e - edges[i - 1] === 1));
+      const xs = edges.slice(0, -1).map((e, i) => unit ? e : (e + edges[i + 1]) / 2);
+      let traces, lay, rows = null;
+      if (c.type === "hist") {
+        traces = [{ type: "bar", x: xs, y: last.counts.slice(), name: "step " + last.step,
+                    hovertemplate: "%{x}: %{y}<extra></extra>" }];
+        lay = layoutFor(c, title + " — step " + last.step, false);
+        lay.xaxis = { title: { text: plotlyText(histAxis(c.name)) } };
+        if (unit) { lay.xaxis.dtick = 1; lay.xaxis.tick0 = 0; }
+        lay.yaxis = { title: { text: "count" }, rangemode: "tozero" };
+        lay.showlegend = false;
+        lay.bargap = 0.05;
+        if (!last.counts.some(v => v > 0)) {   // e.g. APRIL's buffer, empty at this step
+          lay.yaxis.range = [0, 1];
+          lay.annotations = [{ text: "nothing to count at this step", xref: "paper", yref: "paper", x: 0.5, y: 0.5,
+                               showarrow: false, font: { color: "#6b7280" } }];
+        }
+      } else {
+        rows = hs.filter(h => h.edges.length === edges.length).slice(-300);
+        const counts = rows.map(h => h.counts.slice());
+        let maxCount = 0;
+        counts.forEach(r => r.forEach(v => { if (v > maxCount) maxCount = v; }));
+        const lc = logColour(maxCount);
+        // colour = log10(1 + count), so the long tail of rare lengths shows next to the short bins
+        traces = [{ type: "heatmap", x: xs, y: rows.map(h => h.step), z: counts.map(r => r.map(v => Math.log10(1 + (v || 0)))),
+                    text: counts, hovertemplate: "step %{y}, length %{x}: %{text}<extra></extra>",
+                    zmin: 0, zmax: lc.zmax, colorscale: "Viridis",
+                    colorbar: { title: { text: "count", side: "right" }, tickvals: lc.tickvals, ticktext: lc.ticktext,
+                                thickness: 12 } }];
+        lay = layoutFor(c, title, false);
+        lay.xaxis = { title: { text: plotlyText(histAxis(c.name)) } };
+        lay.yaxis = { title: { text: "step" } };
+        lay.showlegend = false;
+      }
+      lay.margin = Object.assign({}, lay.margin, { b: 44 });
+      show(c, hs.length);
+      Plotly.react(c.div, traces, lay, config());
+      c.drawn = { hs: hs, sig: sig, last: last, rows: rows };
+      pickable(c);
+    }
+
+    function drawLines(c, title) {
+      const cur = [];
+      keysOf(c).forEach(function (k, i) {
+        const s = state.series[k];
+        if (s && s.steps.length) cur.push({ key: k, s: s, axis: c.y2 && i === 1 ? "y2" : "y" });
+      });
+      if (!cur.length) return;
+      const mode = n => n < 60 ? "lines+markers" : "lines";
+      const sig = cur.map(t => t.key + "@" + t.axis + ":" + mode(t.s.steps.length)).join("|");
+      let eta = null;
+      if (c.eta) {
+        const e = findEta(state);
+        if (e !== null && typeof e.value === "number") eta = e.value;
+      }
+      const anns = (state.annotations || []);
+      const last = anns[anns.length - 1];
+      const laySig = title + "|" + anns.length + "|" + (last ? last.step + last.text : "") + "|" + eta;
+      let npoints = 0;
+      cur.forEach(t => { npoints += t.s.steps.length; });
+      const d = c.drawn;
+      const incremental = d && d.sig === sig && d.laySig === laySig && cur.every((t, i) =>
+        t.s === d.series[i] && t.s.steps === d.steps[i] && t.s.values === d.values[i] && t.s.steps.length >= d.lens[i]);
+      if (incremental) {
+        const idx = [], xs = [], ys = [];
+        cur.forEach(function (t, i) {
+          if (t.s.steps.length > d.lens[i]) {
+            idx.push(i);
+            xs.push(t.s.steps.slice(d.lens[i]));
+            ys.push(t.s.values.slice(d.lens[i]));
+            d.lens[i] = t.s.steps.length;
+          }
+        });
+        if (idx.length) {
+          Plotly.extendTraces(c.div, { x: xs, y: ys }, idx);
+          show(c, npoints);
+        }
+        return;
+      }
+      // drawn whole, with copies: extendTraces then appends to Plotly's arrays, not ours
+      const traces = cur.map(t => ({ type: "scatter", mode: mode(t.s.steps.length), name: plotlyText(t.key),
+                                     x: t.s.steps.slice(), y: t.s.values.slice(), yaxis: t.axis, marker: { size: 4 } }));
+      const lay = layoutFor(c, title, true);
+      if (eta !== null) {
+        lay.shapes.push({ type: "line", xref: "paper", x0: 0, x1: 1, y0: eta, y1: eta,
+                          line: { color: "#dc2626", dash: "dash" } });
+        lay.annotations.push({ xref: "paper", x: 1, y: eta, text: "η = " + plotlyText(eta), showarrow: false,
+                               font: { color: "#dc2626" } });
+      }
+      show(c, npoints);
+      Plotly.react(c.div, traces, lay, config());
+      c.drawn = { sig: sig, laySig: laySig, series: cur.map(t => t.s), steps: cur.map(t => t.s.steps),
+                  values: cur.map(t => t.s.values), lens: cur.map(t => t.s.steps.length) };
+      pickable(c);
+    }
+
+    function drawChart(c) {
+      const title = typeof c.title === "function" ? c.title() : c.title;
+      if (c.type === "hist" || c.type === "heat") drawHist(c, title);
+      else drawLines(c, title);
+    }
+    function addChartsForNewHistograms() { // a histogram without a chart of its own yet
       Object.keys(state.hists).forEach(function (name) {
         if (charts.some(c => c.name === name)) return;
         const c = { id: "hist-" + name.replace(/[^A-Za-z0-9]+/g, "-"), type: "hist", name: name,
@@ -136,7 +271,7 @@
     }
     function draw() {
       addChartsForNewHistograms();
-      charts.forEach(function (c) { try { drawChart(c); } catch (e) { console.error(c.id, e); } });
+      charts.forEach(function (c) { try { drawChart(c); } catch (e) { c.drawn = null; console.error(c.id, e); } });
     }
     return { charts: charts, draw: draw };
   }
@@ -147,10 +282,11 @@
     for (const k in data.points) state.series[k] = { steps: data.points[k].steps, values: data.points[k].values };
     (data.histograms || []).forEach(h => (state.hists[h.name] = state.hists[h.name] || []).push(h));
     (data.events || []).forEach(function (m) {
-      if (m.type === "event" && m.kind === "knob_applied") {
+      if (m.type === "event" && (m.kind === "knob_applied" || m.kind === "auto_staleness")) {
         const d = m.data || {};
         state.annotations.push({ step: m.step, text: Object.keys(d.changes || {}).map(
-          k => k + ": " + d.changes[k].old + " → " + d.changes[k].new).join(", ") });
+          k => k + ": " + d.changes[k].old + " → " + d.changes[k].new).join(", ") +
+          (m.kind === "auto_staleness" ? " (auto)" : d.requested_by ? " (by " + d.requested_by + ")" : "") });
       }
     });
     return state;
@@ -167,5 +303,6 @@
     });
   }
 
-  window.RLCharts = { create: create, stateFromSnapshot: stateFromSnapshot, ema: ema, el: el };
+  window.RLCharts = { create: create, stateFromSnapshot: stateFromSnapshot, ema: ema, el: el, plotlyText: plotlyText,
+                      histAxis: histAxis };
 })();

@@ -31,9 +31,9 @@
         const s = data[i][key] || { steps: [], values: [] };
         n += s.steps.length;
         return { type: "scatter", mode: s.steps.length < 60 ? "lines+markers" : "lines",
-                 name: "#" + r.id + " " + r.name, x: s.steps, y: RLCharts.ema(s.values, alpha), marker: { size: 4 } };
+                 name: RLCharts.plotlyText("#" + r.id + " " + r.name), x: s.steps, y: RLCharts.ema(s.values, alpha), marker: { size: 4 } };
       });
-      Plotly.react(div, traces, { title: { text: key, font: { size: 13 } }, margin: { l: 48, r: 20, t: 32, b: 32 },
+      Plotly.react(div, traces, { title: { text: RLCharts.plotlyText(key), font: { size: 13 } }, margin: { l: 48, r: 20, t: 32, b: 32 },
         legend: { orientation: "h", y: -0.2, font: { size: 10 } }, uirevision: key }, { displaylogo: false, responsive: true });
       div.setAttribute("data-npoints", String(n));
     });

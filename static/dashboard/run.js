@@ -6,6 +6,7 @@
   const page = JSON.parse(document.getElementById("run-page").textContent);
   const RUN = page.id;
   const state = { series: {}, hists: {}, cursor: 0, status: page.status, step: page.step,
+                  statusSeq: page.seq,   // the sequence number the shown status is as of
                   knobs: Object.assign({}, page.knobs), annotations: [], ws: null, closed: false };
   const MAX_LOCAL = 4000;
 
@@ -26,7 +27,11 @@
   }
   // --- charts (static/dashboard/charts.js) ----------------------------------------------------
   state.config = page.config;
-  const charts = RLCharts.create(document.getElementById("charts"), state);
+  // the rollout inspector (static/dashboard/samples.js): a click on a chart opens that step's samples
+  const samplesBox = document.getElementById("samples-panel");
+  const inspector = samplesBox && window.RLSamples ? RLSamples.create(samplesBox, { run: RUN }) : null;
+  const charts = RLCharts.create(document.getElementById("charts"), state,
+                                 { onPick: inspector ? inspector.open : null });
   let drawTimer = null;
   function scheduleDraw() {
     if (drawTimer) return;
@@ -68,7 +73,8 @@
     document.getElementById("run-step").textContent = step;
     document.getElementById("run-progress").value = step;
   }
-  function setStatus(status) {
+  function setStatus(status, seq) {
+    if (typeof seq === "number") state.statusSeq = Math.max(state.statusSeq, seq);
     state.status = status;
     const e = document.getElementById("run-status");
     e.textContent = status;
@@ -76,11 +82,11 @@
     updateButtons();
   }
   function rewind(step) {
-    for (const k in state.series) {
+    for (const k in state.series) {   // new arrays, so the charts know to draw them whole
       const s = state.series[k];
       let n = s.steps.length;
       while (n > 0 && s.steps[n - 1] > step) n--;
-      s.steps.length = n; s.values.length = n;
+      state.series[k] = { steps: s.steps.slice(0, n), values: s.values.slice(0, n) };
     }
     for (const k in state.hists) state.hists[k] = state.hists[k].filter(h => h.step <= step);
     state.step = step;
@@ -98,25 +104,35 @@
     } else if (m.type === "histogram") {
       addHist(m);
     } else if (m.type === "status") {
-      setStatus(m.status);
+      setStatus(m.status, m.cursor);
       logEvent(m.step, "status", m.status + (m.message ? " — " + m.message : ""));
       if (m.message) { const e = document.getElementById("run-error"); e.textContent = m.message; e.hidden = false; }
     } else if (m.type === "event") {
       onEvent(m);
+    } else if (m.type === "samples") {   // a step's samples, as summaries
+      if (inspector) inspector.onFrame(m);
+      return;
     }
     scheduleDraw();
   }
 
+  // an event as one readable line (the report page writes the same: reports.describe_event)
+  function pairs(d, skip) {
+    return Object.keys(d || {}).filter(k => (skip || []).indexOf(k) < 0).slice(0, 8)
+      .map(k => k + "=" + (d[k] !== null && typeof d[k] === "object" ? JSON.stringify(d[k]) : fmt(d[k]))).join(" ");
+  }
+  function by(d) { return d.requested_by ? " (by " + d.requested_by + ")" : ""; }
   function describe(kind, d) {
-    if (kind === "knob_applied") return Object.keys(d.changes || {}).map(k => k + ": " + fmt(d.changes[k].old) + " → " + fmt(d.changes[k].new)).join(", ") + " (by " + d.requested_by + ")";
-    if (kind === "knob_requested") return Object.keys(d.knobs || {}).map(k => k + " = " + fmt(d.knobs[k])).join(", ") + " (by " + d.requested_by + ")";
-    if (kind === "knob_rejected") return Object.keys(d.errors || {}).map(k => k + ": " + d.errors[k]).join("; ");
-    if (kind === "error" || kind === "warning") return d.message || "";
-    if (kind === "alert") return (d.rule || "") + ": " + (d.message || "");
-    if (kind === "alert_cleared") return (d.rule || "") + " cleared";
-    if (kind === "checkpoint") return d.path || "";
-    const keys = Object.keys(d || {});
-    return keys.slice(0, 8).map(k => k + "=" + (typeof d[k] === "object" ? JSON.stringify(d[k]) : fmt(d[k]))).join(" ");
+    d = d || {};
+    if (kind === "knob_applied") return Object.keys(d.changes || {}).map(k => k + ": " + fmt(d.changes[k].old) + " → " + fmt(d.changes[k].new)).join(", ") + by(d);
+    if (kind === "auto_staleness") return Object.keys(d.changes || {}).map(k => k + ": " + fmt(d.changes[k].old) + " → " + fmt(d.changes[k].new)).join(", ") + " (auto)";
+    if (kind === "knob_requested") return Object.keys(d.knobs || {}).map(k => k + " = " + fmt(d.knobs[k])).join(", ") + by(d);
+    if (kind === "knob_rejected") return Object.keys(d.errors || {}).map(k => k + ": " + d.errors[k]).join("; ") + by(d);
+    if (kind === "error" || kind === "warning") return d.message || pairs(d);
+    if (kind === "alert") return (d.rule || "alert") + ": " + (d.message || pairs(d, ["rule"]));
+    if (kind === "alert_cleared") return (d.rule || "alert") + " cleared";
+    if (kind === "checkpoint") return d.path || pairs(d);
+    return pairs(d);
   }
   function logEvent(step, kind, text) {
     const li = el("li");
@@ -141,8 +157,13 @@
       markChange(d.change_id, "pending", "pending: " + describe(m.kind, d), true);
     } else if (m.kind === "rewound") {
       rewind(d.step || 0);
+    } else if (m.kind === "auto_staleness") {   // the trainer moved η itself
+      for (const k in (d.changes || {})) state.knobs[k] = d.changes[k].new;
+      state.annotations.push({ step: m.step, text: describe(m.kind, d) });
+      renderKnobValues();
     } else if (m.kind === "alert" || m.kind === "alert_cleared") {
-      showAlert(m.kind === "alert", d.rule || "", d.message || "", m.step);
+      // any rule (staleness, kl_high, stalled, ...): the banner shows its name and message
+      showAlert(m.kind === "alert", d.rule || "alert", d.message || pairs(d, ["rule"]), m.step);
     }
   }
   // the alerts banner: one line per active rule (raised once, removed when it clears)
@@ -153,7 +174,7 @@
     let li = ul.querySelector('li[data-rule="' + CSS.escape(rule) + '"]');
     if (on) {
       if (!li) { li = el("li", { "data-rule": rule }); ul.appendChild(li); }
-      li.textContent = rule + " (step " + step + "): " + message;
+      li.textContent = rule + " (step " + step + ")" + (message ? ": " + message : "");
     } else if (li) {
       li.remove();
     }
@@ -161,8 +182,23 @@
   }
 
   // --- tuning panel -----------------------------------------------------------------------------
-  const knobRows = document.getElementById("knob-rows");
-  page.knob_schema.forEach(function (k) {
+  // Grouped by technique / section. The knobs that matter most for the techniques this run uses
+  // come first (η, APRIL's early termination, GRESO's alpha), then the rest of the enabled
+  // techniques, then the general sections, then the techniques the run does not use; all but the
+  // first group are folded.
+  const TECHNIQUES = {
+    async: { label: "Asynchronous training (AReaL)", key: ["async.max_staleness"] },
+    april: { label: "APRIL (active partial rollouts)", key: ["april.segment_max_tokens", "april.over_sampling_batch_size"] },
+    greso: { label: "GRESO (selective rollouts)", key: ["greso.alpha"] },
+  };
+  const SECTIONS = { rollout: "Rollout and sampling", algo: "Algorithm (GRPO / DAPO)", optim: "Optimiser" };
+  function techniqueEnabled(t) {
+    const knob = t + ".enabled";
+    if (state.knobs[knob] !== undefined) return state.knobs[knob] === true || state.knobs[knob] === "true";
+    const sec = (page.config || {})[t] || {};
+    return sec.enabled === true;
+  }
+  function knobRow(k) {
     const tr = el("tr", { "data-knob": k.name });
     const name = el("td");
     name.appendChild(el("code", {}, k.name));
@@ -183,8 +219,46 @@
     if (!page.can_control) input.disabled = true;
     td.appendChild(input);
     tr.appendChild(td);
-    knobRows.appendChild(tr);
-  });
+    return tr;
+  }
+  function knobGroup(id, title, note, knobs, open) {
+    if (!knobs.length) return;
+    const det = el("details", { class: "knob-group", "data-group": id });
+    det.open = !!open;
+    const sum = el("summary");
+    sum.appendChild(el("span", { class: "group-title" }, title));
+    sum.appendChild(el("span", { class: "muted" }, " " + knobs.length + (knobs.length === 1 ? " knob" : " knobs") + (note ? " · " + note : "")));
+    det.appendChild(sum);
+    const table = el("table", { class: "knobs" });
+    const head = el("tr");
+    ["Knob", "Current", "New"].forEach(h => head.appendChild(el("th", {}, h)));
+    table.appendChild(el("thead")).appendChild(head);
+    const body = el("tbody");
+    knobs.forEach(k => body.appendChild(knobRow(k)));
+    table.appendChild(body);
+    det.appendChild(table);
+    knobRows.appendChild(det);
+  }
+  const knobRows = document.getElementById("knob-rows");
+  (function buildTuningPanel() {
+    const bySection = {};
+    page.knob_schema.forEach(function (k) { (bySection[k.name.split(".")[0]] = bySection[k.name.split(".")[0]] || []).push(k); });
+    const byName = {};
+    page.knob_schema.forEach(k => { byName[k.name] = k; });
+    const on = Object.keys(TECHNIQUES).filter(techniqueEnabled);
+    const keyNames = [];
+    on.forEach(t => TECHNIQUES[t].key.forEach(n => { if (byName[n]) keyNames.push(n); }));
+    knobGroup("key", "Key knobs: " + on.map(t => TECHNIQUES[t].label.split(" ")[0]).join(", "), "",
+              keyNames.map(n => byName[n]), true);
+    const done = new Set(keyNames);
+    const rest = sec => (bySection[sec] || []).filter(k => !done.has(k.name));
+    on.forEach(t => knobGroup(t, TECHNIQUES[t].label, "enabled", rest(t), false));
+    Object.keys(SECTIONS).forEach(sec => knobGroup(sec, SECTIONS[sec], "", rest(sec), !on.length));
+    Object.keys(bySection).filter(sec => !SECTIONS[sec] && !TECHNIQUES[sec])
+      .forEach(sec => knobGroup(sec, sec, "", rest(sec), false));
+    Object.keys(TECHNIQUES).filter(t => on.indexOf(t) < 0)
+      .forEach(t => knobGroup(t, TECHNIQUES[t].label, "not used by this run", rest(t), false));
+  })();
   function renderKnobValues() {
     document.querySelectorAll("[data-current]").forEach(function (td) {
       const v = state.knobs[td.getAttribute("data-current")];
@@ -261,7 +335,11 @@
       fetch("/api/runs/" + RUN + "/" + action, { method: "POST", credentials: "same-origin",
         headers: { "X-CSRFToken": cookie("csrftoken"), "Content-Type": "application/json" }, body: "{}" })
         .then(r => r.json().then(j => {
-          if (r.ok) { showMessage(action + " requested"); if (j.status) setStatus(j.status); }
+          if (r.ok) {
+            showMessage(action + " requested");
+            // a reply read before a status the stream has already delivered must not undo it
+            if (j.status && j.seq >= state.statusSeq) setStatus(j.status, j.seq);
+          }
           else showMessage(j.message || ("HTTP " + r.status), true);
         }));
     });
@@ -269,16 +347,31 @@
   updateButtons();
 
   // --- the WebSocket ------------------------------------------------------------------------------
+  // {"type": "stream", "mode": "polling" | "live", "message"}: the server lost (or found again)
+  // its channel layer; while polling, a notice says so (the server's text, as text)
+  function showStream(mode, message) {
+    const box = document.getElementById("stream-notice");
+    if (!box) return;
+    const degraded = mode === "polling";
+    box.textContent = degraded ? (message || "Live updates degraded: polling the database") : "";
+    box.hidden = !degraded;
+    box.setAttribute("data-mode", degraded ? "polling" : "live");
+  }
   function connect() {
     const proto = location.protocol === "https:" ? "wss://" : "ws://";
     const ws = new WebSocket(proto + location.host + "/ws/runs/" + RUN + "/?after=" + state.cursor);
     state.ws = ws;
     const conn = document.getElementById("conn");
-    ws.onopen = function () { conn.textContent = "live"; conn.setAttribute("data-live", "1"); };
+    ws.onopen = function () {
+      conn.textContent = "live"; conn.setAttribute("data-live", "1");
+      // a new consumer starts live and says so again if the channel layer is still down
+      showStream("live", "");
+    };
     ws.onmessage = function (ev) {
       let m;
       try { m = JSON.parse(ev.data); } catch (e) { return; }
       if (m.type === "knob_ack" || m.type === "error") onKnobReply(m);
+      else if (m.type === "stream") showStream(m.mode, m.message);
       else handle(m, true);
     };
     ws.onclose = function () {
@@ -294,7 +387,7 @@
       data.histograms.forEach(addHist);
       data.events.forEach(function (m) {
         if (m.type === "status") {
-          setStatus(m.status);
+          setStatus(m.status, m.cursor);
           logEvent(m.step, "status", m.status + (m.message ? " — " + m.message : ""));
         } else onEvent(m);
       });

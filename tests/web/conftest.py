@@ -50,6 +50,13 @@ import django  # noqa: E402
 
 django.setup()
 
+from webapp import vardir  # noqa: E402
+
+# what a server start does (the settings write nothing at import): keep this process's local
+# SECRET_KEY in the session's var/ first, so the servers and workers the tests start read the
+# same key and accept the sessions the tests log in with
+vardir.ensure_secret_key()
+
 TINY = {"rollout.rollout_batch_size": 4, "rollout.n_samples_per_prompt": 4,
         "rollout.max_response_len": 64, "rollout.max_slots": 16, "run.eval_every": 0,
         "run.checkpoint_every": 0, "run.reward_workers": 0, "model.threads": 1}
@@ -230,6 +237,15 @@ def wait_until(predicate, timeout: float, what: str, interval: float = 0.2):
 @pytest.fixture(name="wait_until")
 def wait_until_fixture():
     return wait_until
+
+
+def browser_login(page, base_url: str, username: str, password: str) -> None:
+    """Log in through the real login form of a headless-browser page and wait for the runs page."""
+    page.goto(base_url + "/")
+    page.fill("#id_username", username)
+    page.fill("#id_password", password)
+    page.click("#login-submit")
+    page.wait_for_selector("#launch-form")
 
 
 def make_run(owner, status="running", max_steps=100, **fields):

@@ -8,7 +8,8 @@ import shutil
 import pytest
 
 from trainer import config as config_mod
-from webapp.dashboard import actions, reports
+from trainer.model import builtin_dir
+from webapp.dashboard import actions, reports, sweep
 from webapp.dashboard.actions import Record
 from webapp.dashboard.models import MetricPoint, Run, RunEvent, Status
 from webapp.dashboard.telemetry import DbSink
@@ -245,7 +246,10 @@ def test_checkpoint_buttons(alice, bob, user, make_run):
     run = fill(make_run(user, "stopped"))
     for step in (2, 4):
         ck = actions.run_dir(run.pk) / "checkpoints" / f"step_{step:06d}"
-        (ck / "model").mkdir(parents=True)
+        if step == 4:   # a loadable model (a checkpoint's model is the policy at that step)
+            shutil.copytree(builtin_dir(), ck / "model")
+        else:           # an empty model folder: a new run from it is refused, naming model.path
+            (ck / "model").mkdir(parents=True)
         (ck / "state.json").write_text("{}")
     html = alice.get(f"/runs/{run.pk}/report/").content.decode()
     assert 'data-step="2"' in html and 'data-step="4"' in html and "Resume from here" in html
@@ -256,6 +260,8 @@ def test_checkpoint_buttons(alice, bob, user, make_run):
     r = alice.post(f"/runs/{run.pk}/checkpoints/2", {"action": "resume"})
     assert r.status_code == 302 and Run.objects.get(pk=run.pk).status == "queued"
     # a new run from a checkpoint: same config, the checkpoint's weights
+    r = bob.post(f"/runs/{run.pk}/checkpoints/2", {"action": "new"}, follow=True)
+    assert "model.path" in r.content.decode() and Run.objects.count() == 1
     r = bob.post(f"/runs/{run.pk}/checkpoints/4", {"action": "new"})
     new = Run.objects.exclude(pk=run.pk).get()
     assert r["Location"] == f"/runs/{new.pk}/" and new.owner.username == "bob"
@@ -312,9 +318,9 @@ def test_no_alerts_on_a_healthy_stream(user, make_run):
 
 def test_staleness_alert_raises_once_and_again_after_clearing(user, make_run):
     run = make_run(user, "running")
-    st = [1, 3, 3, 3, 2, 1, 4, 4]
+    st = [1, 3, 3, 3, 2, 1, 1, 4, 4]   # cleared after ALERT_CLEAR_STEPS (3) steps below the bound
     got = stream(run, [(i + 1, {**healthy(i + 1), "async/staleness/max": v}) for i, v in enumerate(st)])
-    assert got == [(2, "alert", "staleness"), (5, "alert_cleared", "staleness"), (7, "alert", "staleness")]
+    assert got == [(2, "alert", "staleness"), (7, "alert_cleared", "staleness"), (8, "alert", "staleness")]
     run.refresh_from_db()
     assert "staleness" in run.alerts["active"]
     ev = RunEvent.objects.filter(run=run, kind="alert").first()
@@ -333,29 +339,51 @@ def test_kl_alerts(user, make_run, settings):
     settings.ALERT_KL_MAX = 0.5
     run = make_run(user, "running")
     got = stream(run, [(s, {**healthy(s), "actor/kl": kl}) for s, kl in
-                       enumerate([0.01, 0.02, 0.6, 0.7, 0.1, 0.1], start=1)])
-    assert (3, "alert", "kl_high") in got and (5, "alert_cleared", "kl_high") in got
+                       enumerate([0.01, 0.02, 0.6, 0.7, 0.1, 0.1, 0.1], start=1)])
+    assert (3, "alert", "kl_high") in got and (7, "alert_cleared", "kl_high") in got
     assert len([g for g in got if g[2] == "kl_high" and g[1] == "alert"]) == 1
     # rising faster than 0.01 per step (over a 5-step window), while still below the maximum
     run2 = make_run(user, "running")
     got = stream(run2, [(s, {**healthy(s), "actor/kl": 0.02 * s}) for s in range(1, 12)])
     assert got == [(6, "alert", "kl_rising")]
+    # a noisy KL whose end points rise but whose trend is flat: the least-squares slope over
+    # (0.0, 0.3, 0.0, 0.3, 0.0, 0.1) is -0.003 per step, the end points give 0.02
+    run3 = make_run(user, "running")
+    noisy = [0.0, 0.3, 0.0, 0.3, 0.0, 0.1]
+    got = stream(run3, [(s, {**healthy(s), "actor/kl": kl}) for s, kl in enumerate(noisy, 1)])
+    assert [g for g in got if g[2] == "kl_rising"] == []
+
+
+def test_a_value_hovering_at_a_threshold_raises_one_alert_not_one_per_step(user, make_run, settings):
+    settings.ALERT_KL_MAX = 0.5
+    run = make_run(user, "running")
+    kls = [0.6, 0.4, 0.6, 0.45, 0.55, 0.4, 0.6, 0.3, 0.3, 0.3, 0.6]
+    got = stream(run, [(s, {**healthy(s), "actor/kl": kl}) for s, kl in enumerate(kls, 1)])
+    assert [g for g in got if g[2] == "kl_high"] == [
+        (1, "alert", "kl_high"), (10, "alert_cleared", "kl_high"), (11, "alert", "kl_high")]
+    # with ALERT_CLEAR_STEPS = 1, every crossing counts (the earlier behaviour)
+    settings.ALERT_CLEAR_STEPS = 1
+    run2 = make_run(user, "running")
+    got = stream(run2, [(s, {**healthy(s), "actor/kl": kl}) for s, kl in enumerate(kls[:4], 1)])
+    assert [g[:2] for g in got if g[2] == "kl_high"] == [(1, "alert"), (2, "alert_cleared"),
+                                                         (3, "alert"), (4, "alert_cleared")]
 
 
 def test_reward_collapse_alert(user, make_run, settings):
     settings.ALERT_COLLAPSE_STEPS = 4
     run = make_run(user, "running")
-    ws = [1.0, 1.0, 1.0, 0.5, 1.0, 0.97, 1.0, 1.0, 1.0, 1.0, 0.2]
+    ws = [1.0, 1.0, 1.0, 0.5, 1.0, 0.97, 1.0, 1.0, 1.0, 1.0, 0.2, 0.2, 0.2]
     got = stream(run, [(s, {**healthy(s), "rollout/zero_var_ratio/all_wrong": w}) for s, w in enumerate(ws, 1)])
-    assert got == [(8, "alert", "reward_collapse"), (11, "alert_cleared", "reward_collapse")]
+    assert got == [(8, "alert", "reward_collapse"), (13, "alert_cleared", "reward_collapse")]
 
 
 @pytest.mark.parametrize("nan", [float("nan"), "nan", float("inf"), "-inf"])
 def test_nan_loss_alert(user, make_run, nan):
     run = make_run(user, "running")
     got = stream(run, [(1, healthy(1)), (2, {**healthy(2), "actor/pg_loss": nan}),
-                       (3, {**healthy(3), "actor/pg_loss": nan}), (4, healthy(4))])
-    assert got == [(2, "alert", "nan_loss"), (4, "alert_cleared", "nan_loss")]
+                       (3, {**healthy(3), "actor/pg_loss": nan}), (4, healthy(4)), (5, healthy(5)),
+                       (6, healthy(6))])
+    assert got == [(2, "alert", "nan_loss"), (6, "alert_cleared", "nan_loss")]
     # the database stores the non-finite value as NULL
     assert MetricPoint.objects.get(run=run, step=2, key="actor/pg_loss").value is None
 
@@ -381,11 +409,11 @@ def test_heartbeat_alert(user, make_run, settings):
     from django.utils import timezone
 
     run = make_run(user, "running", heartbeat_at=timezone.now() - timedelta(seconds=settings.HEARTBEAT_TIMEOUT_S + 5))
-    assert actions.mark_stale_runs(force=True) == 1
+    assert sweep.mark_stale_runs(force=True) == 1
     run.refresh_from_db()
     assert run.status == "interrupted" and "heartbeat" in run.alerts["active"]
     assert RunEvent.objects.filter(run=run, kind="alert", data__rule="heartbeat").count() == 1
-    assert actions.mark_stale_runs(force=True) == 0
+    assert sweep.mark_stale_runs(force=True) == 0
     # resuming clears it
     actions.control(run, user, "resume")
     run.refresh_from_db()

@@ -4,7 +4,7 @@ import json
 import pytest
 
 from trainer import config as config_mod
-from webapp.dashboard import actions
+from webapp.dashboard import actions, sweep
 from webapp.dashboard.actions import Record
 from webapp.dashboard.models import ApiToken, KnobChange, Run, RunEvent
 
@@ -98,7 +98,7 @@ def test_launch_with_toml(alice):
     ({"name": "x" * 201}, {"name"}),
     ({"name": "a\x00b", "preset": "demo", "overrides": {"data.prompt_template": "{prompt}\x00",
                                                          "optim.lr": float("nan")}},
-     {"name", "optim.lr"}),
+     {"name", "data.prompt_template", "optim.lr"}),  # every bad key at once
     ({"name": "x", "preset": "demo", "overrides": {"data.prompt_template": "{prompt}\x00"}},
      {"data.prompt_template"}),
     ({"name": "x", "preset": "demo", "overrides": {"run.max_steps": 10**30, "optim.lr": {"a": 1}}},
@@ -239,7 +239,7 @@ def test_heartbeat_lost_marks_interrupted_and_resume(alice, user, make_run):
 
     run = make_run(user, "running", heartbeat_at=timezone.now() - timedelta(minutes=5))
     fresh = make_run(user, "running", heartbeat_at=timezone.now())
-    assert actions.mark_stale_runs(force=True) == 1
+    assert sweep.mark_stale_runs(force=True) == 1
     assert alice.get(f"/api/runs/{run.pk}").json()["status"] == "interrupted"
     assert alice.get(f"/api/runs/{fresh.pk}").json()["status"] == "running"
     r = post(alice, f"/api/runs/{run.pk}/resume")
@@ -254,7 +254,8 @@ def test_metrics_cursor_keys_and_downsampling(alice, user, make_run):
         recs.append(Record("points", step, "", {"reward/mean": step % 97, "actor/kl": -step,
                                                 "bad": float("nan")}))
     recs.append(Record("histogram", 3000, "rollout/response_len", {"edges": [0, 1, 2], "counts": [3, 4]}))
-    recs.append(Record("event", 3000, "knob_applied", {"change_id": "c1", "changes": {"optim.lr": {"old": 1e-4, "new": 5e-5}}}))
+    recs.append(Record("event", 3000, "knob_applied",
+                       {"change_id": "c1", "changes": {"optim.lr": {"old": 1e-4, "new": 5e-5}}}))
     actions.append(run.pk, recs)
     r = alice.get(f"/api/runs/{run.pk}/metrics?keys=reward/mean,bad&max_points=200")
     assert r.status_code == 200
@@ -290,3 +291,19 @@ def test_downsample_keeps_extremes():
     s, v = downsample(steps, values, 100)
     assert len(s) <= 100 and 50.0 in v and -50.0 in v and s == sorted(s)
     assert downsample([1, 2], [1.0, 2.0], 100) == ([1, 2], [1.0, 2.0])
+
+
+def test_a_knob_event_and_its_change_row_are_written_together(user, make_run):
+    """The trainer's knob_applied / knob_rejected event turns the change's row applied /
+    rejected in the same transaction (a reader of the event never finds it pending)."""
+    run = make_run(user, "running")
+    ok = KnobChange.objects.create(run=run, change_id="c-ok", knobs={"optim.lr": 1e-5}, requested_by=user)
+    bad = KnobChange.objects.create(run=run, change_id="c-bad", knobs={"optim.lr": -1}, requested_by=user)
+    actions.append(run.pk, [
+        Record("event", 7, "knob_applied", {"change_id": "c-ok", "changes": {"optim.lr": {"old": 2e-4, "new": 1e-5}}}),
+        Record("event", 8, "knob_rejected", {"change_id": "c-bad", "errors": {"optim.lr": "must be >= 0"}})],
+        ring_bell=False)
+    ok.refresh_from_db(), bad.refresh_from_db()
+    assert (ok.status, ok.applied_step) == (KnobChange.APPLIED, 7)
+    assert (bad.status, bad.applied_step, bad.message) == (KnobChange.REJECTED, 8, "must be >= 0")
+    assert Run.objects.get(pk=run.pk).knobs["optim.lr"] == 1e-5

@@ -5,10 +5,9 @@ import json
 import os
 
 import pytest
+from conftest import _TMP, Proc, _test_db_env
 
 from webapp.dashboard.models import Run
-
-from conftest import _TMP, Proc, _test_db_env
 
 
 def post(client, url, data):

@@ -54,7 +54,8 @@ def test_live_control_of_a_run(celery_worker, alice, tiny, wait_until):
     # a knob change over the WebSocket, applied at a step boundary
     async def tune():
         comm = WebsocketCommunicator(application, f"/ws/runs/{rid}/", headers=[
-            (b"origin", b"http://localhost"), (b"cookie", f"sessionid={alice.cookies['sessionid'].value}".encode())])
+            (b"host", b"localhost"), (b"origin", b"http://localhost"),
+            (b"cookie", f"sessionid={alice.cookies['sessionid'].value}".encode())])
         ok, _ = await comm.connect()
         assert ok
         await comm.send_to(text_data=json.dumps({"type": "set_knobs", "knobs": {"optim.lr": 2e-5}}))

@@ -21,9 +21,23 @@ log-linearly from the per-token versions, with no extra forward pass (`loglinear
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from trainer.algo import grpo
+
+
+@dataclass(frozen=True)
+class DecoupledLoss:
+    """How the learner applies the decoupled loss in one update: the behaviour weight's cap and
+    what happens above it, and where pi_prox comes from ("recompute": each sequence's
+    old_logprobs already hold it; "loglinear": interpolated from its per-token versions between
+    `version` and the mini-batch's policy)."""
+    cap: float
+    cap_mode: str
+    prox: str
+    version: int
 
 
 def loglinear_prox(behave: torch.Tensor, live: torch.Tensor, v_behave: torch.Tensor,

@@ -1,13 +1,17 @@
 """bench april: the synchronous baseline against APRIL on the same long-tailed workload.
 
 Both variants train the demo preset for the same number of steps from the same model and seed
-in one process. Reported for each: trained tokens per second of rollout time, time per step,
-idle decode slots, and held-out accuracy after training; `ratio.rollout_throughput` is
-APRIL / baseline and `ratio.accuracy_delta` APRIL - baseline (a fraction).
+in one process, interleaved over `--reps` rounds (baseline, APRIL, baseline, APRIL, ...; round r
+on seed + r). Reported for each, as medians with their spread: trained tokens per second of
+rollout time, time per step, idle decode slots, held-out accuracy after training, and for APRIL
+the tokens left untrained in its buffer at the end (their rollout time is in its denominator,
+so they count against it); `ratio.rollout_throughput` is APRIL / baseline (medians) and
+`ratio.accuracy_delta` APRIL - baseline (a fraction). With --curve-every, also the training
+seconds each needed to reach the baseline's final accuracy.
 """
 from __future__ import annotations
 
-from trainer.bench.common import accuracy_delta, add_comparison_arguments, ratio, train_variant
+from trainer.bench.common import accuracy_delta, add_comparison_arguments, compare, ratio
 
 NAME = "april"
 HELP = "synchronous baseline vs APRIL partial rollouts"
@@ -18,9 +22,9 @@ def add_arguments(p) -> None:
 
 
 def run(args, log=print) -> dict:
-    common = dict(steps=args.steps, eval_size=args.eval_size, seed=args.seed, log=log)
-    base = train_variant("baseline", args.preset, [*args.set, "april.enabled=false"], **common)
-    apr = train_variant("april", args.preset, [*args.set, "april.enabled=true"], **common)
+    res = compare([("baseline", args.preset, [*args.set, "april.enabled=false"]),
+                   ("april", args.preset, [*args.set, "april.enabled=true"])], args, log)
+    base, apr = res["baseline"], res["april"]
     return {"baseline": base, "april": apr, "ratio": {
         "rollout_throughput": ratio(apr["trained_tokens_per_rollout_s"],
                                     base["trained_tokens_per_rollout_s"]),

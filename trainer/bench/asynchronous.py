@@ -1,10 +1,12 @@
 """bench async: the synchronous loop against asynchronous training with eta = 1, 2, 4.
 
 All variants train the same task from the same model and seed for the same number of steps in
-one process. Reported for each: wall time, trained tokens per second (end to end), held-out
-accuracy; `ratio.speedup` is the best asynchronous setting's end-to-end throughput over the
-synchronous loop's, `ratio.best_eta` that setting and `ratio.accuracy_delta` its accuracy minus
-the synchronous loop's (a fraction).
+one process, interleaved over `--reps` rounds (sync, eta 1, eta 2, eta 4, sync, ...; round r on
+seed + r). Reported for each, as medians with their spread: wall time, trained tokens per second
+(end to end), held-out accuracy, staleness and stale drops. Every eta is reported
+(`ratio.speedup_eta_K`); `ratio.speedup` is the best one's, picked on the same rounds it is
+reported from (so it is optimistic: read every eta), `ratio.best_eta` that setting and
+`ratio.accuracy_delta` its accuracy minus the synchronous loop's (a fraction).
 
 The synchronous loop uses every core for each phase (torch intra-op threads); the asynchronous
 one gives generation (its own process) and training one thread each by default, so both use
@@ -15,7 +17,7 @@ from __future__ import annotations
 
 import os
 
-from trainer.bench.common import accuracy_delta, add_comparison_arguments, ratio, train_variant
+from trainer.bench.common import accuracy_delta, add_comparison_arguments, compare, ratio
 
 NAME = "async"
 HELP = "synchronous loop vs asynchronous training (eta = 1, 2, 4)"
@@ -32,16 +34,14 @@ def add_arguments(p) -> None:
 
 
 def run(args, log=print) -> dict:
-    common = dict(steps=args.steps, eval_size=args.eval_size, seed=args.seed, log=log)
-    sync = train_variant("sync", args.preset, [*args.set, "async.enabled=false",
-                                               f"model.threads={args.sync_threads}"], **common)
-    out = {"sync": sync}
+    variants = [("sync", args.preset, [*args.set, "async.enabled=false",
+                                       f"model.threads={args.sync_threads}"])]
     for eta in (int(e) for e in args.etas.split(",")):
-        out[f"eta_{eta}"] = train_variant(
-            f"eta_{eta}", args.preset, ["async.prox_logp=loglinear", *args.set,
-                                        "async.enabled=true",
-                                        f"model.threads={args.trainer_threads}",
-                                        f"async.max_staleness={eta}"], **common)
+        variants.append((f"eta_{eta}", args.preset, [
+            "async.prox_logp=loglinear", *args.set, "async.enabled=true",
+            f"model.threads={args.trainer_threads}", f"async.max_staleness={eta}"]))
+    out = compare(variants, args, log)
+    sync = out["sync"]
     best = max((k for k in out if k != "sync"), key=lambda k: out[k]["trained_tokens_per_s"])
     out["ratio"] = {"speedup": ratio(out[best]["trained_tokens_per_s"],
                                      sync["trained_tokens_per_s"]),

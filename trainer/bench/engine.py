@@ -17,9 +17,24 @@ HF directory, or `qwen2.5-0.5b-random`: a Qwen2.5-0.5B-shaped model with random 
 download). A random model never chooses to stop, so with it each response is forced to the
 length of the task's reference answer (`--lengths reference`): the same long tail, by
 construction. `--model auto` = the Qwen-shaped model on CUDA, `builtin` on CPU.
+
+Noise: a shared machine's timings move by several percent between runs, so each variant runs
+`--reps` times (default 3), interleaved (static, engine, static, engine, ...), and the JSON
+gives each one's median, its spread (min, max) and every run; `ratio.useful_throughput` is the
+ratio of the medians, `ratio.useful_throughput_runs` the ratio within each interleaved pair.
+
+`decode_step`: the cost of one engine decode step (sampling and bookkeeping included) at
+`--step-batch` rows (default 128) with every row at ~`--step-short` cached tokens (default 30)
+against the same batch with one row at `--step-long` (default 300): the ragged decode
+attention should make the second cost about the first (`ratio`, target <= 1.3x), where a
+padded attention costs B x the longest row (`one_long_padded_ms`, `padded_ratio`: the same
+batch with a single padded bucket, as the engine decoded before). Measured interleaved too
+(A B C A B C ...), each run the median of `--step-steps` decode steps.
 """
 from __future__ import annotations
 
+import random
+import statistics
 import time
 
 import torch
@@ -45,6 +60,15 @@ def add_arguments(p) -> None:
                    "of the task's reference answer (auto: reference for the random model)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = default)")
+    p.add_argument("--reps", type=int, default=3,
+                   help="runs of each variant, interleaved (default 3; medians reported)")
+    p.add_argument("--step-batch", type=int, default=128, help="decode_step: rows (default 128)")
+    p.add_argument("--step-short", type=int, default=30,
+                   help="decode_step: cached tokens of the short rows (default ~30)")
+    p.add_argument("--step-long", type=int, default=300,
+                   help="decode_step: cached tokens of the one long row (default 300)")
+    p.add_argument("--step-steps", type=int, default=12,
+                   help="decode_step: timed decode steps per run (default 12)")
 
 
 def _qwen_random(device, dtype):
@@ -177,6 +201,82 @@ def _pct(xs, q):
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else 0
 
 
+def _spread(xs: list[float], nd: int = 3) -> dict:
+    """Median, min, max and every run of a measured quantity."""
+    return {"median": round(statistics.median(xs), nd), "min": round(min(xs), nd),
+            "max": round(max(xs), nd), "runs": [round(x, nd) for x in xs]}
+
+
+def _step_engine(model, args, device, dtype, vocab: int, long_row: bool, padded: bool = False):
+    """An engine whose `--step-batch` slots all run: rows at ~step_short cached tokens (28..32
+    at the first timed step, growing one per step), one of them at ~step_long if `long_row`.
+    Responses never end (no eos) within the measurement."""
+    from trainer.engine.base import Sample, SamplingParams
+    from trainer.engine.embedded import EmbeddedEngine
+
+    B, warm = args.step_batch, 2
+    rng = random.Random(args.seed)
+    lens = [args.step_short - 2 + i % 5 for i in range(B)]
+    if long_row:
+        lens[B // 2] = args.step_long
+    budget = warm + args.step_steps + 2
+    eng = EmbeddedEngine(model, eos_token_ids=[], max_slots=B, max_seq_len=max(lens) + budget + 2,
+                         seed=args.seed, device=device, dtype=dtype,
+                         attn_bucket_overhead=float("inf") if padded else None)
+    # prefill caches prompt - 1 tokens, the first step's decode and `warm` more add one each
+    samples = [Sample([rng.randrange(3, vocab) for _ in range(n - warm)],
+                      SamplingParams(temperature=1.0, max_new_tokens=budget)) for n in lens]
+    eng.submit(samples)
+    for _ in range(warm + 1):  # admission + prefill, then warm decode steps
+        eng.step()
+    return eng
+
+
+def _time_steps(eng, steps: int, device) -> tuple[float, list[int]]:
+    """Median ms of `steps` decode steps, and the cached lengths at the first one."""
+    lens = list(eng.cached)
+    ts = []
+    for _ in range(steps):
+        _sync(device)
+        t0 = time.perf_counter()
+        eng.step()
+        _sync(device)
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts) * 1e3, lens
+
+
+def _decode_step(model, args, device, dtype, vocab: int, log) -> dict:
+    """decode_step: B rows at ~short vs the same with one row at long, interleaved; and, for
+    reference, the one-long batch with a padded attention (a single bucket, as before)."""
+    runs: dict[str, list[float]] = {"uniform": [], "one_long": [], "one_long_padded": []}
+    lens_at = {}
+    for rep in range(max(args.reps, 1) + 1):  # the first round is a warm-up, not reported
+        for name in runs:
+            eng = _step_engine(model, args, device, dtype, vocab, name != "uniform",
+                               padded=name == "one_long_padded")
+            ms, lens = _time_steps(eng, args.step_steps, device)
+            eng.close()
+            if rep:
+                runs[name].append(ms)
+                lens_at[name] = lens
+    ratios = [b / a for a, b in zip(runs["uniform"], runs["one_long"])]
+    med = {k: statistics.median(v) for k, v in runs.items()}
+    out = {"batch": args.step_batch,
+           "cached_tokens_first_step": {k: {"min": min(v), "max": max(v)}
+                                        for k, v in lens_at.items()},
+           "steps_per_run": args.step_steps,
+           "uniform_ms": _spread(runs["uniform"]), "one_long_ms": _spread(runs["one_long"]),
+           "ratio": round(med["one_long"] / med["uniform"], 3),
+           "ratio_runs": _spread(ratios), "target_ratio_max": 1.3,
+           "one_long_padded_ms": _spread(runs["one_long_padded"]),
+           "padded_ratio": round(med["one_long_padded"] / med["uniform"], 3)}
+    log(f"  decode step, B={args.step_batch}: every row ~{args.step_short} tokens "
+        f"{med['uniform']:.2f} ms, one row at {args.step_long} {med['one_long']:.2f} ms: "
+        f"{out['ratio']}x (runs {out['ratio_runs']['runs']}); padded attention "
+        f"{med['one_long_padded']:.2f} ms = {out['padded_ratio']}x")
+    return out
+
+
 def run(args, log=print) -> dict:
     from trainer.model import resolve_device, resolve_dtype
     from trainer.system import SystemSampler
@@ -193,8 +293,9 @@ def run(args, log=print) -> dict:
     targets = ref_len if lengths == "reference" else [None] * len(prompts)
     eos = [] if lengths == "reference" else [eos_id]
     max_seq_len = max(len(p) for p in prompts) + args.max_new_tokens + 1
+    reps = max(args.reps, 1)
     log(f"bench engine: {name} on {device} ({str(dtype).replace('torch.', '')}), "
-        f"{len(prompts)} prompts, {args.slots} slots, lengths={lengths}")
+        f"{len(prompts)} prompts, {args.slots} slots, lengths={lengths}, {reps} interleaved runs")
 
     # warm-up: first calls pay for allocations and kernel selection
     w = min(4, len(prompts))
@@ -203,53 +304,78 @@ def run(args, log=print) -> dict:
     _run_static(model, prompts[:w], [8 if t is not None else None for t in targets[:w]], eos, pad,
                 _Args(args, max_new_tokens=8), device)
 
+    variants = ("static_generate", "engine")
     sampler = SystemSampler(interval_s=0.1, use_gpu=device.type == "cuda").start()
     try:
-        results = {}
-        for variant in ("static_generate", "engine"):
-            sampler.summary()  # reset
-            if device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(device)
-            if variant == "engine":
-                resp, secs, extra = _run_engine(model, prompts, targets, eos, args, device, dtype,
-                                                max_seq_len)
-            else:
-                resp, secs, extra = _run_static(model, prompts, targets, eos, pad, args, device)
-            sys_m = sampler.summary()
-            useful = sum(len(r) for r in resp)
-            if variant == "static_generate":
-                extra["idle_slot_frac"] = 1.0 - useful / max(extra["row_steps"], 1)
-            results[variant] = {
-                "useful_tokens": useful, "seconds": round(secs, 3),
-                "useful_tokens_per_s": round(useful / max(secs, 1e-9), 1),
-                "idle_slot_frac": round(extra.pop("idle_slot_frac"), 4),
-                "gpu_util": (round(sys_m["system/gpu_util"], 1) if sampler.has_gpu else None),
-                "cpu_util": (None if sampler.has_gpu
-                             else round(sys_m.get("system/cpu_util", 0), 1)),
-                "peak_mem_gb": (round(torch.cuda.max_memory_allocated(device) / 2**30, 3)
-                                if device.type == "cuda" else None),
-                **extra, "_responses": resp}
-            log(f"  {variant}: {useful} useful tokens in {secs:.2f}s = "
-                f"{useful / max(secs, 1e-9):.0f}/s, idle slots "
-                f"{results[variant]['idle_slot_frac']:.1%}")
+        runs: dict[str, list[dict]] = {v: [] for v in variants}
+        for rep in range(reps):
+            for variant in variants:  # interleaved: static, engine, static, engine, ...
+                sampler.summary()  # reset
+                if device.type == "cuda":
+                    torch.cuda.reset_peak_memory_stats(device)
+                if variant == "engine":
+                    resp, secs, extra = _run_engine(model, prompts, targets, eos, args, device,
+                                                    dtype, max_seq_len)
+                else:
+                    resp, secs, extra = _run_static(model, prompts, targets, eos, pad, args,
+                                                    device)
+                sys_m = sampler.summary()
+                useful = sum(len(r) for r in resp)
+                if variant == "static_generate":
+                    extra["idle_slot_frac"] = 1.0 - useful / max(extra["row_steps"], 1)
+                runs[variant].append({
+                    "useful_tokens": useful, "seconds": secs,
+                    "useful_tokens_per_s": useful / max(secs, 1e-9),
+                    "gpu_util": sys_m.get("system/gpu_util") if sampler.has_gpu else None,
+                    "cpu_util": None if sampler.has_gpu else sys_m.get("system/cpu_util", 0),
+                    "peak_mem_gb": (torch.cuda.max_memory_allocated(device) / 2**30
+                                    if device.type == "cuda" else None),
+                    **extra, "_responses": resp})
+                log(f"  run {rep + 1}/{reps} {variant}: {useful} useful tokens in {secs:.2f}s = "
+                    f"{useful / max(secs, 1e-9):.0f}/s, idle slots {extra['idle_slot_frac']:.1%}")
     finally:
         sampler.close()
+    results = {v: _summarise(runs[v]) for v in variants}
     e, s = results["engine"], results["static_generate"]
-    re_, rs = e.pop("_responses"), s.pop("_responses")
+    re_, rs = runs["engine"][0]["_responses"], runs["static_generate"][0]["_responses"]
     lens = [len(r) for r in re_]
+    pair = [a["useful_tokens_per_s"] / max(b["useful_tokens_per_s"], 1e-9)
+            for a, b in zip(runs["engine"], runs["static_generate"])]
     ratio = {"useful_throughput": round(e["useful_tokens_per_s"]
                                         / max(s["useful_tokens_per_s"], 1e-9), 2),
+             "useful_throughput_runs": _spread(pair, 2),
              "seconds": round(s["seconds"] / max(e["seconds"], 1e-9), 2)}
-    log(f"  ratio: {ratio['useful_throughput']}x useful tokens/s")
+    log(f"  ratio: {ratio['useful_throughput']}x useful tokens/s (medians; per pair "
+        f"{ratio['useful_throughput_runs']['runs']})")
+    vocab = int(getattr(model.config, "vocab_size", 100))
+    step = _decode_step(model, args, device, dtype, min(vocab, len(tok)), log)
     return {"model": name, "device": str(device), "dtype": str(dtype).replace("torch.", ""),
             "prompts": len(prompts), "slots": args.slots, "max_new_tokens": args.max_new_tokens,
-            "temperature": args.temperature, "lengths": lengths,
+            "temperature": args.temperature, "lengths": lengths, "reps": reps,
             "response_len": {"mean": round(sum(lens) / max(len(lens), 1), 1),
                              "p50": _pct(lens, 0.5), "p90": _pct(lens, 0.9),
                              "max": max(lens, default=0)},
             "outputs_agree": round(sum(a == b for a, b in zip(re_, rs)) / max(len(re_), 1), 3),
-            "engine": e, "static_generate": s, "ratio": ratio,
+            "engine": e, "static_generate": s, "ratio": ratio, "decode_step": step,
             "threads": torch.get_num_threads() if device.type == "cpu" else None}
+
+
+def _summarise(runs: list[dict]) -> dict:
+    """One variant's runs: medians of the timings, spread of its throughput, the rest from the
+    first run (the same tokens every run when greedy)."""
+    first = runs[0]
+    med = {k: statistics.median([r[k] for r in runs])
+           for k in ("seconds", "useful_tokens_per_s", "idle_slot_frac")}
+    opt = {}
+    for k in ("gpu_util", "cpu_util", "peak_mem_gb"):
+        xs = [r[k] for r in runs if r[k] is not None]
+        opt[k] = round(statistics.median(xs), 3 if k == "peak_mem_gb" else 1) if xs else None
+    rest = {k: v for k, v in first.items() if k not in med and k not in opt
+            and k not in ("useful_tokens", "_responses")}
+    return {"useful_tokens": first["useful_tokens"], "seconds": round(med["seconds"], 3),
+            "useful_tokens_per_s": round(med["useful_tokens_per_s"], 1),
+            "useful_tokens_per_s_runs": _spread([r["useful_tokens_per_s"] for r in runs], 1),
+            "idle_slot_frac": round(med["idle_slot_frac"], 4), **opt, **rest}
 
 
 class _Args:

@@ -13,25 +13,53 @@ def build_engine(cfg, model, tokenizer, device, dtype, max_seq_len: int, *,
     slots of `max_seq_len` positions, seeded with `cfg.run.seed`. On CUDA the KV cache is sized
     from free memory: at most max_slots, as many as fit in half the memory free now (and again
     each time it is reacquired after `release_memory()`).
+    With `async.enabled` and `async.worker = "process"`, the embedded engine decodes in a child
+    process (`process.ProcessEngine`) on the same device and dtype, with
+    `async.worker_threads` torch threads.
     sglang: an SGLangEngine over `cfg.rollout.sglang_urls` (checked with /health now: raises
     EngineError when a server is unreachable). New weights are written under
     `cfg.rollout.sglang_weights_dir`, else `weights_dir` (pass RUN_DIR/engine_weights), else a
     temporary folder; the servers must be able to read that path.
+    Every engine stops a response at each stop token id (`trainer.model.stop_token_ids`: the
+    tokenizer's eos and the generation config's) and, with `rollout.stop`, at those strings
+    (`trainer.engine.stops.StopStrings` wraps it then).
     """
+    from trainer.config import stop_strings
+    from trainer.model import stop_token_ids
+
     r = cfg.rollout
-    eos = [tokenizer.eos_token_id]
+    eos = stop_token_ids(model, tokenizer)  # the tokenizer's eos and the generation config's
+    stops = stop_strings(r.stop)
     if r.engine == "sglang":
         from trainer.engine.sglang import SGLangEngine, parse_urls
 
         urls = parse_urls(r.sglang_urls)
-        return SGLangEngine(urls, eos_token_ids=eos, model_config=model.config,
-                            weights_dir=r.sglang_weights_dir or weights_dir,
-                            timeout_s=r.sglang_timeout_s, max_inflight=r.max_slots * len(urls))
+        return _with_stops(tokenizer, stops, SGLangEngine(
+            urls, eos_token_ids=eos, model_config=model.config,
+            weights_dir=r.sglang_weights_dir or weights_dir,
+            timeout_s=r.sglang_timeout_s, max_inflight=r.max_slots * len(urls)))
     if r.engine != "embedded":
         raise ValueError(f"rollout.engine: unknown engine {r.engine!r}")
+    on_cuda = getattr(device, "type", str(device)) == "cuda"
+    slots = dict(max_slots="auto" if on_cuda else r.max_slots, slots_cap=r.max_slots)
+    if cfg.async_.enabled and cfg.async_.worker == "process":
+        from trainer.engine.process import ProcessEngine
+
+        return _with_stops(tokenizer, stops, ProcessEngine(
+            model, eos_token_ids=eos, max_seq_len=max_seq_len, seed=cfg.run.seed,
+            device=device, dtype=dtype, threads=cfg.async_.worker_threads, **slots))
     from trainer.engine.embedded import EmbeddedEngine
 
-    on_cuda = getattr(device, "type", str(device)) == "cuda"
-    return EmbeddedEngine(model, eos_token_ids=eos, max_slots="auto" if on_cuda else r.max_slots,
-                          slots_cap=r.max_slots, kv_memory_fraction=0.5, max_seq_len=max_seq_len,
-                          seed=cfg.run.seed, device=device, dtype=dtype)
+    return _with_stops(tokenizer, stops, EmbeddedEngine(
+        model, eos_token_ids=eos, kv_memory_fraction=0.5, max_seq_len=max_seq_len,
+        seed=cfg.run.seed, device=device, dtype=dtype, **slots))
+
+
+def _with_stops(tokenizer, stops: list[str], engine):
+    """`engine`, ending responses at `rollout.stop` strings too when there are any
+    (trainer/engine/stops.py)."""
+    if not stops:
+        return engine
+    from trainer.engine.stops import StopStrings
+
+    return StopStrings(engine, tokenizer, stops)

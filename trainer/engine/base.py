@@ -21,6 +21,15 @@ DONE_REASONS = (STOP, LENGTH)
 _ids = itertools.count()
 
 
+def reserve_request_ids(up_to: int) -> None:
+    """Make every later Sample's request id greater than `up_to`: samples restored from a
+    checkpoint keep their ids, and a new sample must never share one (owners map ids to
+    groups)."""
+    global _ids
+    nxt = next(_ids)
+    _ids = itertools.count(max(nxt, up_to + 1))
+
+
 class EngineError(RuntimeError):
     """A rollout engine failed in a way the run cannot recover from by itself (a server that
     stays down, keeps answering 5xx, or times out past the retry budget). The message names
@@ -69,7 +78,8 @@ class EngineStats:
     slot_steps_used: int = 0      # sum over decode steps of active sequences
     slot_steps_capacity: int = 0  # sum over decode steps of the slots that could have run
     generated_tokens: int = 0
-    prefill_tokens: int = 0
+    prefill_tokens: int = 0         # prompt/context tokens run through the model
+    prefill_shared_tokens: int = 0  # ... and those copied from a sample with the same context
 
     def idle_slot_frac(self) -> float:
         if self.slot_steps_capacity == 0:
@@ -81,7 +91,7 @@ class EngineStats:
 
     def astuple(self):
         return (self.decode_steps, self.slot_steps_used, self.slot_steps_capacity,
-                self.generated_tokens, self.prefill_tokens)
+                self.generated_tokens, self.prefill_tokens, self.prefill_shared_tokens)
 
 
 class RolloutEngine:
@@ -114,6 +124,15 @@ class RolloutEngine:
     def num_pending(self) -> int:
         """Samples queued or running."""
         raise NotImplementedError
+
+    def release_memory(self) -> bool:
+        """Free what the engine holds on the trainer's device (its KV cache) for the training
+        phase, with nothing running; True if it did. The default holds on: the engine's memory
+        is elsewhere (an SGLang server) or it decodes while the trainer trains."""
+        return False
+
+    def reacquire_memory(self) -> None:
+        """Take back what release_memory freed (the next step() would do it anyway)."""
 
     def close(self) -> None:
         pass

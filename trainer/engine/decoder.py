@@ -4,19 +4,50 @@ per-slot KV cache, for the embedded rollout engine.
 Why not `model.forward()` with a transformers cache: a continuous batch adds and removes rows
 every few steps. transformers' caches either share one write index across rows (StaticCache)
 or cost about one decode step per row removed or inserted (DynamicCache), and its call overhead
-is ~2x a plain forward on CPU (see shared/MEASURED.md). Here every slot owns a row of the cache:
+is ~2x a plain forward on CPU (docs/benchmarks.md, prototype measurements). Here every slot owns a row of the cache:
 removing a sequence is free and adding one costs only its own prefill.
 
 The weights are the model's own tensors, copied once and addressed by their Hugging Face names,
-so a weight update is a `copy_` per tensor. Tests check the logits against the model's
-`forward()` (fp32, within 1e-4).
+so a weight update is a `copy_` per tensor. q/k/v and gate/up are fused into one matrix each
+(one matmul instead of three or two); `self.w[name]` for each part is a view into the fused
+matrix, so that same `copy_` updates the fused weights too. Tests check the logits against the
+model's `forward()` (fp32, within 1e-4).
+
+Ragged decode attention. The rows of a decode step have different cached lengths; attending
+every row over the longest one (padded) makes the step cost B x T_max where the work needed is
+the sum of the lengths: one 300-token row among 127 at 30 doubled the step on CPU
+(docs/benchmarks.md). `plan_buckets` groups the rows by length into a few buckets (geometric
+length classes, then the cheapest grouping under a measured cost model), and each bucket
+attends over its own longest row. The linear layers (qkv, o, MLP, head) stay batched over all
+rows; only the attention is split. The first bucket reads the cache as a plain slice over all
+rows (the longer rows' results there are overwritten by their own bucket); the others gather
+their rows (or slice them, when they sit in consecutive slots). Gathering copies keys and
+values out of a cache larger than the CPU's caches, so a batch whose lengths are spread evenly
+is cheaper padded: the cost model says when. Same code on CPU and CUDA; on CUDA a
+bucket's fixed cost (kernel launches) is worth far more padded positions, so the default there
+splits only very ragged batches.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
+
+# Cost model of a decode step's attention, in "row-positions" (one row attending over one cached
+# position) per layer. The base bucket reads the cache as a slice over all rows: B x T. A
+# gathered bucket copies its rows' keys and values out of the cache first (memory traffic: the
+# cache is larger than the CPU's caches) and costs GATHER_FACTOR x rows x T, plus a fixed
+# BUCKET_OVERHEAD (index, mask, copies and an attention call per layer). CPU (2 cores, 1 thread,
+# built-in model, 512-position cache), in a decode step: a sliced row-position ~0.047 us, a
+# gathered one ~0.16 us (3.4x), a bucket's fixed work ~60-100 us (~2000 row-positions); the
+# default 4096 leaves a margin for noisy machines. On CUDA the fixed cost is kernel launches
+# while a row-position costs a fraction of a ns: split only very ragged batches.
+BUCKET_OVERHEAD = {"cpu": 4096, "cuda": 131072}
+GATHER_FACTOR = 3.4
+MAX_BUCKETS = 6
 
 
 class KVCache:
@@ -28,10 +59,21 @@ class KVCache:
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
         self.max_len = max_len
+        # row of (slot, kv head, position 0) in a layer's cache viewed as [-1, head_dim]
+        self.row_base = (torch.arange(slots, device=device).unsqueeze(1) * kv_heads
+                         + torch.arange(kv_heads, device=device)) * max_len
 
     def move(self, src: int, dst: int, length: int) -> None:
-        self.k[:, dst, :, :length] = self.k[:, src, :, :length]
-        self.v[:, dst, :, :length] = self.v[:, src, :, :length]
+        """Slot dst gets the first `length` entries of slot src (one slot: plain slices)."""
+        for t in (self.k, self.v):
+            t[:, dst, :, :length] = t[:, src, :, :length]
+
+    def copy_rows(self, src: list[int], dst: list[int], length: int) -> None:
+        """Slot dst[k] gets the first `length` entries of slot src[k] (every layer)."""
+        s = torch.tensor(src, device=self.k.device)
+        d = torch.tensor(dst, device=self.k.device)
+        for t in (self.k, self.v):
+            t[:, d, :, :length] = t[:, s, :, :length]
 
     def swap(self, a: int, b: int, len_a: int, len_b: int) -> None:
         for t in (self.k, self.v):
@@ -43,8 +85,107 @@ class KVCache:
         self.k = self.v = None  # type: ignore[assignment]
 
 
+@dataclass
+class Bucket:
+    """Rows of a decode step that attend together over the first `T` cached positions.
+    rows: a slice of the active slots, or an index tensor (gathered); mask: [n, 1, 1, T],
+    True where a key is within the row's own length (None: no row is shorter than T)."""
+    rows: slice | torch.Tensor
+    T: int
+    mask: torch.Tensor | None
+
+
+def _length_class(T: int) -> int:
+    """Geometric length classes, two per octave (..., 24, 32, 48, 64, 96, ...; <= 16 is one)."""
+    e = max((T - 1).bit_length(), 4)   # T <= 2**e
+    return 2 * e if e == 4 or T > 3 << (e - 2) else 2 * e - 1
+
+
+_CLASS_OF_LEN: list[int] = []  # _length_class(n + 1) for cached length n, grown on demand
+
+
+def _classes(up_to: int) -> list[int]:
+    global _CLASS_OF_LEN
+    table = _CLASS_OF_LEN
+    if len(table) <= up_to:  # a new list, swapped in whole: safe for engines in other threads
+        table = [_length_class(n + 1) for n in range(max(2 * up_to + 1, 1024))]
+        _CLASS_OF_LEN = table
+    return table
+
+
+def plan_buckets(lengths: list[int], overhead: float,
+                 gather: float = GATHER_FACTOR, max_buckets: int = MAX_BUCKETS) -> list[tuple]:
+    """Group decode rows by cached length. Row r attends over lengths[r] + 1 positions.
+    Returns [(rows, T, min_len)]: first the base bucket (rows None: all rows, read as a slice,
+    over T positions), then gathered buckets of longer rows (row indices ascending), T each
+    bucket's longest row + 1. The rows are put in geometric length classes; the plan is the
+    cheapest under the cost model above (BUCKET_OVERHEAD): the base covers the classes up to
+    some class j (the longer rows are computed there too and overwritten by their own bucket),
+    the classes above j go in contiguous groups, at most `max_buckets` buckets in all. One
+    bucket (the padded batch) when splitting does not pay. overhead = 0 (tests): gathering
+    costs nothing either, so the rows are split wherever that saves a position."""
+    if overhead <= 0:
+        gather = 1.0
+    B = len(lengths)
+    lo, hi = min(lengths), max(lengths)
+    if B == 1 or lo == hi or B * hi - sum(lengths) <= overhead:
+        return [(None, hi + 1, lo)]
+    classes: dict[int, list] = {}
+    class_of = _classes(hi)
+    for r, n in enumerate(lengths):
+        k = class_of[n]
+        c = classes.get(k)
+        if c is None:
+            classes[k] = [[r], n, n]   # rows, max len, min len
+        else:
+            c[0].append(r)
+            if n > c[1]:
+                c[1] = n
+            elif n < c[2]:
+                c[2] = n
+    bk = [classes[k] for k in sorted(classes)]
+    m = len(bk)
+    if m == 1:
+        return [(None, hi + 1, lo)]
+    counts = [len(c[0]) for c in bk]
+    Ts = [c[1] + 1 for c in bk]
+    first = [c[0][0] for c in bk]     # rows are listed in ascending order
+    last = [c[0][-1] for c in bk]
+    inf = float("inf")
+    # tail[a][g]: cheapest cost of classes a.. in g gathered groups (choice: where the first ends)
+    tail = [[inf] * max_buckets for _ in range(m + 1)]
+    cut = [[0] * max_buckets for _ in range(m + 1)]
+    tail[m][0] = 0.0
+    for a in range(m - 1, -1, -1):
+        n, r0, r1 = 0, B, -1
+        for b in range(a, m):
+            n += counts[b]
+            r0, r1 = min(r0, first[b]), max(r1, last[b])
+            # rows in consecutive slots are read as a slice, without the gather
+            group = (1.0 if r1 - r0 + 1 == n else gather) * n * Ts[b] + overhead
+            for g in range(1, max_buckets):
+                c = group + tail[b + 1][g - 1]
+                if c < tail[a][g]:
+                    tail[a][g], cut[a][g] = c, b + 1
+    best, best_j, best_g = B * Ts[-1], m, 0          # the padded batch
+    for j in range(1, m):
+        for g in range(1, max_buckets):
+            c = B * Ts[j - 1] + tail[j][g]
+            if c < best:
+                best, best_j, best_g = c, j, g
+    out = [(None, Ts[best_j - 1], lo)]
+    a, g = best_j, best_g
+    while g:
+        b = cut[a][g]
+        rows = sorted(r for c in bk[a:b] for r in c[0])
+        out.append((rows, max(c[1] for c in bk[a:b]) + 1, min(c[2] for c in bk[a:b])))
+        a, g = b, g - 1
+    return out
+
+
 class Decoder:
-    def __init__(self, model, device: torch.device, dtype: torch.dtype):
+    def __init__(self, model, device: torch.device, dtype: torch.dtype,
+                 bucket_overhead: float | None = None):
         cfg = model.config
         if cfg.model_type not in SUPPORTED:
             raise ValueError(f"the embedded engine supports {', '.join(SUPPORTED)} models; "
@@ -57,66 +198,107 @@ class Decoder:
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads
         self.eps = cfg.rms_norm_eps
         self.qk_norm = cfg.model_type == "qwen3"
+        self.bucket_overhead = (BUCKET_OVERHEAD.get(device.type, BUCKET_OVERHEAD["cuda"])
+                                if bucket_overhead is None else bucket_overhead)
         rotary = model.model.rotary_emb
         self.inv_freq = rotary.inv_freq.detach().to(device=device, dtype=torch.float32).clone()
         self.rope_scale = float(getattr(rotary, "attention_scaling", 1.0))
+        self._cos = self._sin = None  # RoPE tables [positions, head_dim], grown on demand
         self.w = {name: t.detach().to(device=device, dtype=dtype).clone()
                   for name, t in model.state_dict().items() if not name.endswith("inv_freq")}
         self.tied = "lm_head.weight" not in self.w or getattr(cfg, "tie_word_embeddings", False)
+        self.layers = [self._layer(i) for i in range(self.n_layers)]
+        self.embed = self.w["model.embed_tokens.weight"]
+        self.head = self.embed if self.tied else self.w["lm_head.weight"]
+        self.final_norm = self.w["model.norm.weight"]
 
     @torch.no_grad()
     def load(self, named_tensors) -> None:
+        """Copy new weights in place (fused matrices included: their parts are views)."""
         items = named_tensors.items() if isinstance(named_tensors, dict) else named_tensors
         for name, t in items:
             if name in self.w:
                 self.w[name].copy_(t.detach())
 
     def new_cache(self, slots: int, max_len: int) -> KVCache:
+        self._rope_tables(max_len)
         return KVCache(self.n_layers, slots, self.n_kv, max_len, self.head_dim,
                        self.device, self.dtype)
 
+    # --- weights ---------------------------------------------------------------------------------
+    def _fuse(self, prefix: str, parts: tuple[str, ...]):
+        """Concatenate the parts' weights (and biases) along the output dim; the parts become
+        views of the fused tensors. -> (weight, bias or None)."""
+        names = [prefix + p for p in parts]
+        ws = [self.w[n + ".weight"] for n in names]
+        fused = torch.cat(ws, 0)
+        bias = None
+        if any(n + ".bias" in self.w for n in names):
+            bias = torch.cat([self.w.get(n + ".bias", w.new_zeros(w.shape[0]))
+                              for n, w in zip(names, ws)])
+        off = 0
+        for n, w in zip(names, ws):
+            self.w[n + ".weight"] = fused[off:off + w.shape[0]]
+            if bias is not None and n + ".bias" in self.w:
+                self.w[n + ".bias"] = bias[off:off + w.shape[0]]
+            off += w.shape[0]
+        return fused, bias
+
+    def _layer(self, i: int) -> dict:
+        p = f"model.layers.{i}."
+        qkv, qkv_b = self._fuse(p + "self_attn.", ("q_proj", "k_proj", "v_proj"))
+        gu, gu_b = self._fuse(p + "mlp.", ("gate_proj", "up_proj"))
+        return {"ln1": self.w[p + "input_layernorm.weight"],
+                "ln2": self.w[p + "post_attention_layernorm.weight"],
+                "qkv": qkv, "qkv_b": qkv_b, "gu": gu, "gu_b": gu_b,
+                "o": self.w[p + "self_attn.o_proj.weight"],
+                "o_b": self.w.get(p + "self_attn.o_proj.bias"),
+                "down": self.w[p + "mlp.down_proj.weight"],
+                "down_b": self.w.get(p + "mlp.down_proj.bias"),
+                "q_norm": self.w.get(p + "self_attn.q_norm.weight"),
+                "k_norm": self.w.get(p + "self_attn.k_norm.weight")}
+
     # --- building blocks ---------------------------------------------------------------------
     def _norm(self, x, weight):
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return weight * xf.to(x.dtype)
+        return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
-    def _linear(self, x, prefix):
-        b = self.w.get(prefix + ".bias")
-        return F.linear(x, self.w[prefix + ".weight"], b)
+    def _rope_tables(self, n: int):
+        """cos and sign-folded sin for positions 0..n-1 (computed once, grown on demand):
+        rotate_half(x) * sin == roll(x, half) * sin_signed."""
+        if self._cos is None or self._cos.shape[0] < n:
+            n = max(n, 2 * (0 if self._cos is None else self._cos.shape[0]), 64)
+            pos = torch.arange(n, device=self.device, dtype=torch.float32)
+            freqs = pos.unsqueeze(-1) * self.inv_freq
+            emb = torch.cat((freqs, freqs), dim=-1)
+            half = emb.shape[-1] // 2
+            sin = emb.sin() * self.rope_scale
+            self._cos = (emb.cos() * self.rope_scale).to(self.dtype)
+            self._sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1).to(self.dtype)
+        return self._cos, self._sin
 
-    def _rope(self, x, pos):
-        """x: [..., T, head_dim], pos: broadcastable [.., T] positions."""
-        freqs = pos.to(torch.float32).unsqueeze(-1) * self.inv_freq
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos = (emb.cos() * self.rope_scale).to(x.dtype)
-        sin = (emb.sin() * self.rope_scale).to(x.dtype)
-        half = x.shape[-1] // 2
-        rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * cos + rot * sin
+    def _rope(self, x, cos, sin):
+        """x: [..., heads, head_dim]; cos/sin broadcastable (tables indexed by position)."""
+        return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * sin
 
-    def _qkv(self, h, i, pos):
-        """h: [B, T, d] -> q [B, H, T, D], k, v [B, Hkv, T, D] with RoPE applied."""
-        B, T, _ = h.shape
-        p = f"model.layers.{i}.self_attn."
-        q = self._linear(h, p + "q_proj").view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self._linear(h, p + "k_proj").view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
-        v = self._linear(h, p + "v_proj").view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
+    def _qkv(self, h, L, cos, sin):
+        """h: [..., d] -> q [..., H, D], k, v [..., Hkv, D] with RoPE applied (cos/sin:
+        [..., 1, D]). One matmul for q, k and v; RoPE applied to q and k together."""
+        H, Hkv, D = self.n_heads, self.n_kv, self.head_dim
+        qkv = F.linear(h, L["qkv"], L["qkv_b"]).unflatten(-1, (H + 2 * Hkv, D))
+        qk, v = qkv[..., :H + Hkv, :], qkv[..., H + Hkv:, :]
         if self.qk_norm:
-            q = self._norm(q, self.w[p + "q_norm.weight"])
-            k = self._norm(k, self.w[p + "k_norm.weight"])
-        pos = pos.unsqueeze(1)  # [B, 1, T]
-        return self._rope(q, pos), self._rope(k, pos), v
+            qk = torch.cat((self._norm(qk[..., :H, :], L["q_norm"]),
+                            self._norm(qk[..., H:, :], L["k_norm"])), dim=-2)
+        qk = self._rope(qk, cos, sin)
+        return qk[..., :H, :], qk[..., H:, :], v
 
-    def _mlp(self, x, i):
-        p = f"model.layers.{i}.mlp."
-        return self._linear(F.silu(self._linear(x, p + "gate_proj")) * self._linear(x, p + "up_proj"),
-                            p + "down_proj")
+    def _mlp(self, x, L):
+        gu = F.linear(x, L["gu"], L["gu_b"])
+        g, u = gu.chunk(2, dim=-1)
+        return F.linear(F.silu(g) * u, L["down"], L["down_b"])
 
     def _logits(self, x):
-        x = self._norm(x, self.w["model.norm.weight"])
-        head = self.w["model.embed_tokens.weight"] if self.tied else self.w["lm_head.weight"]
-        return F.linear(x, head)
+        return F.linear(self._norm(x, self.final_norm), self.head)
 
     # --- prefill and decode --------------------------------------------------------------------
     @torch.no_grad()
@@ -127,51 +309,92 @@ class Decoder:
         for b, r in enumerate(rows):
             ids[b, :len(r)] = torch.tensor(r, dtype=torch.long)
         ids = ids.to(self.device)
-        pos = torch.arange(T, device=self.device).expand(B, T)
-        x = self.w["model.embed_tokens.weight"][ids]
+        cos_t, sin_t = self._rope_tables(T)
+        cos, sin = cos_t[:T].unsqueeze(1), sin_t[:T].unsqueeze(1)  # [T, 1, D]: same for all rows
+        x = self.embed[ids]
         slot_idx = torch.tensor(slots, device=self.device)
-        group = self.n_heads // self.n_kv
-        for i in range(self.n_layers):
-            p = f"model.layers.{i}."
-            h = self._norm(x, self.w[p + "input_layernorm.weight"])
-            q, k, v = self._qkv(h, i, pos)
+        for i, L in enumerate(self.layers):
+            h = self._norm(x, L["ln1"])
+            q, k, v = self._qkv(h, L, cos, sin)                       # [B, T, heads, D]
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
             # right padding: each real query only sees earlier (real) keys under a causal mask
             cache.k[i, slot_idx, :, :T] = k
             cache.v[i, slot_idx, :, :T] = v
-            kk = k.repeat_interleave(group, dim=1)
-            vv = v.repeat_interleave(group, dim=1)
-            a = F.scaled_dot_product_attention(q, kk, vv, is_causal=True)
+            a = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                               enable_gqa=self.n_kv != self.n_heads)
             a = a.transpose(1, 2).reshape(B, T, -1)
-            x = x + self._linear(a, p + "self_attn.o_proj")
-            x = x + self._mlp(self._norm(x, self.w[p + "post_attention_layernorm.weight"]), i)
+            x = x + F.linear(a, L["o"], L["o_b"])
+            x = x + self._mlp(self._norm(x, L["ln2"]), L)
+
+    def plan(self, lengths: list[int], lengths_t: torch.Tensor) -> list[Bucket]:
+        """The decode step's attention buckets (see plan_buckets), with their masks."""
+        out = []
+        for rows, T, lo in plan_buckets(lengths, self.bucket_overhead):
+            if rows is None:
+                sel, lens = slice(0, len(lengths)), lengths_t
+            elif rows[-1] - rows[0] + 1 == len(rows):  # consecutive slots: a plain slice
+                sel = slice(rows[0], rows[-1] + 1)
+                lens = lengths_t[sel]
+            else:
+                sel = torch.tensor(rows, device=self.device)
+                lens = lengths_t.index_select(0, sel)
+            mask = None
+            if lo < T - 1:  # True where a key is the row's own (SDPA's boolean mask)
+                mask = (torch.arange(T, device=self.device) <= lens.unsqueeze(1))
+                mask = mask.view(-1, 1, 1, T)
+            out.append(Bucket(sel, T, mask))
+        return out
+
+    def _attend(self, cache: KVCache, i: int, qg: torch.Tensor,
+                buckets: list[Bucket]) -> torch.Tensor:
+        """qg: [B, Hkv, G, D] (scaled queries) -> attention output [B, Hkv, G, D]. The G query
+        heads that share a KV head are the "query positions" of one attention call, so no key
+        is repeated; torch's fused scaled_dot_product_attention (no float32 score tensor; on
+        this CPU as fast as matmul + softmax at T <= 64 and ~15% faster from T = 96)."""
+        out = None
+        for b in buckets:
+            if isinstance(b.rows, slice):
+                K, V, q = cache.k[i, b.rows, :, :b.T], cache.v[i, b.rows, :, :b.T], qg[b.rows]
+            else:
+                K = cache.k[i, :, :, :b.T].index_select(0, b.rows)
+                V = cache.v[i, :, :, :b.T].index_select(0, b.rows)
+                q = qg.index_select(0, b.rows)
+            a = F.scaled_dot_product_attention(q, K, V, attn_mask=b.mask, scale=1.0)
+            if out is None:
+                if isinstance(b.rows, slice) and b.rows == slice(0, qg.shape[0]):
+                    out = a
+                    continue
+                out = torch.empty_like(qg)
+            if isinstance(b.rows, slice):
+                out[b.rows] = a
+            else:
+                out.index_copy_(0, b.rows, a)
+        return out
 
     @torch.no_grad()
-    def decode(self, cache: KVCache, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    def decode(self, cache: KVCache, tokens: torch.Tensor, lengths) -> torch.Tensor:
         """One token for each of the first B slots. tokens: [B]; lengths: [B] cached entries per
-        slot (the new token's position). Returns logits [B, vocab] in float32."""
-        B = tokens.shape[0]
-        T = int(lengths.max().item()) + 1
-        x = self.w["model.embed_tokens.weight"][tokens].unsqueeze(1)  # [B, 1, d]
-        pos = lengths.unsqueeze(1)  # [B, 1]
-        group = self.n_heads // self.n_kv
-        rows = torch.arange(B, device=self.device)
-        # keys at positions > a row's own length are other (older) data: mask them
-        mask = torch.arange(T, device=self.device).unsqueeze(0) > lengths.unsqueeze(1)  # [B, T]
-        mask = mask.view(B, 1, 1, T)
-        scale = self.head_dim ** -0.5
-        for i in range(self.n_layers):
-            p = f"model.layers.{i}."
-            h = self._norm(x, self.w[p + "input_layernorm.weight"])
-            q, k, v = self._qkv(h, i, pos)
-            cache.k[i, rows, :, lengths] = k[:, :, 0]
-            cache.v[i, rows, :, lengths] = v[:, :, 0]
-            K = cache.k[i, :B, :, :T]  # [B, Hkv, T, D]
-            V = cache.v[i, :B, :, :T]
-            qg = q.view(B, self.n_kv, group, self.head_dim)  # one query token
-            s = torch.matmul(qg, K.transpose(-1, -2)) * scale  # [B, Hkv, G, T]
-            s = s.float().masked_fill(mask, float("-inf"))
-            a = torch.matmul(torch.softmax(s, dim=-1).to(V.dtype), V)  # [B, Hkv, G, D]
-            a = a.reshape(B, 1, self.n_heads * self.head_dim)
-            x = x + self._linear(a, p + "self_attn.o_proj")
-            x = x + self._mlp(self._norm(x, self.w[p + "post_attention_layernorm.weight"]), i)
-        return self._logits(x[:, 0]).float()
+        slot (the new token's position), a list of ints (no device sync) or a tensor. Returns
+        logits [B, vocab] in float32."""
+        if isinstance(lengths, torch.Tensor):
+            lengths_t, lengths = lengths.to(self.device), lengths.tolist()
+        else:
+            lengths_t = torch.tensor(lengths, device=self.device)
+        B, D, Hkv = len(lengths), self.head_dim, self.n_kv
+        buckets = self.plan(lengths, lengths_t)
+        cos_t, sin_t = self._rope_tables(max(lengths) + 1)
+        cos = cos_t.index_select(0, lengths_t).unsqueeze(1)  # [B, 1, D], once per step
+        sin = sin_t.index_select(0, lengths_t).unsqueeze(1)
+        write = (cache.row_base[:B] + lengths_t.unsqueeze(1)).reshape(-1)  # [B * Hkv]
+        scale = D ** -0.5
+        x = self.embed[tokens]  # [B, d]
+        for i, L in enumerate(self.layers):
+            h = self._norm(x, L["ln1"])
+            q, k, v = self._qkv(h, L, cos, sin)  # [B, H, D], [B, Hkv, D]
+            cache.k[i].view(-1, D).index_copy_(0, write, k.reshape(B * Hkv, D))
+            cache.v[i].view(-1, D).index_copy_(0, write, v.reshape(B * Hkv, D))
+            qg = (q * scale).reshape(B, Hkv, self.n_heads // Hkv, D)  # one query token
+            a = self._attend(cache, i, qg, buckets).reshape(B, self.n_heads * D)
+            x = x + F.linear(a, L["o"], L["o_b"])
+            x = x + self._mlp(self._norm(x, L["ln2"]), L)
+        return self._logits(x).float()

@@ -11,11 +11,16 @@ Admission prefills every token of prompt + response except the last, which becom
 new samples and partial ones resumed after an abort take the same path.
 
 Slots 0..n-1 hold the n active sequences (compact, so a decode step reads a plain slice).
-`abort(keep_cache=True)` parks an aborted sequence's KV cache in a slot above them: when the
-same sample is submitted again it continues without a new prefill (APRIL resumes a partial
-sample every step; re-prefilling it cost more than generating). Parked caches are given up,
-oldest first, when a new sequence needs the slot, and dropped when the weights change with
-`recompute_kv` (their keys and values would be stale).
+`abort(keep_cache=True)` parks an aborted sequence's KV cache in a slot above them, and so does
+a stop at the segment limit (`SamplingParams.segment_max_tokens`): when the same sample is
+submitted again it continues without a new prefill (APRIL resumes a partial sample every step;
+re-prefilling it cost more than generating). Parked caches are given up, oldest first, when a
+new sequence needs the slot, and dropped when the weights change with `recompute_kv` (their
+keys and values would be stale; the sample is prefilled again under the new weights).
+
+Per decode step the Python work is O(active rows), never O(sequence length): the pending token
+is the sample's last one, the cached lengths are a list kept in step. When a sequence finishes
+is decided in one place, `_finish_reason` (end-of-sequence tokens: `self.eos`).
 """
 from __future__ import annotations
 
@@ -25,8 +30,7 @@ from typing import Iterable
 
 import torch
 
-from trainer.engine.base import (ABORT, LENGTH, SEGMENT, STOP, EngineStats, RolloutEngine,
-                                 Sample)
+from trainer.engine.base import ABORT, LENGTH, SEGMENT, STOP, EngineStats, RolloutEngine, Sample
 from trainer.engine.decoder import Decoder
 
 
@@ -50,11 +54,15 @@ class EmbeddedEngine(RolloutEngine):
     def __init__(self, model, *, eos_token_ids: Iterable[int], max_slots: int | str = 64,
                  max_seq_len: int = 512, seed: int = 0, device: torch.device | None = None,
                  dtype: torch.dtype | None = None, prefill_tokens: int = 8192,
-                 kv_memory_fraction: float = 0.5, slots_cap: int = 1024):
+                 kv_memory_fraction: float = 0.5, slots_cap: int = 1024,
+                 attn_bucket_overhead: float | None = None):
         params = next(model.parameters())
         self.device = device or params.device
         self.dtype = dtype or params.dtype
-        self.decoder = Decoder(model, self.device, self.dtype)
+        # attn_bucket_overhead: the decode attention's cost model (decoder.plan_buckets); None =
+        # the device's default, 0 = a bucket per length class (tests)
+        self.decoder = Decoder(model, self.device, self.dtype,
+                               bucket_overhead=attn_bucket_overhead)
         # max_slots="auto": as many slots as fit in kv_memory_fraction of the free memory, at
         # most slots_cap (sized again at each reacquire_memory)
         self.auto_slots, self.kv_memory_fraction = max_slots == "auto", kv_memory_fraction
@@ -64,7 +72,7 @@ class EmbeddedEngine(RolloutEngine):
                                                cap=slots_cap)
         self.max_slots, self.max_seq_len = int(max_slots), max_seq_len
         self.cache = self.decoder.new_cache(max_slots, max_seq_len)
-        self.eos = torch.tensor(sorted(set(eos_token_ids)), device=self.device)
+        self.eos = torch.tensor(sorted(set(eos_token_ids)), dtype=torch.long, device=self.device)
         self.prefill_budget = prefill_tokens
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
@@ -75,6 +83,9 @@ class EmbeddedEngine(RolloutEngine):
         self.slots: list[Sample] = []      # active samples, slot i holds slots[i]
         self.cached: list[int] = []        # cached positions per active slot
         self.parked: dict[int, tuple[int, int]] = {}  # request id -> (slot, cached), oldest first
+        # request id -> the weights version that computed its prompt's KV entries (a running
+        # sample of the same prompt may lend them to a new one only when that is today's)
+        self.prompt_kv_version: dict[int, int] = {}
 
     # --- public interface -----------------------------------------------------------------------
     def submit(self, samples: Iterable[Sample]) -> None:
@@ -150,13 +161,14 @@ class EmbeddedEngine(RolloutEngine):
             self.slots.clear()
             self.cached.clear()
             self.parked.clear()
+            self.prompt_kv_version.clear()
 
     # --- memory (engine and trainer sharing one GPU) ----------------------------------------------
     @property
     def memory_released(self) -> bool:
         return self.cache is None
 
-    def release_memory(self) -> None:
+    def release_memory(self) -> bool:
         """Free the KV cache for the training phase (and return it to CUDA with empty_cache).
         Refused while sequences are running (their cache would be lost); queued samples stay
         queued. The next step() or reacquire_memory() allocates it again."""
@@ -165,12 +177,13 @@ class EmbeddedEngine(RolloutEngine):
                 raise RuntimeError(f"release_memory: {len(self.slots)} sequences are running; "
                                    "finish or abort them before releasing the KV cache")
             if self.cache is None:
-                return
+                return True
             self.parked.clear()
             self.cache.release()
             self.cache = None
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
+            return True
 
     def reacquire_memory(self) -> None:
         """Allocate the KV cache again (with max_slots="auto", resized to the memory free now)."""
@@ -219,7 +232,31 @@ class EmbeddedEngine(RolloutEngine):
 
     def _prefill(self, slot_ids: list[int]) -> None:
         rows = [self._tokens(self.slots[i])[:-1] for i in slot_ids]
-        todo = sorted(((i, r) for i, r in zip(slot_ids, rows) if r), key=lambda x: len(x[1]))
+        # the samples of a GRPO group start from the same prompt: run each distinct context
+        # through the model once and copy its KV entries to the other slots, also from a sample
+        # of the group already running (its siblings are admitted a few at a time)
+        first: dict[tuple, int] = {}
+        unique, src, dst, shared_len = [], [], [], 0
+        donors = None
+        for i, r in zip(slot_ids, rows):
+            if not r:
+                continue
+            key = tuple(r)
+            j = first.get(key)
+            if j is None and not self.slots[i].response_ids:
+                if donors is None:
+                    donors = self._prompt_donors(set(slot_ids))
+                j = donors.get(key)
+            if j is None:
+                first[key] = i
+                unique.append((i, r))
+            else:
+                first[key] = j
+                src.append(j)
+                dst.append(i)
+                shared_len = max(shared_len, len(r))
+                self.stats.prefill_shared_tokens += len(r)
+        todo = sorted(unique, key=lambda x: len(x[1]))
         # length-sorted batches with little padding: a long row must not pad many short ones
         batch: list = []
         for item in todo + [None]:
@@ -229,9 +266,25 @@ class EmbeddedEngine(RolloutEngine):
                 batch = []
             if item is not None:
                 batch.append(item)
+        if dst:  # positions past a row's own length are garbage its decode never reads
+            self.cache.copy_rows(src, dst, shared_len)
         self.stats.prefill_tokens += sum(len(r) for _, r in todo)
         for i, r in zip(slot_ids, rows):
             self.cached[i] = len(r)
+            self.prompt_kv_version[self.slots[i].request_id] = self.version
+        if len(self.prompt_kv_version) > 4 * self.max_slots:  # forget samples long gone
+            keep = {s.request_id for s in self.slots} | set(self.parked)
+            self.prompt_kv_version = {k: v for k, v in self.prompt_kv_version.items() if k in keep}
+
+    def _prompt_donors(self, exclude: set[int]) -> dict[tuple, int]:
+        """Running slots (not in `exclude`) whose first cached positions hold their prompt's KV
+        entries as today's weights compute them, by prompt less its last token (the part a new
+        sample of that prompt prefills; the first decode step feeds the last token)."""
+        out: dict[tuple, int] = {}
+        for k, s in enumerate(self.slots):
+            if k not in exclude and self.prompt_kv_version.get(s.request_id) == self.version:
+                out.setdefault(tuple(s.prompt_ids[:-1]), k)
+        return out
 
     # --- parked caches ----------------------------------------------------------------------------
     def _park(self, i: int) -> Sample:
@@ -294,6 +347,7 @@ class EmbeddedEngine(RolloutEngine):
     def _evict(self, i: int) -> Sample:
         """Remove slot i, moving the last active slot into its place (slots stay compact)."""
         s = self.slots[i]
+        self.prompt_kv_version.pop(s.request_id, None)
         last = len(self.slots) - 1
         if i != last:
             self.cache.move(last, i, self.cached[last])
@@ -304,12 +358,11 @@ class EmbeddedEngine(RolloutEngine):
 
     def _decode(self) -> list[Sample]:
         B = len(self.slots)
-        tokens = torch.tensor([self._tokens(s)[-1] for s in self.slots], device=self.device)
-        lengths = torch.tensor(self.cached, device=self.device)
-        logits = self.decoder.decode(self.cache, tokens, lengths)
+        tokens = torch.tensor([_last(s) for s in self.slots], device=self.device)
+        logits = self.decoder.decode(self.cache, tokens, self.cached)
         new_tokens, logprobs = self._sample(logits)
-        stop = torch.isin(new_tokens, self.eos)
-        new_tokens, logprobs, stop = new_tokens.tolist(), logprobs.tolist(), stop.tolist()
+        stop = self._is_eos(new_tokens).tolist()
+        new_tokens, logprobs = new_tokens.tolist(), logprobs.tolist()
 
         self.stats.decode_steps += 1
         self.stats.slot_steps_used += B
@@ -317,37 +370,62 @@ class EmbeddedEngine(RolloutEngine):
         self.stats.generated_tokens += B
 
         finished = []
+        version = self.version
         for i, s in enumerate(self.slots):
             s.response_ids.append(new_tokens[i])
             s.logprobs.append(logprobs[i])
-            s.versions.append(self.version)
+            s.versions.append(version)
             s.segment_tokens += 1
             self.cached[i] += 1
-            if stop[i]:
-                s.finish_reason = STOP
-            elif s.remaining <= 0:
-                s.finish_reason = LENGTH
-            elif (s.params.segment_max_tokens is not None
-                  and s.segment_tokens >= s.params.segment_max_tokens):
-                s.finish_reason = SEGMENT
+            s.finish_reason = self._finish_reason(s, stop[i])
             if s.finish_reason is not None:
                 finished.append(i)
-        return [self._evict(i) for i in sorted(finished, reverse=True)][::-1]
+        # descending: each removal touches only slot i and the last active slot; a segment stop
+        # keeps its cache parked (like abort(keep_cache=True)), a finished one frees its slot
+        out = [self._park(i) if self.slots[i].finish_reason == SEGMENT else self._evict(i)
+               for i in reversed(finished)]
+        return out[::-1]
+
+    # --- when a sequence stops (the one place) ----------------------------------------------------
+    def _is_eos(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Which sampled tokens end their sequence."""
+        return torch.isin(tokens, self.eos)
+
+    @staticmethod
+    def _finish_reason(s: Sample, eos: bool) -> str | None:
+        """After a token was appended: why `s` leaves the engine now (None: it continues)."""
+        if eos:
+            return STOP
+        if s.remaining <= 0:
+            return LENGTH
+        if s.params.segment_max_tokens is not None and s.segment_tokens >= s.params.segment_max_tokens:
+            return SEGMENT
+        return None
 
     def _sample(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Sample one token per row; return it and its log-probability under the
         temperature-scaled distribution (what the trainer recomputes)."""
-        temps = torch.tensor([s.params.temperature for s in self.slots], device=self.device)
-        greedy = temps <= 0
-        scaled = logits / torch.where(greedy, torch.ones_like(temps), temps).unsqueeze(1)
-        logp = torch.log_softmax(scaled, dim=-1)
-        probs = logp.exp()
-        top_p = torch.tensor([s.params.top_p for s in self.slots], device=self.device)
-        if bool((top_p < 1).any()):
-            probs = _top_p_filter(probs, top_p)
-        choice = torch.multinomial(probs, 1, generator=self.generator).squeeze(1)
-        choice = torch.where(greedy, logits.argmax(dim=-1), choice)
+        temps = [s.params.temperature for s in self.slots]
+        greedy = [t <= 0 for t in temps]
+        scale = torch.tensor([1.0 if g else t for g, t in zip(greedy, temps)], device=self.device)
+        logp = torch.log_softmax(logits / scale.unsqueeze(1), dim=-1)
+        if all(greedy):  # no draw: the RNG is left as it is
+            choice = logits.argmax(dim=-1)
+        else:
+            probs = logp.exp()
+            top_p = [s.params.top_p for s in self.slots]
+            if any(p < 1 for p in top_p):
+                probs = _top_p_filter(probs, torch.tensor(top_p, device=self.device))
+            choice = torch.multinomial(probs, 1, generator=self.generator).squeeze(1)
+            if any(greedy):
+                choice = torch.where(torch.tensor(greedy, device=self.device),
+                                     logits.argmax(dim=-1), choice)
         return choice, logp.gather(1, choice.unsqueeze(1)).squeeze(1)
+
+
+def _last(s: Sample) -> int:
+    """The sequence's last token (pending: not in the cache yet)."""
+    return s.response_ids[-1] if s.response_ids else s.prompt_ids[-1]
 
 
 def _top_p_filter(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

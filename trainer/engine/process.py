@@ -2,29 +2,93 @@
 
 Asynchronous training overlaps generation with training. In one Python process the two
 compete for the interpreter lock on every small torch call, so on CPU the overlap is partly
-lost; here the decoding runs in a child process (spawned, so it shares nothing by accident)
-and the parent only exchanges samples and weights with it:
+lost; here the decoding runs in a child process and the parent only exchanges samples and
+weights with it:
 
-- submit / abort / finished samples travel over a pipe as plain data (ids, tokens, logprobs,
-  versions), and the parent updates its own `Sample` objects in place;
-- weights live in shared memory: `update_weights` copies the new tensors there and waits until
-  the child has loaded them between two decode steps (so a later update never overwrites
-  weights being read), then every later token carries the new version.
+- submit / abort / finished samples travel over a socket pair as plain data (ids, tokens,
+  logprobs, versions), and the parent updates its own `Sample` objects in place;
+- weights live in one memory-mapped buffer that both processes map (`SharedWeights`):
+  `update_weights` copies the new tensors there and waits until the child has loaded them
+  between two decode steps (so a later update never overwrites weights being read), then every
+  later token carries the new version. The child decodes on the parent's device and dtype (a
+  CUDA run decodes on CUDA; the shared buffer only stages the weights).
+
+The child is started with `subprocess.Popen`, not `multiprocessing`: a Celery prefork worker
+runs tasks in daemonic processes, which multiprocessing forbids to have children. The child
+exits as soon as its socket closes, so a parent killed with SIGKILL leaves nothing behind.
 
 The child steps its engine whenever it has work, so generation never waits for the parent.
 """
 from __future__ import annotations
 
-import multiprocessing as mp
+import argparse
+import os
+import socket
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 import traceback
+import uuid
 import weakref
+from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Iterable
 
 import torch
 
 from trainer.engine.base import EngineError, EngineStats, RolloutEngine, Sample, SamplingParams
+
+# the child's command line carries this module's name: `ps` (and the tests) can find it
+CHILD_MODULE = "trainer.engine.process"
+_ALIGN = 64  # byte alignment of each tensor in the shared buffer
+
+
+class SharedWeights:
+    """A model's tensors in one file-backed buffer mapped MAP_SHARED by both processes.
+
+    Hand-written because torch's shared-memory tensors travel only through multiprocessing
+    pickling, which the daemonic Celery worker cannot use (see the module docstring); a plain
+    file in /dev/shm that both sides map needs no go-between. The parent unlinks the file once
+    the child has mapped it, so nothing is left behind whatever happens later."""
+
+    def __init__(self, path: str, layout: dict, nbytes: int):
+        self.path, self.layout, self.nbytes = path, layout, nbytes
+        flat = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+        self.tensors = {name: flat[off:off + n].view(_dtype(dt)).view(shape)
+                        for name, (off, n, dt, shape) in layout.items()}
+
+    @classmethod
+    def create(cls, state: dict[str, torch.Tensor]) -> "SharedWeights":
+        layout, off = {}, 0
+        for name, t in state.items():
+            n = t.numel() * t.element_size()
+            layout[name] = (off, n, str(t.dtype).removeprefix("torch."), list(t.shape))
+            off += -(-n // _ALIGN) * _ALIGN
+        folder = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+        path = os.path.join(folder, f"rlpilot-weights-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        with open(path, "wb") as f:
+            f.truncate(max(off, 1))
+        shared = cls(path, layout, max(off, 1))
+        shared.copy_from(state.items())
+        return shared
+
+    def spec(self) -> tuple:
+        return self.path, self.layout, self.nbytes
+
+    def copy_from(self, items) -> None:
+        with torch.no_grad():
+            for name, t in items:
+                if name in self.tensors:
+                    self.tensors[name].copy_(t.detach())
+
+    def unlink(self) -> None:
+        Path(self.path).unlink(missing_ok=True)
+
+
+def _dtype(name: str) -> torch.dtype:
+    return getattr(torch, name)
 
 
 def _state(s: Sample) -> dict:
@@ -33,19 +97,25 @@ def _state(s: Sample) -> dict:
             "segment_tokens": s.segment_tokens}
 
 
-def _serve(conn, config, shared: dict, kwargs: dict, threads: int) -> None:
-    """The child: build the engine from the shared weights, then serve the pipe."""
+def _serve(conn: Connection) -> None:
+    """The child: build the engine from the shared weights, then serve the socket."""
     try:
+        _, config, spec, kwargs, threads = conn.recv()
         torch.set_num_threads(threads)
         from transformers import AutoModelForCausalLM
 
         from trainer.engine.embedded import EmbeddedEngine
 
+        shared = SharedWeights(*spec)
         model = AutoModelForCausalLM.from_config(config)
-        model.load_state_dict(shared, strict=False)
+        model.load_state_dict(shared.tensors, strict=False)
+        kwargs["device"], kwargs["dtype"] = torch.device(kwargs["device"]), _dtype(kwargs["dtype"])
         engine = EmbeddedEngine(model, **kwargs)
         del model
-        conn.send(("ready",))
+        conn.send(("ready", {"pid": os.getpid(), "device": str(engine.device),
+                             "dtype": str(engine.dtype), "max_slots": engine.max_slots}))
+    except (EOFError, OSError):
+        return  # the parent is gone
     except BaseException:
         conn.send(("error", traceback.format_exc()))
         return
@@ -70,8 +140,10 @@ def _serve(conn, config, shared: dict, kwargs: dict, threads: int) -> None:
                         live.pop(s.request_id, None)
                     conn.send(("aborted", [_state(s) for s in parts], engine.stats.astuple()))
                 elif kind == "weights":
-                    engine.update_weights(shared, msg[1], recompute_kv=msg[2])
+                    engine.update_weights(shared.tensors, msg[1], recompute_kv=msg[2])
                     conn.send(("weights_loaded", msg[1]))
+                elif kind == "version":  # a resumed run: tokens carry the restored version
+                    engine.version = msg[1]
                 elif kind == "close":
                     conn.send(("closed",))
                     return
@@ -81,48 +153,85 @@ def _serve(conn, config, shared: dict, kwargs: dict, threads: int) -> None:
                     live.pop(s.request_id, None)
                 if done:
                     conn.send(("finished", [_state(s) for s in done], engine.stats.astuple()))
-        except (EOFError, BrokenPipeError):
-            return  # the parent is gone
+        except (EOFError, OSError):
+            return  # the parent is gone (or closed the socket): exit, leave nothing behind
         except BaseException:
             try:
                 conn.send(("error", traceback.format_exc()))
-            except (EOFError, BrokenPipeError):
+            except (EOFError, OSError):
                 pass
             return
 
 
+def _child_main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog=f"python -m {CHILD_MODULE}")
+    ap.add_argument("--fd", type=int, required=True, help="the socket to serve")
+    conn = Connection(ap.parse_args(argv).fd)
+    try:
+        _serve(conn)
+    finally:
+        conn.close()
+
+
 class ProcessEngine(RolloutEngine):
-    def __init__(self, model, *, eos_token_ids: Iterable[int], max_slots: int = 64,
+    def __init__(self, model, *, eos_token_ids: Iterable[int], max_slots: int | str = 64,
                  max_seq_len: int = 512, seed: int = 0, threads: int = 1,
-                 start_timeout_s: float = 120.0):
+                 device: torch.device | None = None, dtype: torch.dtype | None = None,
+                 slots_cap: int = 1024, start_timeout_s: float = 120.0):
+        params = next(model.parameters())
+        device = torch.device(device) if device is not None else params.device
+        dtype = dtype or params.dtype
         self.max_seq_len = max_seq_len
-        self.version = 0
+        self._version = 0
         self.stats = EngineStats()
         self.generator = None  # the sampling RNG lives in the child
-        self.shared = {k: v.detach().to("cpu", copy=True).share_memory_()
-                       for k, v in model.state_dict().items()}
-        ctx = mp.get_context("spawn")
-        self.conn, child = ctx.Pipe()
-        kwargs = dict(eos_token_ids=list(eos_token_ids), max_slots=max_slots,
-                      max_seq_len=max_seq_len, seed=seed, device=torch.device("cpu"),
-                      dtype=next(model.parameters()).dtype)
-        self.proc = ctx.Process(target=_serve, name="rlpilot-engine", daemon=True,
-                                args=(child, model.config, self.shared, kwargs, threads))
-        self.proc.start()
-        child.close()
-        self._finalizer = weakref.finalize(self, _shutdown, self.proc, self.conn)
         self.live: dict[int, Sample] = {}   # submitted, not yet returned
         self._done: list[Sample] = []       # finished samples not yet handed out by step()
         self._replies: list[tuple] = []     # answers to abort / weights / ready
         # the async worker thread and the trainer thread both talk to the child
         self._recv_lock, self._send_lock = threading.Lock(), threading.Lock()
-        self._expect("ready", start_timeout_s)
+        self.weights = SharedWeights.create({k: v.detach().to(dtype) if v.is_floating_point()
+                                             else v.detach() for k, v in model.state_dict().items()})
+        ours, theirs = socket.socketpair()
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", CHILD_MODULE, "--fd", str(theirs.fileno())],
+                pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL)
+        except BaseException:
+            ours.close()
+            self.weights.unlink()
+            raise
+        finally:
+            theirs.close()
+        self.conn = Connection(ours.detach())
+        self._finalizer = weakref.finalize(self, _shutdown, self.proc, self.conn, self.weights)
+        kwargs = dict(eos_token_ids=list(eos_token_ids), max_slots=max_slots, slots_cap=slots_cap,
+                      max_seq_len=max_seq_len, seed=seed, device=str(device),
+                      dtype=str(dtype).removeprefix("torch."))
+        try:
+            self._send(("start", model.config, self.weights.spec(), kwargs, threads))
+            _, self.child_info = self._expect("ready", start_timeout_s)
+        except BaseException:
+            self.close()
+            raise
+        finally:
+            self.weights.unlink()  # both sides have it mapped; no file outlives the engine
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @version.setter
+    def version(self, value: int) -> None:
+        """Set the version later tokens carry, in the child too (a resumed run)."""
+        self._version = int(value)
+        self._send(("version", self._version))
 
     # --- plumbing -------------------------------------------------------------------------------
     def _recv(self, timeout: float):
         if not self.conn.poll(timeout):
-            if not self.proc.is_alive():
-                raise EngineError(f"the engine process exited (code {self.proc.exitcode})")
+            if self.proc.poll() is not None:
+                raise EngineError(f"the engine process exited (code {self.proc.returncode})")
             return None
         msg = self.conn.recv()
         if msg[0] == "error":
@@ -207,26 +316,29 @@ class ProcessEngine(RolloutEngine):
 
     def update_weights(self, named_tensors, version: int, recompute_kv: bool = False) -> None:
         items = named_tensors.items() if isinstance(named_tensors, dict) else named_tensors
-        with torch.no_grad():
-            for name, t in items:
-                if name in self.shared:
-                    self.shared[name].copy_(t.detach())
+        self.weights.copy_from(items)
         self._send(("weights", version, recompute_kv))
         self._expect("weights_loaded", 60)
-        self.version = version
+        self._version = version
 
     def close(self) -> None:
         self._finalizer()
 
 
-def _shutdown(proc, conn) -> None:
-    """Ask the child to exit; kill it if it doesn't. Never leaves a process behind."""
+def _shutdown(proc: subprocess.Popen, conn: Connection, weights: SharedWeights) -> None:
+    """Ask the child to exit; kill it if it doesn't. Never leaves a process (or file) behind."""
     try:
         conn.send(("close",))
-    except (OSError, EOFError, BrokenPipeError):
+    except (OSError, EOFError):
         pass
-    proc.join(timeout=5)
-    if proc.is_alive():
+    try:
+        proc.wait(timeout=5)
+    except subprocess.TimeoutExpired:
         proc.kill()
-        proc.join(timeout=5)
+        proc.wait(timeout=5)
     conn.close()
+    weights.unlink()
+
+
+if __name__ == "__main__":
+    _child_main()

@@ -9,7 +9,7 @@ It satisfies the same interface as the embedded engine (`trainer/engine/base.py`
   reason from `meta_info.finish_reason.type` (stop | length | abort). A sample that hits its
   per-segment limit before its total budget leaves as SEGMENT, exactly as in the embedded
   engine, and continues from its last token when submitted again.
-- the HTTP calls run in a small thread pool (stdlib `http.client`); `step()` applies the
+- the HTTP calls (`requests`, see `_Http`) run in a small thread pool; `step()` applies the
   responses that have arrived, waiting up to `wait_s` when none has, so callers do not spin.
   Responses are applied on the caller's thread only: a sample changes only inside `step()`,
   `abort()` and `update_weights()`.
@@ -23,9 +23,17 @@ It satisfies the same interface as the embedded engine (`trainer/engine/base.py`
   with `weight_version`, `/flush_cache`, `/continue_generation`. The interrupted samples are
   resubmitted by the engine itself, so every token keeps the version of the weights that
   produced it (the embedded engine's `recompute_kv=True` behaviour; `recompute_kv` is ignored).
-- connection errors, timeouts and HTTP 5xx are retried with exponential backoff up to
-  `retries` times; then `EngineError` names the server URL and the call. HTTP 4xx is not
-  retried. Nothing waits without a timeout.
+- connection errors, timeouts and HTTP 5xx are retried with exponential backoff (`backoff_s`,
+  twice that, ... at most 10 s) up to `retries` times; then `EngineError` names the server URL
+  and the call. HTTP 4xx is not retried. Control calls are retried by urllib3's `Retry`;
+  `/generate` attempts are made by the engine (each needs a fresh rid, see below). Every call
+  has a connect timeout (`connect_timeout_s`) and a read timeout (`timeout_s`): nothing waits
+  without one. Redirects are not followed and proxy settings from the environment are ignored.
+  Error messages carry the status code and the server's URL but never text from the response
+  (a run's error is shown to every user of the dashboard); response bodies go to this module's
+  log.
+- weights folders: every `vNNNNNN` folder it writes holds a `.rlpilot-weights` marker, and it
+  replaces or prunes only folders with that marker (never a folder someone else put there).
 
 Request ids (`rid`) are "<engine nonce>-<request_id>-<call number>-<attempt>." rather than the
 bare request id: SGLang's `/abort_request` aborts every request whose rid *starts with* the
@@ -35,14 +43,14 @@ sample must not reuse the rid of a call the server may still be finishing.
 Per-token versions: `meta_info.weight_version` when it parses as a version this engine has
 published (or the version the call was sent under), else the version at dispatch.
 
-Only the stand-in server (`trainer/engine/sglang_standin.py`) has exercised this client; see the
-README for what was and was not verified against a real SGLang server.
+Only the test suite's stand-in server (`tests/fakes/sglang_standin.py`, not SGLang) has exercised
+this client; see docs/engines.md for what was and was not verified against a real SGLang server.
 """
 from __future__ import annotations
 
-import http.client
 import itertools
 import json
+import logging
 import os
 import queue
 import shutil
@@ -50,16 +58,26 @@ import socket
 import threading
 import time
 import uuid
+import weakref
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Iterable
 from urllib.parse import urlsplit
 
-from trainer.engine.base import (ABORT, LENGTH, SEGMENT, STOP, EngineError, EngineStats,
-                                 RolloutEngine, Sample)
+import requests
+from requests.adapters import HTTPAdapter
+from urllib3 import PoolManager
+from urllib3.exceptions import ConnectTimeoutError, NewConnectionError, ReadTimeoutError
+from urllib3.util.retry import Retry
+
+from trainer.engine.base import ABORT, LENGTH, SEGMENT, STOP, EngineError, EngineStats, RolloutEngine, Sample
 
 __all__ = ["SGLangEngine", "EngineError", "parse_urls"]
+
+log = logging.getLogger(__name__)
+WEIGHTS_MARKER = ".rlpilot-weights"   # in every weights folder this engine wrote
+_BACKOFF_MAX_S = 10.0
 
 
 def parse_urls(urls: str | Iterable[str]) -> list[str]:
@@ -78,17 +96,121 @@ class _Server:
     def __init__(self, url: str):
         self.url = url
         parts = urlsplit(url)
-        self.https = parts.scheme == "https"
-        self.host = parts.hostname
-        self.port = parts.port or (443 if self.https else 80)
-        self.base = parts.path.rstrip("/")
+        host = parts.hostname
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+        if ":" in host:  # IPv6
+            host = f"[{host}]"
+        # requests are sent to scheme://host:port/path only: no user:password@, no ?query
+        self.base = f"{parts.scheme}://{host}:{port}{parts.path.rstrip('/')}"
         self.inflight = 0
 
 
+# --- HTTP ---------------------------------------------------------------------------------------
+# requests + urllib3's Retry rather than httpx: urllib3's Retry retries exactly what this client
+# must retry (connection errors, read timeouts and 5xx replies, for any method, with exponential
+# backoff), while httpx's transport retries cover failed connects only, which would leave the
+# 5xx and timeout retries hand-written.
+
+def _backoff_delay(backoff_s: float, retry_number: int) -> float:
+    """Seconds to wait before retry `retry_number` (0 = the first retry)."""
+    return min(backoff_s * (2 ** retry_number), _BACKOFF_MAX_S)
+
+
+class _Retry(Retry):
+    """urllib3's Retry with this engine's backoff: `backoff_s` before the first retry, twice that
+    before the second, ... (urllib3's own formula does not wait before the first retry)."""
+
+    def get_backoff_time(self) -> float:
+        return _backoff_delay(self.backoff_factor, len(self.history) - 1) if self.history else 0.0
+
+
+class _TrackingPoolManager(PoolManager):
+    """urllib3's PoolManager, remembering every connection it makes, so that `_Http.close()` can
+    shut their sockets down: that wakes threads blocked reading a reply (closing the pools alone
+    only closes the idle connections)."""
+
+    def __init__(self, *args, **kwargs):
+        self.connections: weakref.WeakSet = weakref.WeakSet()
+        self.connections_lock = threading.Lock()
+        super().__init__(*args, **kwargs)
+
+    def _new_pool(self, scheme, host, port, request_context=None):  # urllib3's override point
+        pool = super()._new_pool(scheme, host, port, request_context)
+        make_conn = pool.ConnectionCls
+
+        def tracked(*args, **kwargs):
+            conn = make_conn(*args, **kwargs)
+            with self.connections_lock:
+                self.connections.add(conn)
+            return conn
+
+        pool.ConnectionCls = tracked
+        return pool
+
+
+class _TrackingAdapter(HTTPAdapter):
+    def init_poolmanager(self, connections, maxsize, block=False, **pool_kwargs):
+        self._pool_connections, self._pool_maxsize, self._pool_block = connections, maxsize, block
+        self.poolmanager = _TrackingPoolManager(num_pools=connections, maxsize=maxsize,
+                                                block=block, **pool_kwargs)
+
+    def shutdown_sockets(self) -> None:
+        pm = self.poolmanager
+        with pm.connections_lock:
+            conns = list(pm.connections)
+        for conn in conns:
+            sock = getattr(conn, "sock", None)
+            if sock is not None:
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+
+class _Http:
+    """Two `requests` sessions: `retrying` (urllib3 `Retry`: connection errors, read timeouts and
+    5xx, `retries` times) for control calls, and `once` (no retries) for /generate, whose
+    attempts the engine makes itself, and for best-effort calls. Keep-alive connections, at most
+    `max_inflight` + a few per server. No proxies or .netrc from the environment and no
+    redirects: requests go to the configured servers only."""
+
+    def __init__(self, n_servers: int, max_inflight: int, retries: int, backoff_s: float):
+        retry = _Retry(total=retries, connect=None, read=None, status=None, other=None,
+                       allowed_methods=None,                   # POST too: SGLang's API is POST
+                       status_forcelist=frozenset(range(500, 600)),
+                       backoff_factor=backoff_s, backoff_max=_BACKOFF_MAX_S,
+                       raise_on_status=False,                  # the last 5xx reply comes back
+                       respect_retry_after_header=False,       # no server-chosen waits
+                       redirect=False)
+        self._adapters = []
+        self.retrying = self._session(retry, n_servers, max_inflight)
+        self.once = self._session(Retry(0, read=False, redirect=False), n_servers, max_inflight)
+
+    def _session(self, retry: Retry, n_servers: int, max_inflight: int) -> requests.Session:
+        s = requests.Session()
+        s.trust_env = False
+        adapter = _TrackingAdapter(pool_connections=max(n_servers, 1),
+                                   pool_maxsize=max_inflight + 8, max_retries=retry)
+        self._adapters.append(adapter)
+        s.mount("http://", adapter)
+        s.mount("https://", adapter)
+        return s
+
+    def close(self) -> None:
+        """Wake the threads blocked on a socket, then close the pools."""
+        for a in self._adapters:
+            a.shutdown_sockets()
+        self.retrying.close()
+        self.once.close()
+
+
 class _HTTPStatusError(Exception):
+    """An HTTP error reply. Its message is the status code only: the body is the remote
+    server's text, kept in `body` and logged, never copied into errors users see."""
+
     def __init__(self, status: int, body: bytes):
         self.status, self.body = status, body
-        super().__init__(f"HTTP {status}: {_snippet(body)}")
+        super().__init__(f"HTTP {status}")
 
 
 def _snippet(body: bytes, n: int = 300) -> str:
@@ -148,8 +270,7 @@ class SGLangEngine(RolloutEngine):
         self._finished: list[Sample] = []           # left the engine, not yet returned by step()
         self._results: queue.Queue = queue.Queue()  # (ticket, response | None, error | None)
         self._unrequested_aborts: dict[int, int] = {}
-        self._conns: set = set()                    # open HTTP connections (closed by close())
-        self._conns_lock = threading.Lock()
+        self._http = _Http(len(self.servers), self.max_inflight, self.retries, self.backoff_s)
         self._pool = ThreadPoolExecutor(max_workers=self.max_inflight,
                                         thread_name_prefix="rlpilot-sglang")
         if check_health:
@@ -265,14 +386,16 @@ class SGLangEngine(RolloutEngine):
                                      {"model_path": str(path), "weight_version": str(version),
                                       "flush_cache": True})
                     if isinstance(res, dict) and res.get("success") is False:
+                        log.warning("SGLang server %s refused /update_weights_from_disk: %s",
+                                    srv.url, _snippet(json.dumps(res).encode()))
                         raise EngineError(f"SGLang server {srv.url}: POST "
-                                          f"/update_weights_from_disk refused {path}: "
-                                          f"{res.get('message', res)}")
+                                          f"/update_weights_from_disk refused {path} "
+                                          "(its reply is in the worker's log)")
                 self._published.add(int(version))
                 self.version = version
                 for srv in self.servers:
                     try:
-                        self._call(srv, "POST", "/flush_cache", retries=0)
+                        self._call(srv, "POST", "/flush_cache", retry=False)
                     except EngineError as e:  # busy servers may refuse; the update flushed anyway
                         self.warnings.append(str(e))
                 ok = True
@@ -296,19 +419,13 @@ class SGLangEngine(RolloutEngine):
                 for srv in {id(t.server): t.server for t in self._tickets.values()}.values():
                     try:
                         self._call(srv, "POST", "/abort_request", {"abort_all": True},
-                                   retries=0, timeout=2.0)
+                                   retry=False, timeout=2.0)
                     except EngineError:
                         pass
             self._queue.clear()
             self._tickets.clear()
             self._finished.clear()
-            with self._conns_lock:  # wake the pool's threads blocked on a socket
-                conns, self._conns = list(self._conns), set()
-            for conn in conns:
-                try:
-                    conn.sock.shutdown(socket.SHUT_RDWR)
-                except (OSError, AttributeError):
-                    pass
+            self._http.close()  # wakes the pool's threads blocked on a socket
             self._pool.shutdown(wait=False, cancel_futures=True)
 
     # --- dispatch and responses -------------------------------------------------------------------
@@ -343,7 +460,12 @@ class SGLangEngine(RolloutEngine):
             self._pool.submit(self._generate_worker, t, payload)
 
     def _generate_worker(self, t: _Ticket, payload: dict) -> None:
-        """Runs in the pool: one /generate call with retries; the result goes to the queue."""
+        """Runs in the pool: one /generate call with retries; the result goes to the queue.
+
+        The attempts are made here, not by urllib3's Retry: each one carries a fresh rid (the
+        server may still be finishing the previous one), a timed-out attempt is aborted on the
+        server before the next, and an abort() stops further attempts. A transport-level retry
+        resends the same body and cannot do any of that."""
         try:
             res = None
             for attempt in range(self.retries + 1):
@@ -357,15 +479,16 @@ class SGLangEngine(RolloutEngine):
                 except _HTTPStatusError as e:
                     if t.user_abort or t.update_abort:
                         break  # an aborted call may come back as an error: treat it as aborted
+                    _log_body(t.server.url, "POST /generate", e)
                     if e.status < 500:
                         raise EngineError(f"SGLang server {t.server.url}: POST /generate "
                                           f"refused the request: {e}") from None
                     err = e
-                except (OSError, http.client.HTTPException) as e:
+                except requests.RequestException as e:
                     if t.user_abort or t.update_abort:
                         break
                     err = e
-                    if isinstance(e, TimeoutError):  # the server may still be working on it
+                    if _timed_out(e):  # the server may still be working on it
                         self._abort_quietly(t.server, t.rid)
                 if attempt == self.retries:
                     raise EngineError(f"SGLang server {t.server.url}: POST /generate failed after "
@@ -429,8 +552,10 @@ class SGLangEngine(RolloutEngine):
             n = self._unrequested_aborts.get(s.request_id, 0) + (0 if ids else 1)
             self._unrequested_aborts[s.request_id] = n
             if n > self.max_unrequested_aborts:
+                log.warning("SGLang server %s aborted a request: %s", t.server.url, _snippet(
+                    str(fmsg).encode()))
                 raise EngineError(f"SGLang server {t.server.url}: POST /generate was aborted by "
-                                  f"the server {n} times without progress: {fmsg}")
+                                  f"the server {n} times without progress")
             self.requeued += 1
             self._queue.appendleft(s)
             return
@@ -450,8 +575,10 @@ class SGLangEngine(RolloutEngine):
         if not isinstance(res, dict) or "meta_info" not in res:
             if t.user_abort or t.update_abort:
                 return [], [], "abort", "aborted", None
+            log.warning("SGLang server %s: /generate reply without meta_info: %s",
+                        t.server.url, _snippet(json.dumps(res).encode()))
             raise EngineError(f"SGLang server {t.server.url}: POST /generate returned no "
-                              f"meta_info: {_snippet(json.dumps(res).encode())}")
+                              "meta_info (the reply is in the worker's log)")
         meta = res["meta_info"] or {}
         fr = meta.get("finish_reason")
         ftype = fr.get("type") if isinstance(fr, dict) else (fr or "")
@@ -496,60 +623,53 @@ class SGLangEngine(RolloutEngine):
         try:
             self._request(srv, "POST", "/abort_request", body,
                           timeout=min(self.timeout_s, 5.0))
-        except (OSError, http.client.HTTPException, _HTTPStatusError):
+        except (requests.RequestException, _HTTPStatusError):
             pass
 
     def _call(self, srv: _Server, method: str, path: str, body: dict | None = None, *,
-              retries: int | None = None, timeout: float | None = None):
-        """A control call with retries on connection errors, timeouts and 5xx."""
-        retries = self.retries if retries is None else retries
-        for attempt in range(retries + 1):
-            try:
-                return self._request(srv, method, path, body, timeout=timeout)
-            except _HTTPStatusError as e:
-                if e.status < 500:
-                    raise EngineError(f"SGLang server {srv.url}: {method} {path} "
-                                      f"refused: {e}") from None
-                err: BaseException = e
-            except (OSError, http.client.HTTPException) as e:
-                err = e
-            if attempt == retries:
-                raise EngineError(f"SGLang server {srv.url}: {method} {path} failed after "
-                                  f"{attempt + 1} attempt{'s' if attempt else ''}: "
-                                  f"{_describe(err)}") from None
-            self._sleep_backoff(attempt)
+              retry: bool = True, timeout: float | None = None):
+        """A control call; with `retry`, urllib3 retries connection errors, timeouts and 5xx
+        `self.retries` times."""
+        attempts = self.retries + 1 if retry else 1
+        try:
+            return self._request(srv, method, path, body, timeout=timeout, retry=retry)
+        except _HTTPStatusError as e:
+            _log_body(srv.url, f"{method} {path}", e)
+            if e.status < 500:
+                raise EngineError(f"SGLang server {srv.url}: {method} {path} "
+                                  f"refused: {e}") from None
+            err: BaseException = e   # a 5xx after the last retry
+        except requests.RequestException as e:
+            err = e
+        raise EngineError(f"SGLang server {srv.url}: {method} {path} failed after "
+                          f"{attempts} attempt{'s' if attempts > 1 else ''}: "
+                          f"{_describe(err)}") from None
 
     def _sleep_backoff(self, attempt: int) -> None:
-        self._closed.wait(min(self.backoff_s * (2 ** attempt), 10.0))
+        self._closed.wait(_backoff_delay(self.backoff_s, attempt))
 
-    def _request(self, srv: _Server, method: str, path: str, body: dict | None = None,
-                 timeout: float | None = None):
-        """One HTTP request. Returns the parsed JSON body (None when empty or not JSON);
-        raises _HTTPStatusError on 4xx/5xx and OSError/HTTPException on transport errors."""
-        cls = http.client.HTTPSConnection if srv.https else http.client.HTTPConnection
-        conn = cls(srv.host, srv.port, timeout=self.connect_timeout_s)
-        with self._conns_lock:
-            self._conns.add(conn)
+    def _request(self, srv: _Server, method: str, path: str, body: dict | None = None, *,
+                 timeout: float | None = None, retry: bool = False):
+        """One HTTP call (`retry`: with urllib3's retries). Returns the parsed JSON body (None
+        when empty or not JSON); raises _HTTPStatusError on 4xx/5xx and
+        requests.RequestException on transport errors."""
+        session = self._http.retrying if retry else self._http.once
+        data = None if body is None else json.dumps(body).encode()
+        headers = {"Content-Type": "application/json"} if data is not None else {}
+        resp = session.request(method, srv.base + path, data=data, headers=headers,
+                               allow_redirects=False,
+                               timeout=(self.connect_timeout_s,
+                                        self.timeout_s if timeout is None else timeout))
+        raw = resp.content
+        resp.close()
+        if resp.status_code >= 400:
+            raise _HTTPStatusError(resp.status_code, raw)
+        if not raw.strip():
+            return None
         try:
-            conn.connect()
-            conn.sock.settimeout(self.timeout_s if timeout is None else timeout)
-            data = None if body is None else json.dumps(body).encode()
-            headers = {"Content-Type": "application/json"} if data is not None else {}
-            conn.request(method, srv.base + path, body=data, headers=headers)
-            resp = conn.getresponse()
-            raw = resp.read()
-            if resp.status >= 400:
-                raise _HTTPStatusError(resp.status, raw)
-            if not raw.strip():
-                return None
-            try:
-                return json.loads(raw)
-            except ValueError:
-                return None
-        finally:
-            with self._conns_lock:
-                self._conns.discard(conn)
-            conn.close()
+            return json.loads(raw)
+        except ValueError:
+            return None
 
     # --- weights ----------------------------------------------------------------------------------
     def _save_weights(self, named_tensors, version: int) -> Path:
@@ -565,8 +685,13 @@ class SGLangEngine(RolloutEngine):
         root.mkdir(parents=True, exist_ok=True)
         final = root / f"v{int(version):06d}"
         tmp = root / f".tmp-v{int(version):06d}"
+        for p in (final, tmp):   # replace only what this engine wrote
+            if p.exists() and not (p / WEIGHTS_MARKER).is_file():
+                raise EngineError(f"{p} exists and was not written by rlpilot: not replacing it "
+                                  "(choose an empty folder for the engine weights)")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
+        (tmp / WEIGHTS_MARKER).write_text(f"written by rlpilot's SGLang engine, version {int(version)}\n")
         tied = bool(getattr(self.model_config, "tie_word_embeddings", False))
         items = named_tensors.items() if hasattr(named_tensors, "items") else named_tensors
         tensors: dict[str, Any] = {}
@@ -587,19 +712,55 @@ class SGLangEngine(RolloutEngine):
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
-        old = sorted(p for p in root.glob("v*") if p.is_dir() and p != final)
+        old = sorted(p for p in root.glob("v*")
+                     if p.is_dir() and p != final and (p / WEIGHTS_MARKER).is_file())
         for p in old[:max(0, len(old) - (self.keep_weight_versions - 1))]:
             shutil.rmtree(p, ignore_errors=True)
         return final
 
 
+def _log_body(url: str, call: str, err: "_HTTPStatusError") -> None:
+    if err.body:
+        log.warning("SGLang server %s: %s: HTTP %s: %s", url, call, err.status, _snippet(err.body))
+
+
+def _causes(err: BaseException):
+    """err and what it wraps: requests wraps urllib3's errors (in args, or MaxRetryError's
+    `reason`), which wrap the socket's (as __cause__)."""
+    seen = 0
+    while err is not None and seen < 10:
+        yield err
+        seen += 1
+        nxt = getattr(err, "reason", None)
+        if not isinstance(nxt, BaseException):
+            nxt = err.__cause__
+        if nxt is None:
+            nxt = next((a for a in err.args if isinstance(a, BaseException)), None)
+        err = nxt if nxt is not None else err.__context__
+
+
+def _timed_out(err: BaseException) -> bool:
+    # urllib3's NewConnectionError (e.g. connection refused) is a ConnectTimeoutError subclass
+    return any(isinstance(e, (TimeoutError, requests.Timeout, ReadTimeoutError))
+               or (isinstance(e, ConnectTimeoutError) and not isinstance(e, NewConnectionError))
+               for e in _causes(err))
+
+
 def _describe(err: BaseException | None) -> str:
+    """What went wrong, in words that never quote the remote server (e.g. a malformed status
+    line it sent): the status code, "timed out", "connection refused" or the error's type,
+    with the OS's text for a socket error."""
     if err is None:
         return "unknown error"
-    if isinstance(err, TimeoutError):
-        return "timed out"
-    if isinstance(err, ConnectionRefusedError):
+    if isinstance(err, _HTTPStatusError):
+        return str(err)
+    causes = list(_causes(err))
+    if any(isinstance(e, ConnectionRefusedError) for e in causes):
         return "connection refused (is the server running?)"
-    text = str(err) or type(err).__name__
-    return f"{type(err).__name__}: {text}" if not isinstance(err, _HTTPStatusError) else text
+    if _timed_out(err):
+        return "timed out"
+    root = causes[-1]
+    if isinstance(root, OSError) and root.strerror:
+        return f"{type(root).__name__}: {root.strerror}"
+    return type(root).__name__
 

@@ -6,16 +6,18 @@ process: `score(kind, answer, completion) -> float` in `trainer.rewards`.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 import functools
 import random
+from dataclasses import dataclass
 from typing import Any
+
+from trainer.prompts import PromptRenderer
 
 
 @dataclass(frozen=True)
 class Problem:
     id: str            # stable across runs: used for GRESO traces and reports
-    prompt: str        # the text given to the model
+    prompt: str        # the text given to the model, rendered (trainer/prompts.py)
     answer: Any        # what the verifier needs (an int, a LaTeX string, tests...)
     kind: str          # which verifier scores it: "sum", "math" or "code"
 
@@ -37,6 +39,8 @@ def _shuffled(size: int, seed: int, epoch: int) -> tuple[int, ...]:
 class Task:
     name: str = ""
     train_size: int = 0
+    # how problem text becomes the prompt (trainer/prompts.py); Problem.prompt is its output
+    renderer: PromptRenderer = PromptRenderer()
 
     def problem(self, row: int) -> Problem:
         """Row `row` of the training set."""
@@ -50,14 +54,36 @@ class Task:
         """n held-out problems, the same every call."""
         raise NotImplementedError
 
+    def max_sequence_len(self, tokenizer, cfg) -> int:
+        """Positions an engine slot needs: twice the longest prompt seen (or possible, for the
+        list task) plus the response budget, with a little room."""
+        longest = max(len(tokenizer(p.prompt).input_ids) for p in self.eval_problems(64))
+        widest = self.widest_prompt(cfg)
+        if widest is not None:  # the longest possible prompt (the list task)
+            longest = max(longest, len(tokenizer(self.renderer.render(widest)).input_ids))
+        return longest * 2 + cfg.rollout.max_response_len + 8
 
-def build_task(cfg) -> Task:
-    """Build the task named by a Config's data section."""
+    def widest_prompt(self, cfg) -> str | None:
+        """The problem text of the longest prompt the task can produce, when there is a bound
+        (None: the 64 evaluation problems stand for the rest)."""
+        return None
+
+
+def build_task(cfg, tokenizer=None) -> Task:
+    """Build the task named by a Config's data section. Prompts are rendered for `tokenizer`
+    (its chat template, see trainer/prompts.py); without one they are plain text."""
+    renderer = PromptRenderer.from_config(cfg, tokenizer)
     if cfg.data.task == "sum":
         from trainer.tasks.sum import SumTask
-        return SumTask(max_len=cfg.data.max_list_len, alpha=cfg.data.length_alpha,
-                       max_operand=cfg.data.max_operand, train_size=cfg.data.train_size,
-                       seed=cfg.run.seed)
+        task: Task = SumTask(max_len=cfg.data.max_list_len, alpha=cfg.data.length_alpha,
+                             max_operand=cfg.data.max_operand, train_size=cfg.data.train_size,
+                             seed=cfg.run.seed)
+        task.renderer = renderer
+        return task
+    if cfg.data.task == "arith":
+        from trainer.tasks.arith import ArithTask
+        return ArithTask(max_operand=cfg.data.max_operand, train_size=cfg.data.train_size,
+                         seed=cfg.run.seed, renderer=renderer)
     from trainer.tasks.jsonl import JsonlTask
     return JsonlTask(cfg.data.path, kind=cfg.data.task, template=cfg.data.prompt_template,
-                     eval_path=cfg.data.eval_path, seed=cfg.run.seed)
+                     eval_path=cfg.data.eval_path, seed=cfg.run.seed, renderer=renderer)

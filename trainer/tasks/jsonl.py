@@ -6,6 +6,10 @@ One JSON object per line (blank lines are skipped; row numbers count only the ob
     code: {"prompt": "Write add(a, b).", "entry_point": "add",
            "tests": "assert add(1, 2) == 3"}                                  tests: str or [str, ...]
 
+"prompt" is a string, or a list of chat messages [{"role": "system" | "user" | "assistant",
+"content": "..."}, ...] ending with a user message. Either is rendered to the prompt text by
+trainer/prompts.py (prompt template, system prompt, the tokenizer's chat template).
+
 An optional "id" (str or int) names a row; otherwise its id is "<kind>:<row>" for training rows
 and "<kind>:eval:<row>" for rows of the evaluation file. Other fields are ignored.
 
@@ -21,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer.config import ConfigError
+from trainer.prompts import PromptRenderer, messages_problem
 from trainer.tasks.base import Problem, Task
 
 KINDS = ("math", "code")
@@ -30,13 +35,13 @@ _MAX_REPORTED = 5  # errors listed in one ConfigError message; the rest are coun
 class _Row:
     __slots__ = ("id", "text", "answer")
 
-    def __init__(self, id: str, text: str, answer: Any):
+    def __init__(self, id: str, text: str | list, answer: Any):
         self.id, self.text, self.answer = id, text, answer
 
 
 class JsonlTask(Task):
     def __init__(self, path: str, kind: str, template: str = "{prompt}", eval_path: str = "",
-                 seed: int = 0):
+                 seed: int = 0, renderer: PromptRenderer | None = None):
         if kind not in KINDS:
             raise ConfigError({"data.task": f"got {kind!r}; a JSONL task is one of "
                                             + ", ".join(repr(k) for k in KINDS)})
@@ -45,6 +50,7 @@ class JsonlTask(Task):
         self.name = kind
         self.kind = kind
         self.template = template
+        self.renderer = renderer if renderer is not None else PromptRenderer(template=template)
         self.seed = seed
         self.path = str(path)
         self.eval_path = str(eval_path or "")
@@ -53,6 +59,7 @@ class JsonlTask(Task):
                             default_id=f"{kind}:eval:{{row}}") if self.eval_path else None)
         self.train_size = len(self._train)
         self._row_of_id: dict[str, int] | None = None
+        self._check_rendering()
 
     # -- Task interface ------------------------------------------------------------------------
 
@@ -78,9 +85,24 @@ class JsonlTask(Task):
             self._row_of_id = {r.id: i for i, r in enumerate(self._train)}
         return self._row_of_id[problem_id]
 
+    def _check_rendering(self) -> None:
+        """Render the first row (and the first row of messages) now: a chat template that
+        refuses them (some refuse a system message) fails at launch, naming the line."""
+        for key, rows in (("data.path", self._train), ("data.eval_path", self._eval or [])):
+            firsts = [rows[0]] if rows else []
+            firsts += [r for r in rows if isinstance(r.text, list)][:1]
+            for r in firsts:
+                try:
+                    self.renderer.render(r.text)
+                except Exception as e:  # jinja errors, templates that raise on a role
+                    raise ConfigError({"data.chat_template": (
+                        f"the chat template of model.path fails on row {r.id!r} of {key}: "
+                        f"{type(e).__name__}: {e}"[:500]
+                        + " (set data.chat_template = 'none' for plain prompts)")}) from None
+
     def _make(self, r: _Row) -> Problem:
         # str.replace, not str.format: braces are common in problems (sets, LaTeX, code).
-        return Problem(id=r.id, prompt=self.template.replace("{prompt}", r.text),
+        return Problem(id=r.id, prompt=self.renderer.render(r.text),
                        answer=dict(r.answer) if isinstance(r.answer, dict) else r.answer,
                        kind=self.kind)
 
@@ -143,8 +165,14 @@ class _RowError(ValueError):
 def _parse_row(obj: Any, kind: str, *, row: int, default_id: str) -> _Row:
     if not isinstance(obj, dict):
         raise _RowError(f"expected a JSON object, got {_type_name(obj)}")
-    text = _field(obj, "prompt", str)
-    if not text.strip():
+    if "prompt" in obj and not isinstance(obj["prompt"], (str, list)):
+        raise _RowError(f"'prompt' must be a string or a list of messages, got {_type_name(obj['prompt'])}")
+    text = _field(obj, "prompt", (str, list))
+    if isinstance(text, list):
+        problem = messages_problem(text)
+        if problem:
+            raise _RowError(f"'prompt': {problem}")
+    elif not text.strip():
         raise _RowError("'prompt' is empty")
     if "id" in obj and obj["id"] is not None:
         raw_id = obj["id"]
@@ -183,9 +211,9 @@ def _parse_row(obj: Any, kind: str, *, row: int, default_id: str) -> _Row:
         try:
             compile(t, "<tests>", "exec", dont_inherit=True)
         except SyntaxError as e:
-            raise _RowError(f"{where} is not valid Python: {e.msg} (line {e.lineno} of the tests)")
+            raise _RowError(f"{where} is not valid Python: {e.msg} (line {e.lineno} of the tests)") from None
         except ValueError as e:  # e.g. null bytes
-            raise _RowError(f"{where} is not valid Python: {e}")
+            raise _RowError(f"{where} is not valid Python: {e}") from None
     entry_point = _field(obj, "entry_point", str)
     if not entry_point.isidentifier() or keyword.iskeyword(entry_point):
         raise _RowError(f"'entry_point' must be a Python function name, got {entry_point!r}")

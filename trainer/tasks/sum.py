@@ -57,7 +57,7 @@ class SumTask(Task):
     def _problem(self, stream: int, index: int) -> Problem:
         rng = random.Random(f"{self.seed}:{stream}:{index}")
         values = sample_list(rng, self.max_len, self.alpha, self.max_operand)
-        prompt = format_prompt(values)
+        prompt = self.renderer.render(format_prompt(values))
         return Problem(id=f"sum:{stream}:{index}", prompt=prompt, answer=sum(values), kind="sum")
 
     def problem(self, row: int) -> Problem:
@@ -65,3 +65,6 @@ class SumTask(Task):
 
     def eval_problems(self, n: int) -> list[Problem]:
         return [self._problem(_EVAL_STREAM, i) for i in range(n)]
+
+    def widest_prompt(self, cfg) -> str:
+        return format_prompt([self.max_operand] * self.max_len)

@@ -1,65 +1,65 @@
 """Every write that clients must hear about lives here (zulip-style "actions").
 
 A write appends sequence-numbered rows for the run in one transaction that holds the run's row
-lock, then rings the run's doorbell on the channel layer. Views, the WebSocket consumer, the
-Celery task and its database sink all go through these functions.
+lock, then rings the run's doorbell on the channel layer. Views, the API, the WebSocket consumer,
+the Celery tasks, the trainer's database sink and heartbeat, the alert rules, the stale-run sweep
+and the management commands all go through these functions.
+
+This module sits low in the import graph: it imports the models, errors.py, limits.py (the
+validation, which never imports this module), doorbell.py (the channel-layer ring) and the Celery
+app, and none of the modules that call it. A run's training task is sent by name through the
+Celery app (TRAIN_TASK), so this module does not import tasks.py; alert rules (alerts.py) and the
+sweep (sweep.py) import this module, and hand it what it needs (e.g. the heartbeat alert) as
+arguments.
 """
 from __future__ import annotations
 
 import logging
 import math
-import time
+import shutil
 import uuid
 from dataclasses import dataclass, field
-from datetime import timedelta
-from typing import Any, Iterable
+from datetime import datetime
+from typing import Any, Callable, Iterable
 
-from asgiref.sync import async_to_sync
-from channels.layers import get_channel_layer
 from django.conf import settings
 from django.db import transaction
 from django.db.models import F
 from django.utils import timezone
 
 from trainer import config as config_mod
-from webapp.dashboard.models import (ACTIVE, LIVE, RESUMABLE, Desired, HistogramSnapshot, KnobChange,
-                                     MetricPoint, Run, RunEvent, Status)
+from webapp.celery import app as celery_app
+from webapp.dashboard import doorbell, limits, samples
+from webapp.dashboard.doorbell import group_name  # noqa: F401 (re-exported)
+from webapp.dashboard.errors import ActionError, Conflict, Forbidden, Invalid  # noqa: F401 (re-exported)
+from webapp.dashboard.models import (
+    ACTIVE,
+    LIVE,
+    RESUMABLE,
+    Desired,
+    HistogramSnapshot,
+    KnobChange,
+    MetricPoint,
+    RolloutSample,
+    Run,
+    RunEvent,
+    Status,
+)
 
 log = logging.getLogger(__name__)
+
+# The Celery task that trains a run (webapp/dashboard/tasks.py registers it under this name; it is
+# sent by name, so this module never imports the task module).
+TRAIN_TASK = "webapp.dashboard.tasks.train"
 
 # Latest values kept on the run row for the runs list ("key figures").
 KEY_FIGURES = ("reward/accuracy", "reward/mean", "rollout/response_len/mean", "actor/kl",
                "perf/gen_tokens_per_s", "timing/step_s", "eval/accuracy")
 
 
-class ActionError(Exception):
-    status = 400
-
-    def __init__(self, message: str, errors: dict[str, str] | None = None):
-        super().__init__(message)
-        self.message = message
-        self.errors = errors or {}
-
-
-class Invalid(ActionError):
-    status = 400
-
-
-class Forbidden(ActionError):
-    status = 403
-
-
-class Conflict(ActionError):
-    status = 409
-
-
 def run_dir(run_id: int):
     """Where the trainer keeps a run's files (config.toml, checkpoints/)."""
     return settings.RUNS_DIR / f"run-{run_id:06d}"
-
-
-def group_name(run_id: int) -> str:
-    return f"run-{run_id}"
 
 
 # --- JSON cleaning ---------------------------------------------------------------------------------
@@ -89,21 +89,24 @@ def _scalar(v: Any) -> float | None:
 
 @dataclass
 class Record:
-    kind: str                  # "points" | "histogram" | "event"
+    kind: str                  # "points" | "histogram" | "event" | "samples"
     step: int
     name: str = ""             # histogram name or event kind
-    values: dict[str, Any] = field(default_factory=dict)  # points / event data / {edges, counts}
+    # points / event data / {edges, counts} / {"rows": [sample dict, ...]}
+    values: dict[str, Any] = field(default_factory=dict)
 
 
 def append(run_id: int, records: Iterable[Record], updates: dict[str, Any] | None = None,
            *, ring_bell: bool = True) -> int:
     """Insert `records` with consecutive sequence numbers and apply `updates` to the run row,
-    atomically. Returns the run's last sequence number."""
+    atomically. Returns the run's last sequence number. A "samples" record (a step's rollout
+    samples) takes one sequence number for all its rows; past the run's cap
+    (RLPILOT_SAMPLES_PER_RUN) the oldest steps' samples are thinned in the same transaction."""
     records = list(records)
     with transaction.atomic():
         run = Run.objects.select_for_update().only("id", "last_seq", "summary", "knobs", "status").get(pk=run_id)
         seq = run.last_seq
-        points, hists, events = [], [], []
+        points, hists, events, rollouts, outcomes = [], [], [], [], []
         fields = dict(updates or {})
         for r in records:
             seq += 1
@@ -115,6 +118,10 @@ def append(run_id: int, records: Iterable[Record], updates: dict[str, Any] | Non
                     summary = dict(fields.get("summary", run.summary) or {})
                     summary["latest"] = {**summary.get("latest", {}), **latest}
                     fields["summary"] = summary
+            elif r.kind == "samples":
+                rows = r.values.get("rows") or []
+                rollouts.extend(x for x in (samples.row_for(run_id, seq, r.step, row)
+                                            for row in (rows if isinstance(rows, list) else [])) if x)
             elif r.kind == "histogram":
                 hists.append(HistogramSnapshot(run_id=run_id, seq=seq, step=r.step, name=r.name,
                                                edges=clean_json(r.values.get("edges", [])),
@@ -127,12 +134,25 @@ def append(run_id: int, records: Iterable[Record], updates: dict[str, Any] | Non
                     for k, ch in (r.values.get("changes") or {}).items():
                         knobs[k] = ch.get("new")
                     fields["knobs"] = knobs
+                if r.name in ("knob_applied", "knob_rejected") and r.values.get("change_id"):
+                    errors = r.values.get("errors") or {}
+                    outcomes.append((str(r.values["change_id"]), r.name == "knob_applied", r.step,
+                                     "; ".join(map(str, errors.values())) if isinstance(errors, dict) else ""))
         if points:
             MetricPoint.objects.bulk_create(points)
         if hists:
             HistogramSnapshot.objects.bulk_create(hists)
         if events:
             RunEvent.objects.bulk_create(events)
+        # the change's row turns applied/rejected with the event that says so (one transaction:
+        # a page or test reading the event never finds the change still pending)
+        for change_id, ok, step, message in outcomes:
+            KnobChange.objects.filter(run_id=run_id, change_id=change_id).update(
+                status=KnobChange.APPLIED if ok else KnobChange.REJECTED, applied_step=step,
+                message=message)
+        if rollouts:
+            RolloutSample.objects.bulk_create(rollouts, batch_size=200)
+            samples.thin(run_id)
         if seq != run.last_seq:
             fields["last_seq"] = seq
         if fields:
@@ -145,22 +165,7 @@ def append(run_id: int, records: Iterable[Record], updates: dict[str, Any] | Non
 def ring(run_id: int, seq: int) -> None:
     """Tell the run's WebSocket consumers that rows up to `seq` exist (they read the database).
     Inside a transaction the bell rings once it commits."""
-    transaction.on_commit(lambda: _ring(run_id, seq))
-
-
-def _ring(run_id: int, seq: int) -> None:
-    if settings.CROSS_PROCESS_DOORBELL:   # Redis: from a background loop, never blocking
-        from webapp.dashboard.telemetry import shared_doorbell
-
-        shared_doorbell().ring(run_id, seq)
-        return
-    layer = get_channel_layer()         # in-memory: reaches this process's consumers
-    if layer is None:
-        return
-    try:
-        async_to_sync(layer.group_send)(group_name(run_id), {"type": "doorbell", "seq": seq})
-    except Exception:  # the database has the rows; a missed ring only delays a poll
-        log.exception("doorbell for run %s failed", run_id)
+    transaction.on_commit(lambda: doorbell.ring(run_id, seq))
 
 
 def event(run_id: int, step: int, kind: str, data: dict | None = None, **updates) -> int:
@@ -193,6 +198,12 @@ def set_status(run: Run | int, status: str, *, only_from: Iterable[str] | None =
 
 # --- launching --------------------------------------------------------------------------------------
 
+def shipped_preset(name: str) -> config_mod.Config:
+    """A shipped preset as this server runs it: a relative model.path (var/models/...) inside
+    this server's project folder and RLPILOT_VAR_DIR (config.preset_config, as the CLI)."""
+    return config_mod.preset_config(name, project_dir=settings.BASE_DIR, var_dir=settings.VAR_DIR)
+
+
 def build_config(preset: str | None, overrides: Any, toml: str | None = None) -> config_mod.Config:
     """A validated config from a preset (or a full TOML text) plus dotted overrides.
     Raises Invalid with a message per key."""
@@ -205,10 +216,10 @@ def build_config(preset: str | None, overrides: Any, toml: str | None = None) ->
             errors.update({("toml" if k == "toml" else k): v for k, v in e.errors.items()})
     elif preset:
         if not isinstance(preset, str) or preset not in config_mod.preset_names():
-            errors["preset"] = (f"unknown preset {preset!r}; presets: "
+            errors["preset"] = (f"unknown preset {config_mod.short_repr(preset)}; presets: "
                                 + ", ".join(config_mod.preset_names()))
         else:
-            cfg = config_mod.from_dict(config_mod.preset_dict(preset))
+            cfg = shipped_preset(preset)
     else:
         cfg = config_mod.Config()
     if overrides in (None, ""):
@@ -220,11 +231,6 @@ def build_config(preset: str | None, overrides: Any, toml: str | None = None) ->
             cfg = config_mod.apply_overrides(cfg, overrides)
         except config_mod.ConfigError as e:
             errors.update(e.errors)
-    if cfg is not None:   # NUL characters cannot be stored (PostgreSQL text and jsonb refuse them)
-        for section, values in cfg.to_dict().items():
-            for k, v in values.items():
-                if isinstance(v, str) and "\x00" in v:
-                    errors[f"{section}.{k}"] = "must not contain NUL characters"
     if errors:
         raise Invalid("invalid configuration", errors)
     return cfg
@@ -241,30 +247,35 @@ def validate_queue(queue: Any) -> str:
 
 def launch_run(user, name: Any, preset: Any = None, overrides: Any = None, toml: str | None = None,
                queue: Any = None) -> Run:
+    """Validate and queue a run. Raises Invalid (400: per-field errors, including what the
+    config may not reach on this server, see limits.config_problems) or errors.TooManyRuns (429)."""
     errors: dict[str, str] = {}
     try:
         queue = validate_queue(queue)
     except Invalid as e:
         errors.update(e.errors)
-    if not isinstance(name, str) or not name.strip():
-        errors["name"] = "required: a short name for the run"
-    elif len(name) > 200:
-        errors["name"] = "at most 200 characters"
-    elif "\x00" in name:
-        errors["name"] = "must not contain NUL characters"
+    problem = limits.check_name(name)
+    if problem:
+        errors["name"] = problem
     if preset is not None and not isinstance(preset, str):
         errors["preset"] = "expected a preset name"
         preset = None
     if toml is not None and not isinstance(toml, str):
         errors["toml"] = "expected TOML text"
         toml = None
+    elif toml is not None and limits.text_error(toml, limits.MAX_TOML_LEN):
+        errors["toml"] = limits.text_error(toml, limits.MAX_TOML_LEN)
+        toml = None
     try:
         cfg = build_config(preset, overrides, toml)
     except Invalid as e:
         errors.update(e.errors)
+    else:
+        errors.update(limits.config_problems(cfg))
     if errors:
-        raise Invalid("the run was not launched", errors)
+        raise Invalid("the run was not launched", limits.clip_errors(errors))
     with transaction.atomic():
+        limits.check_active_runs(user)
         run = Run.objects.create(owner=user, name=name.strip(), preset=preset or "",
                                  config=cfg.to_dict(), knobs=cfg.knob_values(),
                                  max_steps=cfg.run.max_steps, status=Status.QUEUED, queue=queue)
@@ -284,9 +295,8 @@ def _enqueue(run: Run, resume: bool, resume_step: int | None = None) -> None:
         kwargs["resume_step"] = resume_step
 
     def send():
-        from webapp.dashboard.tasks import train
         # the run's queue: only workers on machines with the right resources consume it
-        train.apply_async(args=[run.pk], kwargs=kwargs, task_id=task_id, queue=queue)
+        celery_app.send_task(TRAIN_TASK, args=[run.pk], kwargs=kwargs, task_id=task_id, queue=queue)
 
     transaction.on_commit(send)
 
@@ -314,7 +324,7 @@ def validate_knobs(run: Run, knobs: Any) -> dict[str, Any]:
         except config_mod.ConfigError as e:
             errors.update(e.errors)
     if errors:
-        raise Invalid("knob change refused", errors)
+        raise Invalid("knob change refused", limits.clip_errors(errors))
     return out
 
 
@@ -371,6 +381,8 @@ def control(run: Run, user, action: str, resume_step: int | None = None) -> Run:
                 Run.objects.filter(pk=run.pk).update(desired=Desired.RUN)
                 event(run.pk, run.step, "resume_requested", {"requested_by": who})
             elif st in RESUMABLE:
+                if not user.is_staff:   # re-queueing counts like a launch, for the run's owner
+                    limits.check_active_runs(run.owner)
                 KnobChange.objects.filter(run=run, status=KnobChange.PENDING).update(
                     status=KnobChange.REJECTED, message="the run ended before this change was applied")
                 set_status(run, Status.QUEUED, desired=Desired.RUN, error="", finished_at=None,
@@ -394,16 +406,14 @@ def control(run: Run, user, action: str, resume_step: int | None = None) -> Run:
 def _revoke(run: Run, terminate: bool) -> None:
     if not run.celery_task_id:
         return
-    from webapp.celery import app
-
     task_id = run.celery_task_id
 
     def send():
         try:
             if terminate:
-                app.control.revoke(task_id, terminate=True, signal="SIGKILL")
+                celery_app.control.revoke(task_id, terminate=True, signal="SIGKILL")
             else:
-                app.control.revoke(task_id)
+                celery_app.control.revoke(task_id)
         except Exception:
             log.exception("revoke %s failed", task_id)
 
@@ -416,24 +426,17 @@ def annotate_run(run: Run, user, note: Any = None, tags: Any = None, archived: A
         raise Forbidden("only the run's owner or staff can change its note, tags or archive state")
     errors, fields = {}, {}
     if note is not None:
-        if not isinstance(note, str) or len(note) > 20_000 or "\x00" in note:
-            errors["note"] = "expected text (at most 20000 characters)"
+        problem = limits.check_note(note)
+        if problem:
+            errors["note"] = problem
         else:
             fields["note"] = note
     if tags is not None:
-        if isinstance(tags, str):
-            tags = tags.split(",")
-        if not isinstance(tags, list) or not all(isinstance(t, str) for t in tags):
-            errors["tags"] = 'expected a list of short strings, or "a, b"'
+        clean, problem = limits.clean_tags(tags)
+        if problem:
+            errors["tags"] = problem
         else:
-            clean = []
-            for t in (t.strip() for t in tags):
-                if t and t not in clean:
-                    clean.append(t)
-            if len(clean) > 20 or any(len(t) > 40 or "\x00" in t for t in clean):
-                errors["tags"] = "at most 20 tags of at most 40 characters"
-            else:
-                fields["tags"] = clean
+            fields["tags"] = clean
     if archived is not None:
         if not isinstance(archived, bool):
             errors["archived"] = "expected true or false"
@@ -455,36 +458,75 @@ def delete_run(run: Run, user) -> None:
         raise Forbidden("only the run's owner or staff can delete it")
     if run.status in ACTIVE:
         raise Conflict(f"the run is {run.status}: stop or kill it first")
-    import shutil
-
     directory = run_dir(run.pk)
     run.delete()
     shutil.rmtree(directory, ignore_errors=True)   # checkpoints and the trainer's files
 
 
+# --- the worker's side: the training task, its heartbeat, knob outcomes, alert state --------------
+
+def rewind(run_id: int, step: int, from_checkpoint: bool) -> int:
+    """Resuming from the checkpoint at `step`: the points, histograms and rollout samples of later
+    steps belong to steps that will be trained again, so they go; a `rewound` event tells the
+    charts and the run's step goes back, in one transaction."""
+    with transaction.atomic():
+        MetricPoint.objects.filter(run_id=run_id, step__gt=step).delete()
+        HistogramSnapshot.objects.filter(run_id=run_id, step__gt=step).delete()
+        RolloutSample.objects.filter(run_id=run_id, step__gt=step).delete()
+        return append(run_id, [Record("event", step, "rewound",
+                                      {"step": step, "from_checkpoint": from_checkpoint})], {"step": step})
+
+
+def end_run(run_id: int, status: str, *, final_summary: dict | None = None,
+            error: str | None = None) -> bool:
+    """The training task's last word on a live run: finished, stopped or failed (nothing when it is
+    no longer live: killed or interrupted meanwhile). The trainer's final summary is merged into
+    the run's summary under the row lock, after the sink's last write."""
+    fields: dict[str, Any] = {}
+    with transaction.atomic():
+        if final_summary is not None:
+            cur = Run.objects.select_for_update().filter(pk=run_id).values_list("summary", flat=True).first()
+            fields["summary"] = {**(cur or {}), "final": clean_json(final_summary)}
+        if error is not None:
+            fields["error"] = error
+        return set_status(run_id, status, only_from=LIVE, **fields)
+
+
+def heartbeat(run_id: int, at: datetime | None = None) -> bool:
+    """The worker is alive (its heartbeat thread, every RLPILOT_HEARTBEAT_S). No event, no ring:
+    pages show the time when they next read the run. False once the run is no longer live."""
+    return bool(Run.objects.filter(pk=run_id, status__in=LIVE).update(heartbeat_at=at or timezone.now()))
+
+
+def change_alerts(run_id: int, change: Callable[[dict], Any], record: Record | None = None) -> int | None:
+    """Apply `change` to the run's active alerts (a dict it edits in place) and append `record`
+    (an alert / alert_cleared event, or None for a silent fix of the banner state), under the row
+    lock: the sink writes the same row. None when the run is gone."""
+    with transaction.atomic():
+        state = Run.objects.select_for_update().filter(pk=run_id).values_list("alerts", flat=True).first()
+        if state is None:
+            return None
+        state = dict(state or {})
+        active = dict(state.get("active") or {})
+        change(active)
+        return append(run_id, [record] if record else [], {"alerts": {**state, "active": active}})
+
+
 # --- lost workers ---------------------------------------------------------------------------------------
 
-_last_check = 0.0
-
-
-def mark_stale_runs(force: bool = False) -> int:
-    """Runs whose worker stopped heartbeating become `interrupted` (lazy: called by views and
-    consumers at most every few seconds)."""
-    global _last_check
-    now = time.monotonic()
-    if not force and now - _last_check < 3.0:
-        return 0
-    _last_check = now
-    cutoff = timezone.now() - timedelta(seconds=settings.HEARTBEAT_TIMEOUT_S)
-    n = 0
-    from webapp.dashboard import alerts
-
-    for run in Run.objects.filter(status__in=LIVE, heartbeat_at__lt=cutoff).only("id", "status", "step",
-                                                                                 "alerts"):
-        with transaction.atomic():
-            if set_status(run.pk, Status.INTERRUPTED, only_from=LIVE,
-                          error="heartbeat lost: the worker running this run disappeared"):
-                rec, state = alerts.heartbeat_alert(run, run.step)
-                append(run.pk, [rec], {"alerts": state})
-                n += 1
-    return n
+def interrupt_lost_run(run_id: int, heartbeat_before: datetime, error: str,
+                       alert: Callable[[Run], tuple[Record, dict]]) -> bool:
+    """A live run whose last heartbeat is older than `heartbeat_before` (its worker disappeared)
+    becomes `interrupted`, and `alert(run)` (the heartbeat rule of alerts.py: a record and the
+    run's new alert state, from the row as locked here) is appended with it. False when the run is
+    gone, no longer live, or beat again meanwhile. Called by the stale-run sweep (sweep.py)."""
+    with transaction.atomic():
+        run = (Run.objects.select_for_update().only("id", "status", "step", "alerts", "heartbeat_at")
+               .filter(pk=run_id).first())
+        if (run is None or run.status not in LIVE or run.heartbeat_at is None
+                or run.heartbeat_at >= heartbeat_before):
+            return False
+        set_status(run_id, Status.INTERRUPTED, only_from=LIVE, error=error)
+        rec, state = alert(run)
+        append(run_id, [rec], {"alerts": state})
+    return True

@@ -4,26 +4,42 @@
 trainer's raw values: NaN may arrive as a float or as the string "nan"; the database stores
 non-finite values as NULL) and returns `alert` / `alert_cleared` event records to append in the
 same transaction, plus the run's new alert state. A rule raises once when its condition starts
-and again only after it has cleared. The heartbeat rule is raised by `actions.mark_stale_runs`.
+and again only after it has cleared, which takes ALERT_CLEAR_STEPS steps in a row without it.
+The heartbeat rule is raised by the stale-run sweep
+(`sweep.mark_stale_runs`, which hands `heartbeat_alert` to `actions.interrupt_lost_run`).
+
+This module imports the actions layer (its records, and `actions.change_alerts` for StallWatch's
+writes); the actions layer never imports it.
 
 Rules (thresholds are settings, `RLPILOT_ALERT_*`):
   staleness      async/staleness/max > async/max_staleness (eta)
   kl_high        actor/kl > ALERT_KL_MAX
   kl_rising      actor/kl rose faster than ALERT_KL_RISE_PER_STEP per step over the window
+                 (least-squares slope of its last ALERT_KL_RISE_WINDOW + 1 values)
   reward_collapse rollout/zero_var_ratio/all_wrong >= ALERT_COLLAPSE_RATIO for ALERT_COLLAPSE_STEPS steps
   nan_loss       actor/pg_loss non-finite, or a trainer `warning` event about a non-finite update
   heartbeat      no heartbeat for RLPILOT_HEARTBEAT_TIMEOUT_S (the run becomes interrupted)
+  stalled        no step finished for max(ALERT_STALL_FACTOR x median step time, ALERT_STALL_MIN_S)
+                 while running; evaluated by the worker's heartbeat thread (StallWatch), which
+                 keeps going while the trainer is stuck and writes nothing
 """
 from __future__ import annotations
 
 import math
-from typing import Any
+import statistics
+import time
+from typing import Any, Callable
 
 from django.conf import settings
 
+from webapp.dashboard import actions
 from webapp.dashboard.actions import Record
+from webapp.dashboard.models import MetricPoint, Run, Status
 
-RULES = ("staleness", "kl_high", "kl_rising", "reward_collapse", "nan_loss", "heartbeat")
+RULES = ("staleness", "kl_high", "kl_rising", "reward_collapse", "nan_loss", "heartbeat", "stalled")
+# rules raised and cleared by someone else than the sink's Monitor (which must not write back a
+# stale copy of them): `stalled` by the heartbeat thread's StallWatch
+EXTERNAL_RULES = ("stalled",)
 
 
 def number(v: Any) -> float | None:
@@ -56,7 +72,8 @@ class Monitor:
 
     def __init__(self, state: dict | None = None):
         state = dict(state or {})
-        self.active: dict[str, dict] = dict(state.get("active") or {})
+        self.active: dict[str, dict] = {rule: a for rule, a in (state.get("active") or {}).items()
+                                        if rule not in EXTERNAL_RULES}
         self.mem: dict[str, Any] = dict(state.get("state") or {})
 
     def as_json(self) -> dict:
@@ -95,8 +112,12 @@ class Monitor:
                 hist = hist[-(window + 1):]
                 self.mem["kl"] = hist
                 if len(hist) == window + 1:
-                    (s0, k0), (s1, k1) = hist[0], hist[-1]
-                    slope = (k1 - k0) / max(1, s1 - s0)
+                    # least-squares slope over the window: the two end points alone made a
+                    # noisy KL (small batches) raise and clear every few steps
+                    xs, ys = [h[0] for h in hist], [h[1] for h in hist]
+                    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+                    var = sum((x - mx) ** 2 for x in xs)
+                    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var else 0.0
                     rise = settings.ALERT_KL_RISE_PER_STEP
                     out += self._set("kl_rising", slope > rise, step,
                                      f"KL is rising {slope:.4g} per step over the last {window} steps "
@@ -116,16 +137,28 @@ class Monitor:
         return out
 
     def _set(self, rule: str, on: bool, step: int, message: str, **data) -> list[Record]:
-        """Raise once when the condition starts; clear when it ends (then it may raise again)."""
-        if on and rule not in self.active:
+        """Raise once when the condition starts; clear once it has been false for
+        ALERT_CLEAR_STEPS steps in a row (then it may raise again). The hysteresis keeps a value
+        that hovers at a threshold from raising and clearing every other step (as
+        Prometheus' keep_firing_for)."""
+        off_key = f"off_steps:{rule}"
+        if on:
+            self.mem.pop(off_key, None)
+            if rule in self.active:
+                return []
             clean = {k: (x if math.isfinite(x) else str(x)) if isinstance(x, float) else x
                      for k, x in data.items()}
             self.active[rule] = {"message": message, "step": step}
             return [alert_record(step, rule, message, **clean)]
-        if not on and rule in self.active:
-            del self.active[rule]
-            return [Record("event", step, "alert_cleared", {"rule": rule})]
-        return []
+        if rule not in self.active:
+            return []
+        off = self.mem.get(off_key, 0) + 1
+        if off < max(1, settings.ALERT_CLEAR_STEPS):
+            self.mem[off_key] = off
+            return []
+        self.mem.pop(off_key, None)
+        del self.active[rule]
+        return [Record("event", step, "alert_cleared", {"rule": rule})]
 
 
 def heartbeat_alert(run, step: int) -> tuple[Record, dict]:
@@ -134,3 +167,108 @@ def heartbeat_alert(run, step: int) -> tuple[Record, dict]:
     msg = f"no heartbeat for {settings.HEARTBEAT_TIMEOUT_S:g} s: the run is marked interrupted"
     mon.active["heartbeat"] = {"message": msg, "step": step}
     return alert_record(step, "heartbeat", msg, timeout_s=settings.HEARTBEAT_TIMEOUT_S), mon.as_json()
+
+
+class StallWatch:
+    """The `stalled` rule. The worker's Heartbeat thread calls tick() every few seconds; it keeps
+    running while the trainer is deadlocked (which writes nothing, so no batch would ever reach
+    Monitor.check).
+
+    The clock starts when this worker sees the run's step advance (so model loading and the
+    first step after a (re)start never count) and only runs while the run is `running`: a pause
+    restarts it (and clears the alert: the trainer reached a step boundary). The median step
+    time is that of the run's last 100 `timing/step_s` values, else the pace this watch saw.
+    The alert is raised once (an `alert` event + the banner state on the run row) and cleared
+    when the next step finishes; if the sink overwrote the banner state meanwhile (its Monitor
+    does not own this rule), tick() puts it back without a second event."""
+
+    RULE = "stalled"
+    MEDIAN_OF = 100
+
+    def __init__(self, run_id: int, clock: Callable[[], float] = time.monotonic):
+        self.run_id = run_id
+        self.clock = clock
+        self.step: int | None = None     # the run's step as last seen
+        self.since: float | None = None  # when it was seen to advance (the clock)
+        self.seen: list[tuple[float, int]] = []   # (when, step) advances: the fallback pace
+        self.raised = False              # the alert is on (raised here, or by an earlier attempt)
+        self._median: tuple[int, float | None] | None = None   # (step, median) cache
+
+    def tick(self, now: float | None = None) -> list[Record]:
+        """Evaluate the rule once; returns the records written (alert / alert_cleared)."""
+        now = self.clock() if now is None else now
+        row = Run.objects.filter(pk=self.run_id).values("status", "step", "alerts").first()
+        if row is None:
+            return []
+        on_row = self.RULE in ((row["alerts"] or {}).get("active") or {})
+        if self.step is None:            # the first look: nothing finished yet in this attempt
+            self.step, self.raised = row["step"], on_row
+            return []
+        if row["step"] != self.step:     # a step finished (or the run was rewound)
+            self.step, self.since = row["step"], now
+            self.seen = (self.seen + [(now, row["step"])])[-self.MEDIAN_OF:]
+            return self._clear(row["step"], "the next step finished")
+        if row["status"] == Status.PAUSED:
+            if self.since is not None:
+                self.since = now         # paused time is no stall
+            return self._clear(row["step"], "the run is paused at a step boundary")
+        if row["status"] != Status.RUNNING or self.since is None:
+            return []
+        stalled_s = now - self.since
+        floor = settings.ALERT_STALL_MIN_S
+        if stalled_s <= floor:
+            return []
+        median = self.median_step_s()
+        if median is None:
+            return []
+        limit = max(floor, settings.ALERT_STALL_FACTOR * median)
+        if stalled_s <= limit:
+            return []
+        if self.raised:
+            if not on_row:               # the sink's Monitor wrote the banner state without it
+                self._write(None, lambda active: active.setdefault(
+                    self.RULE, {"message": self.message(stalled_s, median, limit), "step": row["step"]}))
+            return []
+        message = self.message(stalled_s, median, limit)
+        rec = alert_record(row["step"], self.RULE, message, stalled_s=round(stalled_s, 1),
+                           median_step_s=round(median, 4), limit_s=round(limit, 1),
+                           factor=settings.ALERT_STALL_FACTOR, min_s=floor)
+        self._write(rec, lambda active: active.__setitem__(self.RULE, {"message": message,
+                                                                        "step": row["step"]}))
+        self.raised = True
+        return [rec]
+
+    @staticmethod
+    def message(stalled_s: float, median: float, limit: float) -> str:
+        def secs(x: float) -> str:
+            return f"{x:.0f}" if x >= 10 else f"{x:.2g}"
+        return (f"stalled: no step finished for {secs(stalled_s)} s (median step time {median:.3g} s; "
+                f"the limit is {secs(limit)} s = max({settings.ALERT_STALL_FACTOR:g} x median, "
+                f"{settings.ALERT_STALL_MIN_S:g} s))")
+
+    def median_step_s(self) -> float | None:
+        if self._median is not None and self._median[0] == self.step:
+            return self._median[1]
+        values = [v for v in MetricPoint.objects.filter(run_id=self.run_id, key="timing/step_s",
+                                                        value__isnull=False)
+                  .order_by("-step").values_list("value", flat=True)[:self.MEDIAN_OF]
+                  if math.isfinite(v) and v >= 0]
+        median = statistics.median(values) if values else None
+        if median is None and len(self.seen) >= 2:   # no step timings: the pace seen here
+            (t0, s0), (t1, s1) = self.seen[0], self.seen[-1]
+            median = (t1 - t0) / (s1 - s0) if s1 > s0 else None
+        self._median = (self.step, median)
+        return median
+
+    def _clear(self, step: int, why: str) -> list[Record]:
+        if not self.raised:
+            return []
+        self.raised = False
+        rec = Record("event", step, "alert_cleared", {"rule": self.RULE, "reason": why})
+        self._write(rec, lambda active: active.pop(self.RULE, None))
+        return [rec]
+
+    def _write(self, record: Record | None, change: Callable[[dict], Any]) -> None:
+        """Apply `change` to the run's active alerts and append `record`, under the row lock (the
+        sink writes the same row)."""
+        actions.change_alerts(self.run_id, change, record)

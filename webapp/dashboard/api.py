@@ -1,5 +1,7 @@
 """The JSON API. Session auth (with CSRF) for the browser, `Authorization: Token <key>` for
-scripts. Errors are JSON with a message per field; bad input never gives a 500."""
+scripts (any other Authorization scheme, e.g. an auth proxy's Basic, is left to the session).
+Errors are JSON with a message per field, shortened (limits.clip_errors); bad input never gives
+a 500."""
 from __future__ import annotations
 
 import functools
@@ -8,30 +10,38 @@ import logging
 
 from django.conf import settings
 from django.contrib.auth.models import AnonymousUser
-from django.http import HttpRequest, HttpResponse, JsonResponse
+from django.core.exceptions import RequestDataTooBig
+from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
 from django.middleware.csrf import CsrfViewMiddleware
 from django.utils import timezone
 from django.views.decorators.csrf import csrf_exempt
 
 from trainer import config as config_mod
-from webapp.dashboard import actions, reports, streams
-from webapp.dashboard.models import ApiToken, KnobChange, Run
+from webapp.dashboard import actions, limits, reports, samples, streams, sweep
+from webapp.dashboard.models import ApiToken, KnobChange, Run, Status
 
 log = logging.getLogger(__name__)
 
 
 def error(status: int, message: str, errors: dict | None = None) -> JsonResponse:
-    return JsonResponse({"message": message, "errors": errors or {}}, status=status)
+    """An error reply; the message and every error are shortened (a bad value never comes back
+    whole)."""
+    return JsonResponse({"message": limits.clip(message, limits.MAX_MESSAGE_LEN),
+                         "errors": limits.clip_errors(errors)}, status=status)
 
 
 def _token_user(request: HttpRequest):
+    """The user of an `Authorization: Token <key>` header; AnonymousUser for a bad key; None
+    without a Token header (other schemes, e.g. Basic from an auth proxy, are not ours: the
+    session decides)."""
     header = request.headers.get("Authorization", "")
-    if not header:
+    kind, _, key = header.strip().partition(" ")
+    if kind.lower() != "token":
         return None
-    kind, _, key = header.partition(" ")
-    if kind.lower() != "token" or not key.strip():
-        return AnonymousUser()
-    tok = ApiToken.objects.select_related("user").filter(key=key.strip()).first()
+    key = key.strip()
+    if not key or len(key) > 40 or not key.isascii() or not key.isalnum():
+        return AnonymousUser()   # keys are 40 hex digits: anything else matches none
+    tok = ApiToken.objects.select_related("user").filter(key=key).first()
     if tok is None or not tok.user.is_active:
         return AnonymousUser()
     ApiToken.objects.filter(pk=tok.pk).update(last_used_at=timezone.now())
@@ -61,11 +71,16 @@ def api(*methods: str):
             request.user = user
             body = None
             if request.method in ("POST", "PUT", "PATCH"):
-                raw = request.body or b"{}"
                 try:
-                    body = json.loads(raw)
-                except (ValueError, UnicodeDecodeError):
-                    return error(400, "the request body is not valid JSON", {"body": "expected a JSON object"})
+                    raw = request.body or b"{}"
+                except RequestDataTooBig:
+                    return error(413, "the request body is too large",
+                                 {"body": f"at most {settings.DATA_UPLOAD_MAX_MEMORY_SIZE} bytes"})
+                try:
+                    body = limits.parse_json_body(raw)
+                except limits.BadBody as e:
+                    return error(400, "the request body is not valid JSON",
+                                 {"body": f"expected a JSON object: {e}"})
                 if not isinstance(body, dict):
                     return error(400, "expected a JSON object", {"body": "expected a JSON object"})
             try:
@@ -78,6 +93,11 @@ def api(*methods: str):
 
 class NotFound(actions.ActionError):
     status = 404
+
+
+def not_found(request, *args, **kwargs):
+    """Every /api/ path that names no endpoint (or a run id no row can have): a JSON 404."""
+    return error(404, "no such API endpoint (see the JSON API table in docs/dashboard.md)", {"path": "not found"})
 
 
 def get_run_or_404(run_id: int) -> Run:
@@ -121,7 +141,7 @@ def knobs(request, body):
 def presets(request, body):
     out = []
     for name in config_mod.preset_names():
-        cfg = config_mod.from_dict(config_mod.preset_dict(name))
+        cfg = actions.shipped_preset(name)
         out.append({"name": name, "config": cfg.to_dict(), "toml": config_mod.to_toml(cfg)})
     return JsonResponse(out, safe=False)
 
@@ -136,7 +156,7 @@ def runs(request, body):
         run = actions.launch_run(request.user, body.get("name"), body.get("preset"),
                                  body.get("overrides"), body.get("toml"), queue=body.get("queue"))
         return JsonResponse({"id": run.pk, "status": run.status, "url": f"/runs/{run.pk}/"}, status=201)
-    actions.mark_stale_runs()
+    sweep.mark_stale_runs()
     qs = filter_runs(Run.objects.select_related("owner"), request.GET)
     try:
         limit = max(1, min(500, int(request.GET.get("limit", 100))))
@@ -148,8 +168,8 @@ def runs(request, body):
 def filter_runs(qs, params):
     def get(name):  # NUL never matches anything (and PostgreSQL refuses it in a query)
         return (params.get(name) or "").replace("\x00", "")
-    if get("status"):
-        qs = qs.filter(status__in=get("status").split(","))
+    if get("status"):   # only real statuses go into the query (a bounded IN list)
+        qs = qs.filter(status__in=[s for s in set(get("status").split(",")) if s in Status.values])
     if get("owner"):
         qs = qs.filter(owner__username=get("owner"))
     if get("q"):
@@ -178,7 +198,7 @@ def run_detail(request, body, run_id: int):
                                                  for k in sorted(unknown)})
         run = actions.annotate_run(run, request.user, body.get("note"), body.get("tags"), body.get("archived"))
         return JsonResponse(run_json(run, request.user, detail=True))
-    actions.mark_stale_runs()
+    sweep.mark_stale_runs()
     run.refresh_from_db()
     return JsonResponse(run_json(run, request.user, detail=True))
 
@@ -195,6 +215,10 @@ def run_metrics(request, body, run_id: int):
                 raise ValueError
         except ValueError:
             errors["after"] = "expected a cursor (a non-negative integer)"
+        else:
+            if after > run.last_seq:   # a cursor this run never gave out
+                errors["after"] = (f"cursor {limits.clip(after, 40)} is past the run's last "
+                                   f"cursor ({run.last_seq})")
     else:
         after = None
     try:
@@ -203,17 +227,44 @@ def run_metrics(request, body, run_id: int):
             raise ValueError
     except ValueError:
         errors["max_points"] = "expected an integer in [4, 100000]"
+    keys = [k for k in request.GET.get("keys", "").replace("\x00", "").split(",") if k]
+    if len(keys) > limits.MAX_METRIC_KEYS:
+        errors["keys"] = f"at most {limits.MAX_METRIC_KEYS} metric names"
     if errors:
         return error(400, "bad query", errors)
-    keys = [k for k in request.GET.get("keys", "").split(",") if k]
     return JsonResponse(streams.metrics_snapshot(run, keys, after, max_points))
 
 
+@api("GET")
+def run_samples(request, body, run_id: int):
+    """The run's rollout samples, filtered and paged (samples.query: step, min_step, max_step,
+    min_reward, max_reward, min_len, max_len, finish, reward_status, q, group, order, after,
+    limit, fields). Anyone logged in may read them, as for metrics."""
+    run = get_run_or_404(run_id)
+    return JsonResponse(samples.query(run.pk, request.GET))
+
+
+@api("GET")
+def run_sample(request, body, run_id: int, sample_id: int):
+    """One sample whole (tokens, log-probabilities, version segments) and the other members of
+    its group at that step."""
+    run = get_run_or_404(run_id)
+    found = samples.detail(run.pk, sample_id)
+    if found is None:
+        raise NotFound(f"run {run.pk} has no sample {sample_id}", {"sample": "not found"})
+    return JsonResponse(found)
+
+
 EXPORTS = {"csv": "text/csv; charset=utf-8", "json": "application/json",
-           "toml": "application/toml; charset=utf-8", "html": "text/html; charset=utf-8"}
+           "toml": "application/toml; charset=utf-8", "html": "text/html; charset=utf-8",
+           "samples_csv": "text/csv; charset=utf-8"}
 
 
 def export_response(run, fmt: str) -> HttpResponse:
+    if fmt == "samples_csv":   # streamed: per-token arrays of 20,000 samples can be large
+        resp = StreamingHttpResponse(reports.iter_samples_csv(run), content_type=EXPORTS[fmt])
+        resp["Content-Disposition"] = f'attachment; filename="rlpilot-run-{run.pk}-samples.csv"'
+        return resp
     if fmt == "csv":
         body = reports.export_csv(run)
     elif fmt == "json":
@@ -229,7 +280,9 @@ def export_response(run, fmt: str) -> HttpResponse:
 
 @api("GET")
 def run_export(request, body, run_id: int):
-    """Full-resolution metrics as CSV / JSON, the config as TOML, or a self-contained HTML report."""
+    """Full-resolution metrics as CSV / JSON (JSON with the rollout samples, without their
+    per-token arrays), the config as TOML, a self-contained HTML report, or the rollout samples
+    whole as CSV (samples_csv, streamed)."""
     run = get_run_or_404(run_id)
     fmt = request.GET.get("format", "json")
     if fmt not in EXPORTS:
@@ -250,7 +303,10 @@ def make_control(action: str):
     def view(request, body, run_id: int):
         run = get_run_or_404(run_id)
         run = actions.control(run, request.user, action)
-        return JsonResponse({"id": run.pk, "status": run.status, "desired": run.desired}, status=202)
+        # `seq`: the status is as of this sequence number; the page ignores it when the stream
+        # has already brought a newer one (the worker may pause before this reply arrives)
+        return JsonResponse({"id": run.pk, "status": run.status, "desired": run.desired,
+                             "seq": run.last_seq}, status=202)
     view.__name__ = f"run_{action}"
     return view
 

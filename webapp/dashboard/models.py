@@ -1,7 +1,8 @@
 """A run is a row; everything the browser shows about it is rows too.
 
-MetricPoint, HistogramSnapshot and RunEvent share one per-run sequence (`Run.last_seq`): a
-scalar batch (one step), a histogram snapshot and an event each take one sequence number, and
+MetricPoint, HistogramSnapshot, RunEvent and RolloutSample share one per-run sequence (`Run.last_seq`): a
+scalar batch (one step), a histogram snapshot, an event and a step's batch of rollout samples each
+take one sequence number, and
 a client's cursor is the last sequence number it has seen. Sequence numbers are allocated and
 their rows inserted in one transaction holding the run's row lock, so they commit in order and
 a reader that asks for `seq > cursor` never misses nor repeats a row.
@@ -115,6 +116,41 @@ class RunEvent(models.Model):
 
     class Meta:
         indexes = [models.Index(fields=["run", "seq"])]
+
+
+class RolloutSample(models.Model):
+    """One sample (prompt + completion) the trainer recorded at a step, for the rollout inspector.
+    A step's batch shares one sequence number; a run keeps at most RLPILOT_SAMPLES_PER_RUN of them
+    (older steps thinned first, see samples.thin)."""
+    FINISH = ("stop", "length", "aborted", "partial")
+    REWARD_STATUS = ("ok", "error", "timeout")
+    WHY = ("group", "longest", "shortest", "error")
+
+    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="samples")
+    seq = models.BigIntegerField()
+    step = models.IntegerField()
+    group = models.BigIntegerField()      # the prompt draw index: identifies the group
+    index = models.IntegerField()         # member k of the group
+    prompt = models.TextField(blank=True)
+    completion = models.TextField(blank=True)
+    reward = models.FloatField(null=True)        # what the loss used, penalties included
+    score = models.FloatField(null=True)         # the verifier's raw score
+    penalty = models.FloatField(default=0.0)     # reward - score
+    advantage = models.FloatField(null=True)
+    length = models.IntegerField(default=0)      # response tokens
+    finish = models.CharField(max_length=16, blank=True)
+    segments = models.JSONField(default=list)    # [[policy version, tokens], ...]
+    staleness = models.IntegerField(default=0)
+    tis_weight = models.FloatField(null=True)
+    reward_status = models.CharField(max_length=16, default="ok")
+    reward_error = models.TextField(blank=True)
+    why = models.CharField(max_length=16, blank=True)
+    tokens = models.JSONField(default=list)      # the response's token pieces
+    logprobs = models.JSONField(default=list)    # per response token
+
+    class Meta:
+        indexes = [models.Index(fields=["run", "seq"]), models.Index(fields=["run", "step"]),
+                   models.Index(fields=["run", "length"]), models.Index(fields=["run", "reward"])]
 
 
 class KnobChange(models.Model):

@@ -7,6 +7,7 @@ import csv
 import io
 import json
 from datetime import datetime
+from decimal import Decimal
 from typing import Any
 
 from django.conf import settings
@@ -16,9 +17,9 @@ from django.utils import timezone
 
 from trainer import checkpoint
 from trainer import config as config_mod
-from webapp.dashboard import streams
+from webapp.dashboard import samples, streams
 from webapp.dashboard.actions import run_dir
-from webapp.dashboard.models import HistogramSnapshot, MetricPoint, Run, RunEvent
+from webapp.dashboard.models import HistogramSnapshot, MetricPoint, RolloutSample, Run, RunEvent
 
 # (key, label, higher is better) -- the order of the summary table
 SUMMARY = [
@@ -156,6 +157,71 @@ def knob_timeline(run: Run) -> list[dict[str, Any]]:
     return out
 
 
+def _num(v: Any) -> str:
+    """A value as the live page's event log writes it (4 significant digits, no exponent for
+    ordinary magnitudes: 0.0002, 3e-05 -> 0.00003, 1234567 -> 1235000, true/false)."""
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if v is None:
+        return "null"
+    if isinstance(v, (int, float)):
+        f = float(v)
+        if f != f or f in (float("inf"), float("-inf")):
+            return "NaN" if f != f else ("Infinity" if f > 0 else "-Infinity")
+        g = float(f"{f:.4g}")
+        if g == int(g) and abs(g) < 1e21:
+            return str(int(g))
+        if abs(g) >= 1e-6:
+            return format(Decimal(repr(g)), "f")
+        return repr(g).replace("e-0", "e-")
+    return str(v)
+
+
+def _pairs(d: dict, skip: tuple = ()) -> str:
+    return " ".join(f"{k}={json.dumps(v, default=str) if isinstance(v, (dict, list)) else _num(v)}"
+                    for k, v in list((k, v) for k, v in d.items() if k not in skip)[:8])
+
+
+def _changes(d: dict) -> str:
+    out = []
+    for k, ch in (d.get("changes") or {}).items():
+        ch = ch if isinstance(ch, dict) else {}
+        out.append(f"{k}: {_num(ch.get('old'))} → {_num(ch.get('new'))}")
+    return ", ".join(out)
+
+
+def describe_event(kind: str, data: Any) -> str:
+    """One readable line per event, like the live page's event log (static/dashboard/run.js
+    describe()): "optim.lr: 0.0002 → 0.0001 (by alice)", "staleness: ...", "checkpoint path"."""
+    d = data if isinstance(data, dict) else {}
+    by = f" (by {d['requested_by']})" if d.get("requested_by") else ""
+    if kind == "knob_applied":
+        return _changes(d) + by
+    if kind == "auto_staleness":
+        return _changes(d) + " (auto)"
+    if kind == "knob_requested":
+        return ", ".join(f"{k} = {_num(v)}" for k, v in (d.get("knobs") or {}).items()) + by
+    if kind == "knob_rejected":
+        return "; ".join(f"{k}: {v}" for k, v in (d.get("errors") or {}).items()) + by
+    if kind in ("error", "warning"):
+        return str(d.get("message") or _pairs(d))
+    if kind == "alert":
+        return f"{d.get('rule') or 'alert'}: {d.get('message') or _pairs(d, ('rule',))}"
+    if kind == "alert_cleared":
+        return f"{d.get('rule') or 'alert'} cleared"
+    if kind == "checkpoint":
+        return str(d.get("path") or _pairs(d))
+    if kind == "status":
+        return str(d.get("status", "")) + (f" — {d['message']}" if d.get("message") else "")
+    return _pairs(d)
+
+
+def event_rows(events) -> list[dict[str, Any]]:
+    """RunEvent rows as the report's event list shows them."""
+    return [{"step": e.step, "time": e.time, "kind": e.kind, "text": describe_event(e.kind, e.data)}
+            for e in events]
+
+
 def alerts(run: Run) -> list[dict[str, Any]]:
     return [{"step": e.step, "time": e.time, "kind": e.kind, "rule": (e.data or {}).get("rule", ""),
              "message": (e.data or {}).get("message", "")}
@@ -280,7 +346,56 @@ def export_json(run: Run) -> dict[str, Any]:
                            for h in HistogramSnapshot.objects.filter(run_id=run.pk).order_by("seq")],
             "events": [{"seq": e.seq, "step": e.step, "kind": e.kind, "time": e.time.isoformat(),
                         "data": e.data} for e in RunEvent.objects.filter(run_id=run.pk).order_by("seq")],
-            "knob_timeline": [{**k, "time": k["time"].isoformat()} for k in knob_timeline(run)]}
+            "knob_timeline": [{**k, "time": k["time"].isoformat()} for k in knob_timeline(run)],
+            # every sample but its per-token arrays (the samples CSV has those: they can be large)
+            "samples": list(samples.export_rows(run.pk, per_token=False))}
+
+
+SAMPLE_COLUMNS = ["id", "seq", "step", "group", "index", "why", "finish", "length", "reward", "score",
+                  "penalty", "advantage", "staleness", "tis_weight", "reward_status", "reward_error",
+                  "segments", "prompt", "completion", "tokens", "logprobs"]
+_JSON_COLUMNS = ("segments", "tokens", "logprobs")
+
+
+def iter_samples_csv(run: Run):
+    """The run's rollout samples as CSV lines, one row each (segments, tokens and
+    log-probabilities as JSON; a missing number empty), produced as they are read."""
+    buf = io.StringIO()
+    w = csv.writer(buf, lineterminator="\n")
+    w.writerow(SAMPLE_COLUMNS)
+    for s in samples.export_rows(run.pk):
+        w.writerow([json.dumps(s[c], ensure_ascii=False) if c in _JSON_COLUMNS
+                    else "" if s[c] is None else repr(s[c]) if isinstance(s[c], float) else s[c]
+                    for c in SAMPLE_COLUMNS])
+        yield buf.getvalue()
+        buf.seek(0)
+        buf.truncate()
+    yield buf.getvalue()
+
+
+def export_samples_csv(run: Run) -> str:
+    return "".join(iter_samples_csv(run))
+
+
+REPORT_SAMPLES = 1000       # samples in the offline HTML report's table (the latest)
+REPORT_TEXT = 4000          # characters of a prompt or completion shown there
+
+
+def report_samples(run: Run, limit: int = REPORT_SAMPLES) -> dict[str, Any]:
+    """The offline report's sample table: the latest `limit` samples, texts shortened."""
+    qs = RolloutSample.objects.filter(run_id=run.pk)
+    rows = []
+    for s in qs.order_by("-seq", "-id").defer("tokens", "logprobs")[:limit]:
+        rows.append({"id": s.pk, "step": s.step, "group": s.group, "index": s.index, "length": s.length,
+                     "reward": fmt(s.reward), "score": fmt(s.score), "finish": s.finish, "why": s.why,
+                     "reward_status": s.reward_status, "reward_error": s.reward_error,
+                     "staleness": s.staleness,
+                     "versions": ", ".join(f"v{v}×{n}" for v, n in (s.segments or [])),
+                     "prompt": s.prompt if len(s.prompt) <= REPORT_TEXT else s.prompt[:REPORT_TEXT] + "…",
+                     "completion": (s.completion if len(s.completion) <= REPORT_TEXT
+                                    else s.completion[:REPORT_TEXT] + "…")})
+    rows.reverse()
+    return {"rows": rows, "total": qs.count(), "limit": limit}
 
 
 def export_toml(run: Run) -> str:
@@ -299,8 +414,8 @@ def export_html(run: Run, max_points: int = 2000) -> str:
     snap = streams.metrics_snapshot(run, None, None, max_points, max_histograms=300, max_events=2000)
     return render_to_string("dashboard/report_export.html", {
         "run": run, "rows": summary_rows(summary(run)), "timeline": knob_timeline(run),
-        "alerts": alerts(run), "events": RunEvent.objects.filter(run_id=run.pk).order_by("seq")[:2000],
-        "config_toml": export_toml(run), "generated": timezone.now(),
+        "alerts": alerts(run), "events": event_rows(RunEvent.objects.filter(run_id=run.pk).order_by("seq")[:2000]),
+        "config_toml": export_toml(run), "generated": timezone.now(), "samples": report_samples(run),
         "css": (static / "dashboard" / "style.css").read_text(),
         "plotly_js": _inline_script((static / "vendor" / "plotly.min.js").read_text()),
         "charts_js": _inline_script((static / "dashboard" / "charts.js").read_text()),

@@ -1,9 +1,16 @@
-"""The Celery task that trains one run (queue `training`, one run per worker process)."""
+"""The Celery tasks: `train` trains one run (its run's queue, e.g. `training`; one run per worker
+process) and `sweep_stale_runs` is Celery beat's periodic stale-run sweep (RLPILOT_SWEEP_QUEUE,
+consumed by a small worker on the web machine, never by a training worker).
+
+Every write goes through the actions layer. actions.py sends `train` by name (TRAIN_TASK) and
+never imports this module.
+"""
 from __future__ import annotations
 
 import logging
 import os
 import re
+import shutil
 import socket
 
 from celery import shared_task
@@ -13,9 +20,9 @@ from django.utils import timezone
 from trainer import checkpoint
 from trainer import config as config_mod
 from trainer.runner import Runner  # imported in the worker's parent: forked children start fast
-from webapp.dashboard import actions
+from webapp.dashboard import actions, limits, sweep
 from webapp.dashboard.actions import run_dir
-from webapp.dashboard.models import LIVE, Desired, HistogramSnapshot, MetricPoint, Run, Status
+from webapp.dashboard.models import Desired, Run, Status
 from webapp.dashboard.telemetry import DbControlSource, DbSink, Heartbeat
 
 log = logging.getLogger(__name__)
@@ -30,7 +37,7 @@ def latest_checkpoint_step(path) -> int | None:
     return int(m.group(1)) if m else None
 
 
-@shared_task(name="webapp.dashboard.tasks.train", bind=True, acks_late=False, ignore_result=True)
+@shared_task(name=actions.TRAIN_TASK, bind=True, acks_late=False, ignore_result=True)
 def train(self, run_id: int, resume: bool = False, resume_step: int | None = None) -> str:
     close_old_connections()
     try:
@@ -50,8 +57,6 @@ def train(self, run_id: int, resume: bool = False, resume_step: int | None = Non
 def drop_checkpoints_after(path, step: int) -> list[str]:
     """Resuming from an older checkpoint: the newer ones belong to steps that will be trained
     again (the run is rewound to `step`), so they go."""
-    import shutil
-
     dropped = []
     for ck in checkpoint.list_checkpoints(path):
         m = re.search(r"(\d+)$", ck.name)
@@ -65,6 +70,12 @@ def execute(run: Run, resume: bool = False, resume_step: int | None = None,
             worker: str | None = None) -> str:
     """Train `run` in this process (the Celery task's body; tests and benchmarks call it too)."""
     rid = run.pk
+    refused = limits.config_problems(config_mod.from_dict(run.config))  # this worker's settings
+    if refused:
+        actions.set_status(rid, Status.FAILED, only_from=[Status.QUEUED],
+                           error=limits.clip("refused by this worker's settings: " + "; ".join(
+                               f"{k}: {v}" for k, v in refused.items()), 2000))
+        return Status.FAILED
     directory = run_dir(rid)
     directory.mkdir(parents=True, exist_ok=True)
     if resume and resume_step is not None:
@@ -74,11 +85,7 @@ def execute(run: Run, resume: bool = False, resume_step: int | None = None,
     attempt = run.attempts + 1
     if resume:
         # rows past the checkpoint belong to steps that will be trained again
-        MetricPoint.objects.filter(run_id=rid, step__gt=ck_step or 0).delete()
-        HistogramSnapshot.objects.filter(run_id=rid, step__gt=ck_step or 0).delete()
-        actions.event(rid, ck_step or 0, "rewound", {"step": ck_step or 0,
-                                                     "from_checkpoint": resume_from_ckpt})
-        Run.objects.filter(pk=rid).update(step=ck_step or 0)
+        actions.rewind(rid, ck_step or 0, from_checkpoint=resume_from_ckpt)
     now = timezone.now()
     if not actions.set_status(rid, Status.RUNNING, only_from=[Status.QUEUED],
                               worker_host=f"{worker or socket.gethostname()}:{os.getpid()}"[:200], heartbeat_at=now,
@@ -89,18 +96,16 @@ def execute(run: Run, resume: bool = False, resume_step: int | None = None,
     sink = DbSink(rid)
     controls = DbControlSource(rid, sink)
     heartbeat = Heartbeat(rid).start()
-    final, fields = Status.FAILED, {}
+    final, summary, error = Status.FAILED, None, None
     try:
         with Runner(cfg, directory, sink=sink, controls=controls, resume=resume_from_ckpt,
                     log=log.info) as runner:
             status = runner.run()
             summary = runner.summary()
         final = Status.FINISHED if status == "finished" else Status.STOPPED
-        cur = Run.objects.filter(pk=rid).values_list("summary", flat=True).first() or {}
-        fields = {"summary": {**cur, "final": actions.clean_json(summary)}}
     except BaseException as e:  # the runner has already recorded an `error` event
         log.exception("run %s failed", rid)
-        fields = {"error": f"{type(e).__name__}: {e}"[:2000]}
+        summary, error = None, f"{type(e).__name__}: {e}"[:2000]
         if not isinstance(e, Exception):
             raise
     finally:
@@ -108,7 +113,15 @@ def execute(run: Run, resume: bool = False, resume_step: int | None = None,
         controls.close()
         try:
             sink.close()
-        finally:
-            actions.set_status(rid, final, only_from=LIVE, **fields)
+        finally:   # after the sink's last write, so the final summary keeps its latest figures
+            actions.end_run(rid, final, final_summary=summary, error=error)
             close_old_connections()
     return final
+
+
+@shared_task(name="webapp.dashboard.tasks.sweep_stale_runs", ignore_result=True)
+def sweep_stale_runs() -> int:
+    """Celery beat's stale-run sweep (settings.CELERY_BEAT_SCHEDULE, every RLPILOT_SWEEP_S): runs
+    whose worker stopped heartbeating become `interrupted`, with nobody watching. Returns how
+    many."""
+    return sweep.mark_stale_runs(force=True)

@@ -1,21 +1,24 @@
 """The trainer's database-backed sink and control source (used by the Celery task).
 
-DbSink buffers a step's scalars and histograms and hands them, at every step boundary (the
-control source's poll()), on every event and on flush(), to a writer thread that inserts them in
-one transaction (bulk, sequence-numbered) and then rings the run's doorbell: the trainer never
-waits for the database.
+DbSink buffers a step's scalars, histograms and rollout samples and hands them, at every step
+boundary (the control source's poll()), on every event and on flush(), to a writer thread that
+inserts them in one transaction (bulk, sequence-numbered) and then rings the run's doorbell: the
+trainer never waits for the database.
 
 DbControlSource turns pending KnobChange rows and the run's `desired` field into trainer
 Commands, and records each knob change's outcome.
+
+Heartbeat beats for the run and evaluates the `stalled` alert. Every write here goes through the
+actions layer (webapp/dashboard/actions.py); the doorbell is webapp/dashboard/doorbell.py.
 """
 from __future__ import annotations
 
-import asyncio
 import logging
 import queue
 import threading
 import time
-from datetime import datetime, timezone as dt_timezone
+from datetime import datetime
+from datetime import timezone as dt_timezone
 from typing import Any
 
 from django.conf import settings
@@ -25,6 +28,7 @@ from trainer.controls import PAUSE, RESUME, SET_KNOBS, STOP, Command, ControlSou
 from trainer.metrics import MetricsSink
 from webapp.dashboard import actions, alerts
 from webapp.dashboard.actions import Record
+from webapp.dashboard.doorbell import Doorbell
 from webapp.dashboard.models import LIVE, Desired, KnobChange, Run, Status
 
 log = logging.getLogger(__name__)
@@ -33,80 +37,10 @@ log = logging.getLogger(__name__)
 _EVENT_STATUS = {"paused": Status.PAUSED, "resumed": Status.RUNNING, "stop_requested": Status.STOPPING}
 
 
-class Doorbell:
-    """Rings run groups on the channel layer from a background event loop, so the trainer never
-    waits for the channel layer (and a Redis connection is reused across rings)."""
-
-    def __init__(self):
-        from channels.layers import DEFAULT_CHANNEL_LAYER, channel_layers
-
-        # its own layer instance: closing its pools never touches the process's shared layer
-        self.layer = (channel_layers.make_backend(DEFAULT_CHANNEL_LAYER)
-                      if settings.CROSS_PROCESS_DOORBELL else None)
-        self.loop = None
-        if self.layer is not None:
-            self.loop = asyncio.new_event_loop()
-            self.thread = threading.Thread(target=self._run, name="doorbell", daemon=True)
-            self.thread.start()
-
-    def _run(self) -> None:
-        loop = self.loop
-        asyncio.set_event_loop(loop)
-        try:
-            loop.run_forever()
-        finally:
-            loop.close()   # in this thread: channels_redis closes its connections for the loop
-
-    def ring(self, run_id: int, seq: int) -> None:
-        if self.loop is None:
-            return
-        coro = self.layer.group_send(actions.group_name(run_id), {"type": "doorbell", "seq": seq})
-        fut = asyncio.run_coroutine_threadsafe(coro, self.loop)
-        fut.add_done_callback(_log_failure)
-        self.last = fut
-
-    last = None
-
-    def close(self) -> None:
-        if self.loop is None:
-            return
-        try:
-            if self.last is not None:
-                self.last.result(2)   # rings are sent in order: the last one done means all done
-        except Exception:
-            pass
-        try:
-            if hasattr(self.layer, "close_pools"):
-                asyncio.run_coroutine_threadsafe(self.layer.close_pools(), self.loop).result(2)
-        except Exception:
-            pass
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(2)
-        self.loop = None
-
-
-_shared: Doorbell | None = None
-_shared_lock = threading.Lock()
-
-
-def shared_doorbell() -> Doorbell:
-    """One background doorbell per process (for rings from web requests and actions)."""
-    global _shared
-    with _shared_lock:
-        if _shared is None:
-            _shared = Doorbell()
-        return _shared
-
-
-def _log_failure(fut) -> None:
-    if not fut.cancelled() and fut.exception() is not None:
-        log.warning("doorbell failed: %s", fut.exception())
-
-
 class DbSink(MetricsSink):
     """Writes a run's rows from a background thread, so the trainer only pays for a queue put.
 
-    scalars() and histogram() are buffered; flush() (called at every step boundary by the
+    scalars(), histogram() and samples() are buffered; flush() (called at every step boundary by the
     control source, and by event()) hands the buffer to the writer thread, which inserts it in
     one transaction (sequence-numbered) and then rings the doorbell. drain() waits until
     everything handed over is in the database; close() drains and stops the thread."""
@@ -135,6 +69,15 @@ class DbSink(MetricsSink):
         with self.lock:
             self.buffer.append(Record("histogram", step, name, {"edges": list(hist.get("edges", [])),
                                                                 "counts": list(hist.get("counts", []))}))
+
+    def samples(self, step: int, rows: list[dict[str, Any]]) -> None:
+        """A step's rollout samples (the inspector): buffered like a histogram, one sequence
+        number for the batch; cleaned and capped by the actions layer (samples.py)."""
+        rows = [dict(r) for r in (rows or []) if isinstance(r, dict)]
+        if not rows:
+            return
+        with self.lock:
+            self.buffer.append(Record("samples", step, "", {"rows": rows}))
 
     def event(self, step: int, kind: str, data: dict[str, Any] | None = None) -> None:
         with self.lock:
@@ -307,12 +250,6 @@ class DbControlSource(ControlSource):
         self.stop_sent = True
         return [Command(STOP, requested_by="web")]
 
-    def acknowledge(self, command: Command, step: int, ok: bool, message: str = "") -> None:
-        if command.kind == SET_KNOBS:
-            KnobChange.objects.filter(change_id=command.id).update(
-                status=KnobChange.APPLIED if ok else KnobChange.REJECTED, applied_step=step,
-                message=message)
-
     def close(self) -> None:
         self.closing.set()
         if self.thread is not None:
@@ -321,27 +258,38 @@ class DbControlSource(ControlSource):
 
 
 class Heartbeat:
-    """Updates the run's heartbeat every few seconds from a thread (its own DB connection)."""
+    """Updates the run's heartbeat every few seconds from a thread (its own DB connection), and
+    evaluates the `stalled` alert there (alerts.StallWatch): this thread keeps beating while the
+    trainer is stuck and writes nothing."""
 
     def __init__(self, run_id: int, interval: float | None = None):
         self.run_id = run_id
         self.interval = interval or settings.HEARTBEAT_S
         self.stop_event = threading.Event()
         self.thread = threading.Thread(target=self._loop, name="heartbeat", daemon=True)
+        self.stall = alerts.StallWatch(run_id)
 
     def start(self) -> "Heartbeat":
         self.thread.start()
         return self
 
+    def _check_stall(self) -> None:
+        try:   # an alert-rule bug must never cost the run its heartbeat
+            self.stall.tick()
+        except Exception:
+            log.exception("run %s: evaluating the stalled alert failed", self.run_id)
+            close_old_connections()
+
     def _loop(self) -> None:
         try:
+            self._check_stall()   # the step the run starts from
             while not self.stop_event.wait(self.interval):
                 try:
-                    Run.objects.filter(pk=self.run_id, status__in=LIVE).update(
-                        heartbeat_at=datetime.now(dt_timezone.utc))
+                    actions.heartbeat(self.run_id)
                 except Exception:
                     log.exception("heartbeat failed")
                     close_old_connections()
+                self._check_stall()
         finally:
             connection.close()
 

@@ -2,6 +2,7 @@
 tags, archive, delete, checkpoints) and the comparison of runs."""
 from __future__ import annotations
 
+from django.conf import settings
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
 from django.http import Http404
@@ -9,9 +10,7 @@ from django.shortcuts import redirect, render
 from django.views.decorators.http import require_http_methods, require_POST
 
 from trainer import config as config_mod
-from django.conf import settings
-
-from webapp.dashboard import actions, reports
+from webapp.dashboard import actions, limits, reports, sweep
 from webapp.dashboard.api import filter_runs
 from webapp.dashboard.models import ACTIVE, RESUMABLE, Run, RunEvent, Status
 
@@ -59,10 +58,12 @@ def runs_page(request):
                                      queue=form["queue"] or None)
         except actions.Invalid as e:
             errors = e.errors
-            messages.error(request, "The run was not launched: fix the fields marked below.")
+            field_errors = set(errors) - {"runs"}  # "runs": the per-user limit, no field to fix
+            messages.error(request, "The run was not launched: " + (
+                "fix the fields marked below." if field_errors else errors.get("runs", e.message)))
         else:
             return redirect("run", run_id=run.pk)
-    actions.mark_stale_runs()
+    sweep.mark_stale_runs()
     runs = list(filter_runs(Run.objects.select_related("owner"), request.GET)[:200])
     compare_error = request.GET.get("compare_error", "")
     for r in runs:
@@ -70,7 +71,7 @@ def runs_page(request):
         r.figures = [_fmt(latest.get(k)) for k in ("reward/accuracy", "reward/mean",
                                                    "rollout/response_len/mean", "perf/gen_tokens_per_s")]
     known = set(p.name for p in config_mod.schema()) | {"name", "preset", "toml", "queue"}
-    presets = {name: config_mod.to_toml(config_mod.from_dict(config_mod.preset_dict(name)))
+    presets = {name: config_mod.to_toml(actions.shipped_preset(name))   # the model.path it will use
                for name in config_mod.preset_names()}
     ctx = {
         "runs": runs, "statuses": [s.value for s in Status], "filters": request.GET,
@@ -89,10 +90,10 @@ def run_page(request, run_id: int):
     run = Run.objects.select_related("owner").filter(pk=run_id).first()
     if run is None:
         raise Http404("no such run")
-    actions.mark_stale_runs()
+    sweep.mark_stale_runs()
     run.refresh_from_db()
     knobs = [p.as_json() for p in config_mod.knobs()]
-    page = {"id": run.pk, "name": run.name, "status": run.status, "step": run.step,
+    page = {"id": run.pk, "name": run.name, "status": run.status, "seq": run.last_seq, "step": run.step,
             "max_steps": run.max_steps, "knobs": run.knobs, "config": run.config,
             "can_control": run.can_control(request.user), "knob_schema": knobs,
             "owner": run.owner.get_username(), "user": request.user.get_username()}
@@ -116,7 +117,7 @@ def report_page(request, run_id: int):
     """A run's report: config, summary, static charts, knob timeline, alerts, events,
     checkpoints; note, tags, archive and delete for its owner or staff."""
     run = _get_run(run_id)
-    actions.mark_stale_runs()
+    sweep.mark_stale_runs()
     run.refresh_from_db()
     events = list(RunEvent.objects.filter(run_id=run.pk).order_by("-seq")[:1000])
     events.reverse()
@@ -124,7 +125,8 @@ def report_page(request, run_id: int):
     return render(request, "dashboard/report.html", {
         "run": run, "page": page, "rows": reports.summary_rows(reports.summary(run)),
         "timeline": reports.knob_timeline(run), "alert_history": reports.alerts(run),
-        "active_alerts": active_alerts(run), "events": events, "checkpoints": reports.checkpoints(run),
+        "active_alerts": active_alerts(run), "events": reports.event_rows(events),
+        "checkpoints": reports.checkpoints(run),
         "config_toml": config_mod.to_toml(config_mod.from_dict(run.config)),
         "can_control": run.can_control(request.user), "is_active": run.status in ACTIVE,
         "resumable": run.status in RESUMABLE, "tags_text": ", ".join(run.tags or []),
@@ -205,7 +207,9 @@ def compare_page(request):
     if not 2 <= len(ids) <= 8:
         messages.error(request, "Pick 2 to 8 runs to compare.")
         return redirect("runs")
-    found = {r.pk: r for r in Run.objects.select_related("owner").filter(pk__in=ids)}
+    # an id past the database's 64-bit integers names no run (the query would overflow)
+    possible = [i for i in ids if 0 <= i <= limits.MAX_ID]
+    found = {r.pk: r for r in Run.objects.select_related("owner").filter(pk__in=possible)}
     missing = [i for i in ids if i not in found]
     if missing:
         raise Http404(f"no run {missing[0]}")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import subprocess
 import sys
 import tempfile
@@ -81,6 +82,8 @@ class Command(BaseCommand):
         env = {k: v for k, v in os.environ.items()
                if k not in ("DATABASE_URL", "REDIS_URL", "RLPILOT_TEST_DB_NAME")}
         env.update({"RLPILOT_VAR_DIR": str(tmp), "DJANGO_SETTINGS_MODULE": "webapp.settings",
+                    # one key for the processes that make the session and the server that reads it
+                    "SECRET_KEY": os.environ.get("SECRET_KEY") or secrets.token_urlsafe(50),
                     "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", "DEBUG": "false"})
         if setup == "redis":
             self.ensure_pg_database(o["database_url"])
@@ -109,8 +112,9 @@ class Command(BaseCommand):
         return out.stdout
 
     def bench_setup(self, setup, viewer_counts, o) -> dict:
+        from websockets.exceptions import ConnectionClosed
+
         from webapp.dashboard.management.commands.serve import server_command
-        from webapp.dashboard.wsclient import WsClient
 
         tmp = Path(tempfile.mkdtemp(prefix=f"rlpilot-bench-{setup}-"))
         env = self.setup_env(setup, o, tmp)
@@ -127,15 +131,13 @@ class Command(BaseCommand):
                 self.log(o, f"   {n} viewer(s), run {run_id}")
                 lat: list[float] = []
                 lock = threading.Lock()
-                clients = [WsClient(f"ws://127.0.0.1:{port}/ws/runs/{run_id}/?after=0",
-                                    origin=f"http://127.0.0.1:{port}", cookie=f"sessionid={prep['session']}",
-                                    timeout=120) for _ in range(n)]
+                clients = [_ws_connect(port, run_id, prep["session"]) for _ in range(n)]
                 finished = []
 
-                def reader(c):
+                def reader(c, lock=lock, lat=lat, finished=finished):  # this round's lists
                     try:
                         while True:
-                            m = c.recv()
+                            m = c.recv(timeout=_WS_TIMEOUT_S)
                             t = time.time()
                             d = json.loads(m)
                             if d.get("type") == "metrics" and "bench/t_sent" in d["values"]:
@@ -144,7 +146,7 @@ class Command(BaseCommand):
                             if d.get("type") == "event" and d.get("kind") in ("run_finished", "run_stopped", "error"):
                                 finished.append(1)
                                 return
-                    except (OSError, ConnectionError):
+                    except (OSError, ConnectionClosed):   # TimeoutError is an OSError
                         return
                 threads = [threading.Thread(target=reader, args=(c,), daemon=True) for c in clients]
                 for t in threads:
@@ -188,7 +190,7 @@ class Command(BaseCommand):
         user, _ = User.objects.get_or_create(username="bench")
         s = SessionStore()
         s["_auth_user_id"] = str(user.pk)
-        s["_auth_user_backend"] = "django.contrib.auth.backends.ModelBackend"
+        s["_auth_user_backend"] = settings.AUTHENTICATION_BACKENDS[0]  # what the server accepts
         s["_auth_user_hash"] = user.get_session_auth_hash()
         s.create()
         ids = []
@@ -247,6 +249,9 @@ class _TimedSink:
     def event(self, step, kind, data=None):
         self._timed(self.inner.event, step, kind, data)
 
+    def samples(self, step, rows):
+        self._timed(self.inner.samples, step, rows)
+
     def flush(self):
         self._timed(self.inner.flush)
 
@@ -263,6 +268,27 @@ class _TimedControls:
 
     def acknowledge(self, *a, **k):
         return self.sink._timed(self.inner.acknowledge, *a, **k)
+
+
+_WS_TIMEOUT_S = 120.0   # handshake, and the longest wait for a message
+
+
+def _ws_connect(port: int, run_id: int, session_key: str):
+    """A viewer: the `websockets` sync client with the session cookie. The consumer checks that
+    Origin is this server's scheme://host:port (the client sends Host from the URL)."""
+    from websockets.exceptions import InvalidHandshake
+    from websockets.sync.client import connect
+
+    url = f"ws://127.0.0.1:{port}/ws/runs/{run_id}/?after=0"
+    try:
+        return connect(url, origin=f"http://127.0.0.1:{port}",
+                       additional_headers={"Cookie": f"sessionid={session_key}"},
+                       open_timeout=_WS_TIMEOUT_S, close_timeout=5,
+                       proxy=None,          # straight to 127.0.0.1, whatever the environment says
+                       compression=None,    # as measured before: no permessage-deflate
+                       max_size=None)       # our own server: no message size limit
+    except (InvalidHandshake, OSError) as e:
+        raise CommandError(f"WebSocket {url}: {type(e).__name__}: {e}") from e
 
 
 def _r(v):

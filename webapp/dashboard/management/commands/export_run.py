@@ -1,5 +1,6 @@
-"""`python manage.py export_run ID --format csv|json|toml|html [-o FILE]`: a run's metrics (full
-resolution), its config, or a self-contained HTML report (Plotly inlined; opens offline)."""
+"""`python manage.py export_run ID --format csv|json|toml|html|samples_csv [-o FILE]`: a run's
+metrics (full resolution; JSON with the rollout samples), its config, a self-contained HTML report
+(Plotly inlined; opens offline) or its rollout samples as CSV."""
 from __future__ import annotations
 
 import json
@@ -16,7 +17,7 @@ class Command(BaseCommand):
 
     def add_arguments(self, parser):
         parser.add_argument("run_id", type=int)
-        parser.add_argument("--format", choices=["csv", "json", "toml", "html"], default="json")
+        parser.add_argument("--format", choices=["csv", "json", "toml", "html", "samples_csv"], default="json")
         parser.add_argument("-o", "--output", help="file to write (default: standard output)")
 
     def handle(self, *args, **opts):
@@ -28,6 +29,8 @@ class Command(BaseCommand):
             text = reports.export_csv(run)
         elif fmt == "json":
             text = json.dumps(reports.export_json(run), default=str, indent=1)
+        elif fmt == "samples_csv":
+            text = reports.export_samples_csv(run)
         elif fmt == "toml":
             text = reports.export_toml(run)
         else:

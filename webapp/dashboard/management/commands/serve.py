@@ -1,5 +1,6 @@
 """`make run`: migrate, make sure the admin user exists, start the ASGI server (daphne) and a
-Celery training worker, print the URL, and stop everything cleanly on Ctrl-C."""
+Celery training worker, sweep stale runs every RLPILOT_SWEEP_S (its own timer: the local
+stand-in for Celery beat), print the URL, and stop everything cleanly on Ctrl-C."""
 from __future__ import annotations
 
 import os
@@ -14,7 +15,8 @@ from django.contrib.auth import get_user_model
 from django.core.management import call_command
 from django.core.management.base import BaseCommand
 
-from webapp.dashboard import actions
+from webapp import vardir
+from webapp.dashboard import actions, sweep
 from webapp.dashboard.models import LIVE, Desired, Run, Status
 
 
@@ -22,7 +24,7 @@ def worker_command(concurrency: int | None = None, loglevel: str = "info", queue
                    name: str | None = None) -> list[str]:
     """A Celery worker consuming `queues` (default: the training queue). On another machine the
     same command, with DATABASE_URL and REDIS_URL pointing at the shared services, adds a worker
-    (README: "Production layout and adding a worker machine")."""
+    (docs/operations.md: "Production layout" and adding a worker machine)."""
     queues = queues or [settings.TRAINING_QUEUE]
     name = name or f"{'+'.join(queues)}-{os.getpid()}"
     return [sys.executable, "-m", "celery", "-A", "webapp", "worker", "-Q", ",".join(queues),
@@ -36,7 +38,8 @@ def server_command(host: str, port: int) -> list[str]:
 
 
 class Command(BaseCommand):
-    help = "Run the dashboard: database migrations, admin user, ASGI server and a Celery worker."
+    help = ("Run the dashboard: database migrations, admin user, ASGI server, a Celery worker and "
+            "the stale-run sweep.")
 
     def add_arguments(self, parser):
         parser.add_argument("--host", default=os.environ.get("RLPILOT_HOST", "127.0.0.1"))
@@ -49,6 +52,10 @@ class Command(BaseCommand):
                             help="seconds to wait for running runs to stop at Ctrl-C")
 
     def handle(self, *args, **opts):
+        # var/ (SQLite, the filesystem broker's folders) and the local secret key, before the
+        # server and the worker start and read them (the settings create nothing at import)
+        vardir.ensure_var_dirs()
+        vardir.ensure_secret_key()
         db = settings.DATABASES["default"]
         mode = ("PostgreSQL" if "postgresql" in db["ENGINE"] else f"SQLite (WAL) {db['NAME']}")
         broker = "Redis" if settings.REDIS_URL else f"filesystem broker {settings.CELERY_DIR}"
@@ -56,9 +63,12 @@ class Command(BaseCommand):
                           f"{'channels_redis' if settings.REDIS_URL else 'in-memory (consumers poll)'}")
         call_command("migrate", interactive=False, verbosity=0)
         self.ensure_admin()
-        n = actions.mark_stale_runs(force=True)
+        n = sweep.mark_stale_runs(force=True)
         if n:
             self.stdout.write(f"{n} run(s) whose worker was gone are now 'interrupted' (resume them from the page)")
+        # with nobody watching, a run whose worker dies becomes interrupted within
+        # RLPILOT_HEARTBEAT_TIMEOUT_S + RLPILOT_SWEEP_S (production: Celery beat, see settings)
+        sweeper = sweep.Sweeper(settings.SWEEP_S).start()
 
         env = dict(os.environ)
         procs: list[tuple[str, subprocess.Popen]] = []
@@ -92,6 +102,7 @@ class Command(BaseCommand):
                         stopping["flag"] = True
                 time.sleep(0.5)
         finally:
+            sweeper.stop()   # before the shutdown: it marks what did not stop in time itself
             self.shutdown(procs, opts["stop_timeout"])
 
     def ensure_admin(self):
@@ -126,7 +137,7 @@ class Command(BaseCommand):
             if not Run.objects.filter(pk__in=live, status__in=LIVE).exists():
                 break
             time.sleep(0.5)
-        for name, p in procs:
+        for _name, p in procs:
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)   # daphne: graceful; celery: warm shutdown
         deadline = time.monotonic() + 15

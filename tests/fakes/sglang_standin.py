@@ -1,6 +1,10 @@
-"""A STAND-IN for an SGLang server, for tests and demos. It is not SGLang.
+"""A STAND-IN for an SGLang server, for tests and demos. It is not SGLang, and it is not part of
+the product: it lives with the tests (`tests/fakes/`). From the repository root:
 
-    python -m trainer.engine.sglang_standin --model builtin --port 30000
+    python tests/fakes/sglang_standin.py --model builtin --port 30000
+
+(`trainer` must be importable, as it is after `make`'s editable install; in tests:
+`from fakes.sglang_standin import StandinServer`).
 
 SGLang cannot run on CPU-only machines, so rlpilot's SGLang client (`trainer/engine/sglang.py`)
 is tested against this small HTTP server instead. It follows the request and response shapes
@@ -325,7 +329,7 @@ def _make_handler(server: StandinServer):
 def main(argv=None) -> int:
     from trainer.model import load_model, load_tokenizer
 
-    p = argparse.ArgumentParser(prog="python -m trainer.engine.sglang_standin",
+    p = argparse.ArgumentParser(prog="python tests/fakes/sglang_standin.py",
                                 description="A stand-in for an SGLang server (NOT SGLang), "
                                 "for testing rlpilot's SGLang client on CPU. Listens on 127.0.0.1.")
     p.add_argument("--model", default="builtin", help="'builtin' or a local HF model directory")

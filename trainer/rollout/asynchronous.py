@@ -11,11 +11,16 @@ Staleness bound eta (`async.max_staleness`): a new group is admitted only while
 
     accepted + running <= (eta + v + 1) * B        (v = current policy version, B = N groups/step)
 
-where `accepted` counts every group ever queued (trained or waiting) and `running` those still
-generating; the number generating at once is also capped (`async.max_inflight`). A group whose
-oldest token is still more than eta versions old when the trainer takes it is dropped (rare:
-only when a long answer outlives the bound). eta = 0 is the synchronous loop: B groups per
-version, generated with that version's weights.
+where `accepted` counts every group queued and not dropped (trained or waiting) and `running`
+those still generating; the number generating at once is also capped (`async.max_inflight`). A
+group whose oldest token is still more than eta versions old when the trainer takes it is
+dropped and gives its admission back (as AReaL counts a rejected rollout as not accepted: a
+drop that kept its slot would narrow the window for good). eta = 0 is the synchronous loop: B
+groups per version, generated with that version's weights.
+
+The trainer never waits forever (`collect`): if nothing is queued, nothing is generating and the
+rule admits nothing, no progress is possible, and after `async.collect_timeout_s` without any
+progress either way the run stops with an `AsyncStall` naming the admission counters.
 
 How the other techniques behave here (preset `all`):
 - APRIL: generation has no step barrier, so there is nothing to terminate early; over-sampling
@@ -35,31 +40,49 @@ import threading
 import time
 from collections import deque
 
-from trainer import april as april_mod
 from trainer.engine.base import SEGMENT, Sample, SamplingParams
-from trainer.rollout import Group, RolloutResult, StepCounts, new_group
+from trainer.rollout import april as april_mod
+from trainer.rollout.base import Driver, Group, RolloutResult, StepCounts, new_group, sampling_params
 
 
 def admission_allowed(accepted: int, running: int, version: int, eta: int, batch: int) -> bool:
     """AReaL's staleness rule: may one more group start now?"""
-    return accepted + running + 1 <= (eta + version + 1) * batch
+    return accepted + running + 1 <= admission_bound(version, eta, batch)
 
 
-class AsyncRollout:
-    def __init__(self, engine, tokenizer, prompts, scorer, selector, *, lock: threading.RLock):
-        self.engine, self.tokenizer, self.prompts = engine, tokenizer, prompts
+def admission_bound(version: int, eta: int, batch: int) -> int:
+    return (eta + version + 1) * batch
+
+
+class AsyncStall(RuntimeError):
+    """The trainer waited for groups that cannot come (or did not come in time)."""
+
+
+# a state that admits nothing with nothing queued or running must hold this long before it is
+# called a deadlock (a knob change or a new version may be on its way)
+_DEADLOCK_GRACE_S = 2.0
+
+
+class AsyncDriver(Driver):
+    concurrent = True
+
+    def __init__(self, engine, tokenizer, selector, scorer, *, lock: threading.RLock,
+                 batch: int = 0):
+        self.engine, self.tokenizer = engine, tokenizer
         self.scorer, self.selector = scorer, selector
+        self.batch = batch                   # groups per step (B), for the restored counters
         self.lock = lock                 # guards prompts/GRESO/reward state shared with the trainer
         self.cond = threading.Condition()
         self.queue: deque[Group] = deque()   # complete, scored, waiting for the trainer
         self.running: dict[int, Group] = {}  # id(group) -> generating group
         self.owner: dict[int, Group] = {}    # request id -> group
-        self.accepted = 0
+        self.accepted = 0                    # queued and not dropped: trained or waiting
         self.version = 0
         self.counts = StepCounts()
         self.scored: list[Group] = []        # scored since the last collect (metrics)
         self.dropped_stale = 0
         self.busy_s = 0.0                    # generator time spent stepping the engine
+        self.progress_at = time.monotonic()  # the last admission, finished sample or queued group
         self.cfg = None
         self._stop = threading.Event()
         self._paused = threading.Event()
@@ -67,7 +90,8 @@ class AsyncRollout:
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
         self._restored: list[Group] = []     # from a checkpoint, resumed first
-        self.buffer = april_mod.PartialBuffer()  # parity with Rollout (metrics); stays empty
+        self._stable_steps = 0               # auto staleness: consecutive steps with weights near 1
+        self._busy_reported = 0.0            # busy_s at the last report
 
     # --- lifecycle --------------------------------------------------------------------------------
     def start(self, cfg, version: int) -> None:
@@ -105,10 +129,13 @@ class AsyncRollout:
         with self.cond:
             self.cond.notify_all()
 
-    @contextlib.contextmanager
     def suspended(self):
         """Hold the worker and take its samples out of the engine (for an evaluation or a
         checkpoint); on exit they are submitted again and continue where they stopped."""
+        return self._suspended() if self.running_worker else contextlib.nullcontext([])
+
+    @contextlib.contextmanager
+    def _suspended(self):
         was_paused = self._paused.is_set()
         self.pause(wait=True)
         with self.cond:
@@ -134,10 +161,12 @@ class AsyncRollout:
 
     # --- the trainer side -------------------------------------------------------------------------
     def collect(self, cfg, version: int) -> RolloutResult:
-        """Block until B groups are queued; return the oldest B whose staleness is within eta."""
+        """Block until B groups are queued; return the oldest B whose staleness is within eta.
+        Raises AsyncStall when no group can come (see the module docstring)."""
         B = cfg.rollout.rollout_batch_size
         t0 = time.monotonic()
         taken: list[Group] = []
+        stuck_since = None
         with self.cond:
             self.cfg = cfg
             while len(taken) < B:
@@ -148,31 +177,101 @@ class AsyncRollout:
                                  default=version)
                     if version - oldest > cfg.async_.max_staleness:
                         self.dropped_stale += 1
+                        self.accepted -= 1  # a dropped group gives its admission back
                         self.counts.discarded_tokens += g.tokens()
+                        self.cond.notify_all()
                         continue
                     taken.append(g)
                     continue
                 if self._thread is None:
                     raise RuntimeError("the generation worker is not running")
-                self.cond.wait(timeout=0.5)
+                now = time.monotonic()
+                if self._deadlocked():
+                    stuck_since = stuck_since or now
+                    if now - stuck_since >= _DEADLOCK_GRACE_S:
+                        raise AsyncStall("asynchronous rollout deadlocked: nothing is queued or "
+                                         "generating and the staleness rule admits no new group; "
+                                         + self.counters_text(len(taken)))
+                else:
+                    stuck_since = None
+                limit = cfg.async_.collect_timeout_s
+                if now - max(t0, self.progress_at) > limit:
+                    raise AsyncStall(f"no generation progress for {limit:.0f} s "
+                                     f"(async.collect_timeout_s); " + self.counters_text(len(taken)))
+                self.cond.wait(timeout=0.2)
             waited = time.monotonic() - t0
             counts, self.counts = self.counts, StepCounts()
             scored, self.scored = self.scored, []
             queue_len = len(self.queue)
+            counters = self.counters()
         taken.sort(key=lambda g: g.draw)
         staleness = [version - min(s.versions) for g in taken for s in g.samples if s.versions]
-        result = RolloutResult(groups=taken, scored=scored, gen_seconds=waited, counts=counts)
+        result = RolloutResult(groups=taken, scored=scored, gen_seconds=waited, counts=counts,
+                               staleness=staleness)
         result.metrics = {"async/queue_size": queue_len, "async/running_groups": len(self.running),
                           "async/dropped_stale_groups": self.dropped_stale,
                           "async/max_staleness": cfg.async_.max_staleness,
+                          "async/accepted": counters["accepted"],
+                          "async/admission_bound": counters["bound"],
                           "async/trainer_wait_s": waited,
                           "rollout/effective_groups": len(taken),
                           "rollout/groups_started": counts.groups_started}
-        result.staleness = staleness  # type: ignore[attr-defined]
         return result
 
-    def after_step(self, cfg, idle_slot_frac: float) -> None:
-        pass
+    def counters(self) -> dict[str, int]:
+        """The admission counters (for metrics, benchmarks and stall messages)."""
+        cfg = self.cfg
+        return {"accepted": self.accepted, "running": len(self.running),
+                "queued": len(self.queue), "version": self.version,
+                "eta": cfg.async_.max_staleness, "batch": cfg.rollout.rollout_batch_size,
+                "bound": admission_bound(self.version, cfg.async_.max_staleness,
+                                         cfg.rollout.rollout_batch_size),
+                "dropped_stale": self.dropped_stale}
+
+    def counters_text(self, taken: int) -> str:
+        c = self.counters()
+        return (f"accepted={c['accepted']} running={c['running']} queued={c['queued']} "
+                f"taken={taken}/{c['batch']} bound=(eta {c['eta']} + version {c['version']} + 1)"
+                f" x B {c['batch']} = {c['bound']}, dropped as stale={c['dropped_stale']}")
+
+    def _deadlocked(self) -> bool:
+        """Nothing queued or generating, and the rule admits nothing (called under cond)."""
+        return (not self.queue and not self.running and not self._restored
+                and not self._paused.is_set() and not self._can_admit())
+
+    def report(self, cfg, result, version, step_s, hist) -> dict[str, float]:
+        """Staleness against eta, and how much each side waited for the other."""
+        staleness = result.staleness
+        hist("async/staleness", staleness, [float(i) for i in range(cfg.async_.max_staleness + 2)])
+        busy, self._busy_reported = self.busy_s - self._busy_reported, self.busy_s
+        m = {"async/staleness/mean": sum(staleness) / max(len(staleness), 1),
+             "async/staleness/max": max(staleness, default=0),
+             "async/generator_idle_frac": max(0.0, 1.0 - busy / max(step_s, 1e-9)),
+             "async/trainer_idle_frac": result.gen_seconds / max(step_s, 1e-9)}
+        if cfg.april.enabled:
+            m.update(april_mod.report(result, version, hist, None))
+        return m
+
+    def retune(self, cfg, tm: dict[str, float]) -> dict | None:
+        """async.auto_staleness: tighten eta when behaviour importance weights drift from 1
+        (data too stale), relax it after 5 steps near 1. Returns the `auto_staleness` event."""
+        a = cfg.async_
+        if not a.auto_staleness or "actor/behave_imp_weight" not in tm:
+            return None
+        drift = abs(tm["actor/behave_imp_weight"] - 1.0)
+        capped = tm.get("actor/behave_capped_ratio", 0.0)
+        new = a.max_staleness
+        if drift > 0.05 or capped > 0.01:
+            new, self._stable_steps = max(0, a.max_staleness - 1), 0
+        elif drift < 0.01:
+            self._stable_steps += 1
+            if self._stable_steps >= 5:
+                new, self._stable_steps = min(a.auto_staleness_max, a.max_staleness + 1), 0
+        if new == a.max_staleness:
+            return None
+        return {"kind": "auto_staleness",
+                "changes": {"async.max_staleness": {"old": a.max_staleness, "new": new}},
+                "behave_imp_weight": tm["actor/behave_imp_weight"], "capped_ratio": capped}
 
     def _raise_worker_error(self) -> None:
         if self._error is not None:
@@ -214,10 +313,8 @@ class AsyncRollout:
                                   cfg.async_.max_staleness, cfg.rollout.rollout_batch_size))
 
     def _params(self) -> SamplingParams:
-        r = self.cfg.rollout
         segment = april_mod.segment_limit(self.cfg) if self.cfg.april.enabled else None
-        return SamplingParams(temperature=r.temperature, top_p=r.top_p,
-                              max_new_tokens=r.max_response_len, segment_max_tokens=segment)
+        return sampling_params(self.cfg, segment)
 
     def _admit(self) -> None:
         while self._restored and len(self.running) < self._cap():
@@ -232,14 +329,16 @@ class AsyncRollout:
             self._launch(g, g.samples)
 
     def _launch(self, g: Group, samples: list[Sample]) -> None:
-        for s in samples:
-            self.owner[s.request_id] = g
-        self.running[id(g)] = g
+        for sm in samples:
+            self.owner[sm.request_id] = g
+        with self.cond:
+            self.running[id(g)] = g
         self.counts.submitted += len(samples)
+        self.progress_at = time.monotonic()
         self.engine.submit(samples)
 
     def _handle(self, finished: list[Sample]) -> None:
-        complete = []
+        complete: dict[int, Group] = {}  # a group whose samples finish together counts once
         for s in finished:
             g = self.owner.get(s.request_id)
             if s.finish_reason == SEGMENT:  # APRIL segment limit: back of the queue
@@ -247,16 +346,20 @@ class AsyncRollout:
                 continue
             self.owner.pop(s.request_id, None)
             self.counts.completed += 1
+            self.progress_at = time.monotonic()
             if g is not None and g.complete and id(g) in self.running:
-                del self.running[id(g)]
-                complete.append(g)
+                complete[id(g)] = g
         if not complete:
             return
+        complete = list(complete.values())
         with self.lock:
             self.scorer(complete)
         dynamic = self.cfg.rollout.dynamic_sampling
+        # a group leaves `running` only once it is queued (or filtered): the trainer never sees
+        # a moment where a scored group is in neither, which would look like a deadlock
         with self.cond:
             for g in complete:
+                del self.running[id(g)]
                 self.scored.append(g)
                 if dynamic and g.zero_variance:
                     self.counts.filtered_groups += 1
@@ -277,10 +380,11 @@ class AsyncRollout:
             return {"groups": buf.state_dict()["groups"], "accepted": self.accepted,
                     "queued": len(self.queue), "dropped_stale": self.dropped_stale}
 
-    def load_state_dict(self, state: dict, version: int, batch: int) -> None:
+    def load_state_dict(self, state: dict, version: int) -> None:
         """Restore queued and partial groups. `accepted` is rebased on the restored version
         (v * B consumed + the queue), so the staleness bound holds after a resume: a counter
         restarted at 0 would admit a burst of (eta + v + 1) * B groups at once."""
+        batch = self.batch
         if not state:
             self.accepted = version * batch
             return

@@ -1,0 +1,145 @@
+"""Every metric name rlpilot reports, declared once, with what it means; and the charts the
+dashboard draws from them (the live page, the report, the offline export and the comparison
+read `CHARTS` and `HISTOGRAM_AXES` from here, through the page's JSON).
+
+Names follow verl/TRL habits: slash-separated, `section/quantity[/detail]`. A test runs every
+preset and fails when a name is reported that is not declared here.
+"""
+from __future__ import annotations
+
+import re
+
+SCALARS: dict[str, str] = {
+    # rewards
+    "reward/mean": "mean reward of the step's scored samples (with penalties)",
+    "reward/accuracy": "share of samples whose verifier score is full marks",
+    "reward/errors": "rewards that raised (scored 0)",
+    "reward/timeouts": "rewards that timed out (scored 0)",
+    "eval/accuracy": "held-out accuracy", "eval/reward_mean": "held-out mean reward",
+    "eval/response_len_mean": "held-out mean response length (tokens)",
+    # rollout
+    "rollout/response_len/mean": "mean response length (tokens)",
+    "rollout/response_len/p50": "median response length", "rollout/response_len/p90": "p90 length",
+    "rollout/response_len/max": "longest response",
+    "rollout/truncated_ratio": "share of responses cut at max_response_len",
+    "rollout/zero_var_ratio": "share of groups whose rewards are all equal (no signal)",
+    "rollout/zero_var_ratio/all_correct": "share of all-correct groups",
+    "rollout/zero_var_ratio/all_wrong": "share of all-wrong groups",
+    "rollout/idle_slot_frac": "share of engine slots idle per decode step",
+    "rollout/decode_steps": "engine decode steps", "rollout/gen_tokens": "tokens generated",
+    "rollout/samples": "samples started", "rollout/trained_tokens": "response tokens trained on",
+    "rollout/groups_started": "new prompts rolled out", "rollout/rounds": "dynamic sampling rounds",
+    "rollout/effective_groups": "complete groups with signal ready to train",
+    "rollout/filtered_groups": "zero-variance groups dropped by dynamic sampling",
+    "rollout/discarded_tokens": "generated tokens thrown away",
+    # the update
+    "actor/pg_loss": "policy-gradient loss (token mean)", "actor/kl": "k3 KL to the reference",
+    "actor/clip_ratio": "share of tokens clipped", "actor/entropy": "token entropy",
+    "actor/importance_weight": "pi_theta / pi_old (pi_prox when asynchronous)",
+    "actor/behave_imp_weight": "pi_prox / pi_behaviour (asynchronous)",
+    "actor/behave_capped_ratio": "share of tokens over the behaviour-weight cap",
+    "actor/grad_norm": "gradient norm before clipping", "actor/lr": "learning rate",
+    "actor/loss_tokens": "tokens in the loss", "actor/advantage_abs_mean": "mean |advantage|",
+    # throughput and time
+    "perf/gen_tokens_per_s": "generated tokens per second of generation",
+    "perf/trained_tokens_per_s": "trained tokens per second of step",
+    "perf/rollout_trained_tokens_per_s": "trained tokens per second of rollout",
+    "timing/gen_s": "generation (asynchronous: waiting for groups)", "timing/reward_s": "rewards",
+    "timing/train_s": "update", "timing/weight_sync_s": "weights to the engine",
+    "timing/step_s": "whole step", "timing/samples_s": "recording samples (rollout inspector)",
+    "train/policy_version": "policy version after the step",
+    "train/samples_total": "samples generated so far", "train/gen_tokens_total": "tokens generated",
+    "train/trained_tokens_total": "tokens trained on so far",
+    # APRIL
+    "april/buffer_size": "partial-rollout buffer (groups)", "april/buffer_samples": "buffer samples",
+    "april/buffer_tokens": "buffer tokens", "april/submitted": "samples submitted",
+    "april/completed": "samples finished", "april/parked": "samples parked",
+    "april/dropped": "samples dropped (version span)", "april/aborted_tokens": "tokens aborted",
+    "april/span_dropped_groups": "groups dropped for their version span",
+    "april/segment_max_tokens": "current segment limit",
+    "april/top_ups": "times new groups were started mid-step as parked ones left the engine",
+    "april/offpolicy_token_ratio": "share of trained tokens from older policies",
+    "april/masked_tokens": "off-policy tokens masked out of the loss",
+    # GRESO
+    "greso/skip_rate": "share of drawn prompts skipped", "greso/skip_rate/easy": "easy ones",
+    "greso/skip_rate/hard": "hard ones", "greso/p_easy": "exploration probability, easy",
+    "greso/p_hard": "exploration probability, hard", "greso/prompts_sampled": "prompts drawn",
+    # asynchronous training
+    "async/staleness/mean": "versions behind, mean over trained samples",
+    "async/staleness/max": "versions behind, max", "async/max_staleness": "eta",
+    "async/queue_size": "complete groups waiting", "async/running_groups": "groups generating",
+    "async/dropped_stale_groups": "groups dropped as too stale (cumulative)",
+    "async/accepted": "admission counter", "async/admission_bound": "(eta + v + 1) x B",
+    "async/trainer_wait_s": "trainer waiting for groups",
+    "async/generator_idle_frac": "share of the step the generator was idle",
+    "async/trainer_idle_frac": "share of the step the trainer waited",
+    # the machine
+    "system/cpu_util": "CPU utilisation (% of all cores)", "system/ram_gb": "trainer RSS (GB)",
+    "system/gpu_util": "GPU utilisation (%), mean over devices",
+    "system/gpu_mem_gb": "GPU memory (GB), mean", "system/gpu_power_w": "GPU power (W), mean",
+    "system/cuda_peak_mem_gb": "peak CUDA memory this step (GB)",
+    "dist/world_size": "processes training together (data parallel)",
+}
+# per device i: system/gpu{i}/util, system/gpu{i}/mem_gb, system/gpu{i}/power_w
+PATTERNS = {r"^system/gpu\d+/(util|mem_gb|power_w)$": "per-GPU telemetry"}
+
+HISTOGRAM_AXES: dict[str, str] = {  # histogram name -> what its x axis counts
+    "rollout/response_len": "response length (tokens)",
+    "async/staleness": "staleness (policy versions behind)",
+    "april/version_span": "versions spanned by one sample (policy versions)",
+    "april/buffer_age": "age of a buffered partial sample (policy versions)",
+}
+
+# The dashboard's charts, in page order. keys: line traces; "fallback": used when the first
+# key has no data (no GPU); "pattern": traces for every matching name (one per device);
+# "prefix": every name under it; type "hist"/"heat": the histogram `name`; "eta": draw eta.
+CHARTS: list[dict] = [
+    {"id": "system", "title": "GPU utilisation (%) and memory (GB), mean over devices",
+     "keys": ["system/gpu_util", "system/gpu_mem_gb"], "y2": 1,
+     "fallback": {"title": "CPU utilisation (%) and RAM (GB) — no GPU",
+                  "keys": ["system/cpu_util", "system/ram_gb"]}},
+    {"id": "gpu-util", "title": "GPU utilisation per device (%)", "pattern": r"^system/gpu\d+/util$"},
+    {"id": "gpu-mem", "title": "GPU memory per device (GB)", "pattern": r"^system/gpu\d+/mem_gb$"},
+    {"id": "gpu-power", "title": "GPU power (W): mean and per device",
+     "keys": ["system/gpu_power_w"], "pattern": r"^system/gpu\d+/power_w$"},
+    {"id": "reward", "title": "Reward and accuracy",
+     "keys": ["reward/mean", "reward/accuracy", "eval/accuracy"]},
+    {"id": "kl", "title": "KL to the reference (k3)", "keys": ["actor/kl"]},
+    {"id": "len-hist", "type": "hist", "name": "rollout/response_len",
+     "title": "Rollout length (latest step)"},
+    {"id": "len-heat", "type": "heat", "name": "rollout/response_len",
+     "title": "Rollout length: steps × length bins (log colour)"},
+    {"id": "resp-len", "title": "Response length (tokens)",
+     "keys": ["rollout/response_len/mean", "rollout/response_len/p50",
+              "rollout/response_len/p90", "rollout/response_len/max"]},
+    {"id": "staleness", "title": "Staleness: mean and max against η",
+     "keys": ["async/staleness/mean", "async/staleness/max"], "eta": True},
+    {"id": "staleness-hist", "type": "hist", "name": "async/staleness",
+     "title": "Staleness histogram (latest step)"},
+    {"id": "throughput", "title": "Throughput (tokens/s): generated and trained",
+     "keys": ["perf/gen_tokens_per_s", "perf/trained_tokens_per_s"]},
+    {"id": "zero-var", "title": "Zero-variance group ratio",
+     "keys": ["rollout/zero_var_ratio", "rollout/zero_var_ratio/all_correct",
+              "rollout/zero_var_ratio/all_wrong"]},
+    {"id": "greso", "title": "GRESO: skip rate, p_easy, p_hard",
+     "keys": ["greso/skip_rate", "greso/p_easy", "greso/p_hard"]},
+    {"id": "april", "title": "APRIL: buffer size and off-policy token ratio",
+     "keys": ["april/buffer_size", "april/offpolicy_token_ratio"], "y2": 1},
+    {"id": "hist-april-version-span", "type": "hist", "name": "april/version_span",
+     "title": "APRIL: version span per sample (latest step)"},
+    {"id": "hist-april-buffer-age", "type": "hist", "name": "april/buffer_age",
+     "title": "APRIL: age of buffered samples (latest step)"},
+    {"id": "timing", "title": "Step timings (s)", "prefix": "timing/"},
+    {"id": "actor", "title": "Clip ratio, importance weight, grad norm",
+     "keys": ["actor/clip_ratio", "actor/importance_weight", "actor/behave_imp_weight",
+              "actor/grad_norm"]},
+]
+
+
+def declared(name: str) -> bool:
+    return name in SCALARS or any(re.match(p, name) for p in PATTERNS)
+
+
+def page_spec() -> dict:
+    """What the pages' chart code needs (JSON)."""
+    return {"charts": CHARTS, "histogram_axes": HISTOGRAM_AXES}

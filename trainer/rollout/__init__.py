@@ -1,0 +1,29 @@
+"""Ways of producing a training step's groups, one module each, behind one interface
+(`base.Driver`):
+
+- `synchronous.py`: the synchronous step, with DAPO dynamic sampling;
+- `april.py`: APRIL active partial rollouts (the synchronous driver's step while enabled);
+- `selection.py`: which prompts are rolled out (the data cursor and GRESO's pre-filter);
+- `asynchronous.py`: AReaL asynchronous rollout with a staleness bound.
+
+`build_driver` picks the driver a config asks for.
+"""
+from __future__ import annotations
+
+from trainer.rollout.base import Driver, Group, PromptSource, RolloutResult, StepCounts, new_group
+
+__all__ = ["Driver", "Group", "PromptSource", "RolloutResult", "StepCounts", "new_group",
+           "build_driver"]
+
+
+def build_driver(cfg, engine, tokenizer, selector, scorer, lock) -> Driver:
+    # imported here: the driver modules import this package (base, april), so importing them
+    # while it initialises would be circular
+    if cfg.async_.enabled:
+        from trainer.rollout.asynchronous import AsyncDriver
+
+        return AsyncDriver(engine, tokenizer, selector, scorer, lock=lock,
+                           batch=cfg.rollout.rollout_batch_size)
+    from trainer.rollout.synchronous import SynchronousDriver
+
+    return SynchronousDriver(engine, tokenizer, selector, scorer)

@@ -1,0 +1,254 @@
+"""What every way of producing groups shares: the group, the prompt source, the step's sample
+accounting, the result a step gets back, and the driver interface the runner talks to.
+
+A training step asks its driver for `collect(cfg, version)`: at most N complete, scored groups
+to train on (plus every group scored this step, for the reward metrics). The driver also says
+what it measured (`report`), keeps its state in checkpoints, and hears about the run's life:
+new knob values, new policy versions, pause/resume/stop, evaluations and checkpoints that need
+the engine to itself (`suspended`). The runner never asks which driver it has.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Callable
+
+from trainer.engine.base import LENGTH, Sample, SamplingParams
+from trainer.greso import classify
+from trainer.metrics import percentile
+from trainer.tasks.base import Problem, Task
+
+
+@dataclass
+class Group:
+    problem: Problem
+    samples: list[Sample]
+    rewards: list[float] = field(default_factory=list)  # what the loss uses (with penalties)
+    draw: int = 0  # index of the draw that produced it (data cursor position)
+    raw_scores: list[float] = field(default_factory=list)  # the verifier's scores alone
+    reward_status: list[str] = field(default_factory=list)  # per sample: "ok", "error", "timeout"
+    reward_notes: list[str] = field(default_factory=list)   # per sample: why scoring failed
+
+    @property
+    def complete(self) -> bool:
+        return all(s.done for s in self.samples)
+
+    @property
+    def scored(self) -> bool:
+        return len(self.rewards) == len(self.samples)
+
+    @property
+    def zero_variance(self) -> bool:
+        return len(set(self.rewards)) <= 1
+
+    @property
+    def unfinished(self) -> list[Sample]:
+        return [s for s in self.samples if not s.done]
+
+    def tokens(self) -> int:
+        return sum(len(s.response_ids) for s in self.samples)
+
+
+class PromptSource:
+    """Hands out training problems in order; the cursor is the only state (checkpointed)."""
+
+    def __init__(self, task: Task, cursor: int = 0):
+        self.task, self.cursor = task, cursor
+
+    def next(self) -> tuple[int, Problem]:
+        draw = self.cursor
+        self.cursor += 1
+        return draw, self.task.train_problem(draw)
+
+
+def new_group(draw: int, problem: Problem, tokenizer, n: int, params: SamplingParams) -> Group:
+    prompt_ids = tokenizer(problem.prompt).input_ids
+    samples = [Sample(list(prompt_ids), params, meta={"draw": draw, "index": k})
+               for k in range(n)]
+    return Group(problem=problem, samples=samples, draw=draw)
+
+
+def sampling_params(cfg, segment: int | None = None) -> SamplingParams:
+    r = cfg.rollout
+    return SamplingParams(temperature=r.temperature, top_p=r.top_p,
+                          max_new_tokens=r.max_response_len, segment_max_tokens=segment)
+
+
+@dataclass
+class StepCounts:
+    """Sample accounting of one step (the invariants are in trainer/rollout/april.py)."""
+    submitted: int = 0
+    completed: int = 0
+    parked: int = 0
+    dropped: int = 0
+    aborted_tokens: int = 0     # tokens of samples parked at early termination
+    discarded_tokens: int = 0   # generated tokens thrown away (span drops, surplus groups)
+    filtered_groups: int = 0    # complete groups dropped by dynamic sampling (zero variance)
+    span_dropped_groups: int = 0
+    groups_started: int = 0     # new prompts rolled out
+    skipped_easy: int = 0       # GRESO
+    skipped_hard: int = 0
+    rounds: int = 0
+    top_ups: int = 0            # APRIL: new groups started mid-step as parked ones left the engine
+
+
+@dataclass
+class RolloutResult:
+    groups: list[Group]               # complete, scored, to train on (at most N)
+    scored: list[Group]               # every group scored this step (for reward metrics)
+    gen_seconds: float
+    counts: StepCounts
+    metrics: dict[str, float] = field(default_factory=dict)
+    staleness: list[int] = field(default_factory=list)  # per sample, versions behind (async)
+
+
+# (name, values, bin edges) -> None: how a driver reports a histogram
+Histogram = Callable[[str, list, list], None]
+
+
+class Driver:
+    """The interface between the step loop and a way of producing groups. The defaults are a
+    driver that generates only inside `collect` (nothing runs between steps)."""
+
+    concurrent = False  # True: generation goes on while the trainer trains (the engine is busy)
+
+    def collect(self, cfg, version: int) -> RolloutResult:
+        raise NotImplementedError
+
+    def after_step(self, cfg, idle_slot_frac: float) -> None:
+        """Called once the step's generation is over, with how idle the engine's slots were."""
+
+    def report(self, cfg, result: RolloutResult, version: int, step_s: float,
+               histogram: Histogram) -> dict[str, float]:
+        """This driver's own metrics of the step (after the update: `version` is the new one)."""
+        return {}
+
+    def retune(self, cfg, train_metrics: dict[str, float]) -> dict | None:
+        """Knob changes the driver decides by itself after a step, as an event:
+        {"kind": ..., "changes": {key: {"old", "new"}}, ...}; None for none."""
+        return None
+
+    # --- the run's life --------------------------------------------------------------------------
+    def start(self, cfg, version: int) -> None: ...
+    def close(self) -> None: ...
+    def pause(self) -> None: ...
+    def resume(self) -> None: ...
+    def set_config(self, cfg) -> None: ...
+    def on_new_version(self, version: int) -> None: ...
+
+    def suspended(self):
+        """Hold generation while something else uses the engine (an evaluation, a checkpoint)."""
+        return contextlib.nullcontext([])
+
+    # --- checkpoints -------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict, version: int) -> None: ...
+
+
+class StepRun:
+    """The bookkeeping of one synchronous step (the baseline, dynamic sampling and APRIL share
+    it): which groups are generating, complete but unscored, scored and kept, or parked, and
+    which group each request belongs to."""
+
+    def __init__(self, engine, tokenizer, select, scorer, cfg, params: SamplingParams):
+        self.engine, self.tokenizer, self.select, self.scorer = engine, tokenizer, select, scorer
+        self.cfg, self.params = cfg, params
+        self.dynamic = cfg.rollout.dynamic_sampling
+        self.counts = StepCounts()
+        self.ready: list[Group] = []        # complete, scored, kept
+        self.scored: list[Group] = []
+        self.waiting: list[Group] = []      # complete, not yet scored
+        self.active: dict[int, Group] = {}  # id(group) -> group with samples in the engine
+        self.parked: list[Group] = []       # groups with samples stopped at the segment limit
+        self.owner: dict[int, Group] = {}   # request id -> group
+
+    def start(self, group: Group, samples: list[Sample]) -> None:
+        for s in samples:
+            s.params = self.params if not s.response_ids else _continue_params(s.params, self.params)
+            self.owner[s.request_id] = group
+        self.active[id(group)] = group
+        self.counts.submitted += len(samples)
+        self.engine.submit(samples)
+
+    def start_new(self, n: int, order: Callable | None = None) -> None:
+        """Draw `n` new prompts (the selector may skip some: GRESO) and start their groups."""
+        G = self.cfg.rollout.n_samples_per_prompt
+        groups = []
+        for _ in range(n):
+            draw, problem = self.select(self.cfg, self.counts)
+            groups.append(new_group(draw, problem, self.tokenizer, G, self.params))
+        if order is not None:
+            groups.sort(key=order)
+        for g in groups:
+            self.counts.groups_started += 1
+            self.start(g, g.samples)
+
+    def score_waiting(self) -> None:
+        """Score the complete groups; dynamic sampling drops the zero-variance ones."""
+        if not self.waiting:
+            return
+        self.scorer(self.waiting)
+        for g in self.waiting:
+            self.scored.append(g)
+            if self.dynamic and g.zero_variance:
+                self.counts.filtered_groups += 1
+                self.counts.discarded_tokens += g.tokens()
+            else:
+                self.ready.append(g)
+        self.waiting.clear()
+
+    def advance(self) -> None:
+        """One engine step; groups whose samples all stopped leave `active`."""
+        for s in self.engine.step():
+            g = self.owner[s.request_id]
+            if s.done:
+                self.counts.completed += 1
+            if all(x.finish_reason is not None for x in g.samples) and id(g) in self.active:
+                del self.active[id(g)]
+                if g.complete:
+                    self.waiting.append(g)
+                else:  # some samples stopped at their segment limit
+                    self.parked.append(g)
+
+    def in_hand(self) -> int:
+        return len(self.ready) + len(self.active) + len(self.waiting)
+
+
+def _continue_params(old: SamplingParams, new: SamplingParams) -> SamplingParams:
+    """A resumed sample keeps its sampling distribution (its earlier tokens' logprobs were
+    taken under it) and its budget; only the per-step segment limit is the current one."""
+    return SamplingParams(temperature=old.temperature, top_p=old.top_p,
+                          max_new_tokens=old.max_new_tokens,
+                          segment_max_tokens=new.segment_max_tokens)
+
+
+def step_metrics(cfg, result: RolloutResult, engine_stats) -> dict[str, float]:
+    """What every driver's step reports: rewards, lengths, zero-variance shares, engine use."""
+    c, scored = result.counts, result.scored
+    rewards = [r for g in scored for r in g.rewards]
+    lengths = [len(s.response_ids) for g in scored for s in g.samples]
+    n_groups, n = max(len(scored), 1), max(len(rewards), 1)
+    kinds = [classify(g.rewards) for g in scored]
+    all_correct, all_wrong = kinds.count("all_correct"), kinds.count("all_wrong")
+    m = dict(result.metrics)
+    m.update({
+        "reward/mean": sum(rewards) / n,
+        "reward/accuracy": sum(1 for g in scored for r in g.raw_scores if r >= 1.0) / n,
+        "rollout/response_len/mean": sum(lengths) / max(len(lengths), 1),
+        "rollout/response_len/p50": percentile(lengths, 0.5),
+        "rollout/response_len/p90": percentile(lengths, 0.9),
+        "rollout/response_len/max": max(lengths, default=0),
+        "rollout/truncated_ratio": sum(s.finish_reason == LENGTH for g in scored
+                                       for s in g.samples) / max(len(lengths), 1),
+        "rollout/zero_var_ratio": (all_correct + all_wrong) / n_groups,
+        "rollout/zero_var_ratio/all_correct": all_correct / n_groups,
+        "rollout/zero_var_ratio/all_wrong": all_wrong / n_groups,
+        "rollout/idle_slot_frac": engine_stats.idle_slot_frac(),
+        "rollout/decode_steps": engine_stats.decode_steps,
+        "rollout/gen_tokens": engine_stats.generated_tokens,
+        "rollout/samples": c.groups_started * cfg.rollout.n_samples_per_prompt,
+        "timing/gen_s": result.gen_seconds,
+    })
+    return m

@@ -1,0 +1,1 @@
+"""Database backends of the project (see sqlite3/)."""

@@ -1,0 +1,386 @@
+"""What users may send the web app, and what their runs may reach (issue #12).
+
+- Text users type (run names, notes, tags, config strings) must be storable: no NUL (PostgreSQL
+  refuses it), no lone UTF-16 surrogate (no UTF-8 encoding: the page that shows it would fail),
+  and bounded in length. Refusals are 400s naming the field; a bad value is never echoed whole.
+- A run from the web may reach only what the server allows: SGLang servers listed in
+  RLPILOT_SGLANG_URLS (none: the SGLang engine is refused), engine weights only in the run's own
+  folder (RUN_DIR/engine_weights: `rollout.sglang_weights_dir` is refused), and `model.path` /
+  `data.path` / `data.eval_path` only under RLPILOT_MODEL_ROOTS / RLPILOT_DATA_ROOTS (resolved:
+  symlinks and `..` followed; `model.path = "builtin"` always allowed), where a model.path must
+  also be a model a run can load (trainer.model.check_model_dir). The launch checks these
+  (API and form, through actions.launch_run) and the worker checks them again before it trains.
+- Rate limits: failed logins per username + client address (the login page says how long to
+  wait) and queued + running runs per user (staff exempt).
+
+The actions layer calls this module; it never imports the actions layer (its errors come from
+errors.py).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import time
+from typing import Any
+from urllib.parse import urlsplit
+
+from django.conf import settings
+from django.contrib import messages
+from django.contrib.auth import get_user_model
+from django.contrib.auth.backends import ModelBackend
+from django.contrib.auth.views import LoginView
+from django.contrib.staticfiles.handlers import ASGIStaticFilesHandler
+from django.core.cache import cache
+from django.core.exceptions import PermissionDenied, SuspiciousOperation
+from django.db import transaction
+from django.http import Http404
+
+from trainer import config as config_mod
+from webapp.dashboard.errors import TooManyRuns
+from webapp.dashboard.models import ACTIVE, Run
+
+log = logging.getLogger(__name__)
+
+MAX_NAME_LEN = 200          # Run.name is a CharField(200)
+MAX_NOTE_LEN = 20_000
+MAX_TAGS = 20
+MAX_TAG_LEN = 40
+MAX_TOML_LEN = 200_000      # a full config as TOML text
+MAX_JSON_DEPTH = 32         # nesting of a request body (a config is two levels deep)
+MAX_METRIC_KEYS = 200       # ?keys= of /metrics
+MAX_ID = 2 ** 63 - 1        # the largest row id (BigAutoField)
+
+# error replies: never echo a long value or key whole, never list thousands of errors
+MAX_MESSAGE_LEN = 500
+MAX_ERROR_KEY_LEN = 120
+MAX_ERRORS = 50
+
+short_repr = config_mod.short_repr
+
+
+# --- text ------------------------------------------------------------------------------------------
+
+def clip(text: Any, limit: int) -> str:
+    """`text` as a str of at most `limit` characters, without NUL or lone surrogates (so it can
+    always be encoded, stored and shown)."""
+    text = config_mod.UNSTORABLE.sub("\ufffd", str(text))
+    return text if len(text) <= limit else text[:max(0, limit - 20)] + f"... ({len(text)} chars)"
+
+
+def clip_errors(errors: dict | None) -> dict[str, str]:
+    """An error dict fit for a reply: keys and messages shortened, at most MAX_ERRORS entries."""
+    out: dict[str, str] = {}
+    items = list((errors or {}).items())
+    for k, v in items[:MAX_ERRORS]:
+        out[clip(k, MAX_ERROR_KEY_LEN)] = clip(v, MAX_MESSAGE_LEN)
+    if len(items) > MAX_ERRORS:
+        out["..."] = f"and {len(items) - MAX_ERRORS} more errors"
+    return out
+
+
+def text_error(value: Any, max_len: int) -> str | None:
+    """Why `value` is not acceptable text (None when it is)."""
+    if not isinstance(value, str):
+        return f"expected text, got {type(value).__name__}"
+    return config_mod.text_problem(value, max_len)
+
+
+def check_name(name: Any) -> str | None:
+    if not isinstance(name, str) or not name.strip():
+        return "required: a short name for the run"
+    return text_error(name.strip(), MAX_NAME_LEN)
+
+
+def check_note(note: Any) -> str | None:
+    problem = text_error(note, MAX_NOTE_LEN)
+    return f"{problem} (a note is text of at most {MAX_NOTE_LEN} characters)" if problem else None
+
+
+def clean_tags(tags: Any) -> tuple[list[str] | None, str | None]:
+    """A list of tags (or "a, b") -> (the stripped, deduplicated tags, None) or (None, error)."""
+    if isinstance(tags, str):
+        tags = tags.split(",")
+    if not isinstance(tags, list) or not all(isinstance(t, str) for t in tags):
+        return None, 'expected a list of short strings, or "a, b"'
+    clean: list[str] = []
+    for i, t in enumerate(tags):
+        t = t.strip()
+        problem = text_error(t, MAX_TAG_LEN)
+        if problem:
+            return None, f"tag {i + 1}: {problem} (at most {MAX_TAGS} tags of at most {MAX_TAG_LEN} characters)"
+        if t and t not in clean:
+            clean.append(t)
+    if len(clean) > MAX_TAGS:
+        return None, f"{len(clean)} tags: at most {MAX_TAGS} tags of at most {MAX_TAG_LEN} characters"
+    return clean, None
+
+
+# --- request bodies and query parameters ---------------------------------------------------------------
+
+class BadBody(ValueError):
+    pass
+
+
+def parse_json_body(raw: bytes) -> Any:
+    """Parse a request body (raises BadBody with a message), at most MAX_JSON_DEPTH levels deep.
+    (NaN and Infinity parse, as Python's json reads them; every field that takes a number
+    refuses them, naming the key.)"""
+    try:
+        value = json.loads(raw)
+    except RecursionError:
+        raise BadBody(f"nested too deeply (at most {MAX_JSON_DEPTH} levels)") from None
+    except (ValueError, UnicodeDecodeError) as e:   # incl. integers past Python's digit limit
+        raise BadBody(f"not valid JSON ({clip(e, 120)})") from None
+    if json_depth(value, MAX_JSON_DEPTH) > MAX_JSON_DEPTH:
+        raise BadBody(f"nested too deeply (at most {MAX_JSON_DEPTH} levels)")
+    return value
+
+
+def json_depth(value: Any, stop_at: int) -> int:
+    """Nesting depth of lists/dicts (iterative; stops counting past `stop_at`)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        v, d = stack.pop()
+        if isinstance(v, (list, dict)):
+            deepest = max(deepest, d)
+            if deepest > stop_at:
+                return deepest
+            stack.extend((x, d + 1) for x in (v.values() if isinstance(v, dict) else v))
+    return deepest
+
+
+def parse_id(text: str) -> int | None:
+    """A row id from text, or None when it is not one (negative, or past MAX_ID)."""
+    try:
+        i = int(text)
+    except (TypeError, ValueError):
+        return None
+    return i if 0 <= i <= MAX_ID else None
+
+
+class RunIdConverter:
+    """<id:run_id> in URLs: 1 to 18 digits, so every id fits the database's 64-bit integers."""
+    regex = "[0-9]{1,18}"
+
+    def to_python(self, value: str) -> int:
+        return int(value)
+
+    def to_url(self, value) -> str:
+        return str(value)
+
+
+# --- what a run may reach --------------------------------------------------------------------------
+
+def _norm_url(url: str) -> str:
+    """http://Host/ -> http://host:80 (the form compared with the allow-list)."""
+    try:
+        p = urlsplit(url.strip())
+        port = p.port or (443 if p.scheme == "https" else 80)
+    except ValueError:   # a port out of range
+        return url.strip()
+    return f"{p.scheme.lower()}://{(p.hostname or '').lower()}:{port}{p.path.rstrip('/')}"
+
+
+def _roots(paths) -> list[str]:
+    return [os.path.realpath(os.fspath(p)) for p in paths]
+
+
+def path_problem(value: str, roots: list[str], setting: str) -> str | None:
+    """None when `value` resolves (symlinks, `..`) to a path inside one of `roots`. The answer
+    is the same whether the path exists or not, so it reveals nothing outside the roots."""
+    allowed = ", ".join(roots) if roots else "none"
+    where = f"a path under one of the folders in {setting} ({allowed})"
+    if not roots:
+        return f"no folder is allowed here: {setting} is empty"
+    if not os.path.isabs(value):
+        return f"expected an absolute path: {where}"
+    try:
+        real = os.path.realpath(value)
+    except (ValueError, OSError):
+        return f"not allowed: expected {where}"
+    for root in roots:
+        if real == root or real.startswith(root.rstrip(os.sep) + os.sep):
+            return None
+    return f"not allowed: expected {where}"
+
+
+def config_problems(cfg: config_mod.Config) -> dict[str, str]:
+    """What a run's config may not do on this server: {dotted key: message}. Checked at launch
+    from the web and again by the worker (with its own settings) before it trains."""
+    errors: dict[str, str] = {}
+    r = cfg.rollout
+    allowed = [u for u in getattr(settings, "RLPILOT_SGLANG_URLS", []) if u.strip()]
+    if r.engine == "sglang" or r.sglang_urls.strip():
+        if not allowed:
+            key = "rollout.engine" if r.engine == "sglang" else "rollout.sglang_urls"
+            errors[key] = ("the SGLang engine is not enabled on this server (the administrator "
+                           "lists the SGLang servers runs may use in RLPILOT_SGLANG_URLS)")
+        else:
+            # imported here, not at the top (no import cycle involved): the SGLang client pulls
+            # in requests and urllib3, which only a run naming SGLang servers needs
+            from trainer.engine.sglang import parse_urls
+
+            try:
+                urls = parse_urls(r.sglang_urls)
+            except ValueError:
+                urls = []   # check() has said what is wrong with them
+            ok = {_norm_url(u) for u in allowed}
+            bad = [u for u in urls if _norm_url(u) not in ok]
+            if bad:
+                errors["rollout.sglang_urls"] = (f"{len(bad)} server(s) not allowed here; allowed "
+                                                 f"(RLPILOT_SGLANG_URLS): {', '.join(allowed)}")
+    if r.sglang_weights_dir:
+        errors["rollout.sglang_weights_dir"] = (
+            "must be empty here: a run's engine weights are written to its own folder "
+            "(RUN_DIR/engine_weights under RLPILOT_RUNS_DIR)")
+    if cfg.model.path != "builtin":
+        problem = path_problem(cfg.model.path, _roots(settings.RLPILOT_MODEL_ROOTS), "RLPILOT_MODEL_ROOTS")
+        if problem:
+            errors["model.path"] = problem + ', or "builtin"'
+        else:  # an allowed folder: is it a model a run can load? (imported here: torch)
+            from trainer.model import check_model_dir
+
+            problems = check_model_dir(cfg.model.path, engine=r.engine)
+            if problems:
+                errors["model.path"] = "; ".join(problems)
+    for key in ("data.path", "data.eval_path"):
+        value = cfg.get(key)
+        if value:
+            problem = path_problem(value, _roots(settings.RLPILOT_DATA_ROOTS), "RLPILOT_DATA_ROOTS")
+            if problem:
+                errors[key] = problem
+    return errors
+
+
+# --- queued + running runs per user ----------------------------------------------------------------
+
+def check_active_runs(user) -> None:
+    """Raise TooManyRuns when `user` already has RLPILOT_MAX_ACTIVE_RUNS_PER_USER runs queued,
+    running, paused or stopping (0 = no limit; staff are exempt). Call it inside the launch's
+    transaction: it locks the user's row so two launches at once cannot both pass."""
+    limit = settings.RLPILOT_MAX_ACTIVE_RUNS_PER_USER
+    if limit <= 0 or user.is_staff:
+        return
+    if transaction.get_connection().in_atomic_block:
+        get_user_model().objects.select_for_update().filter(pk=user.pk).first()
+    n = Run.objects.filter(owner=user, status__in=ACTIVE).count()
+    if n >= limit:
+        raise TooManyRuns(
+            "too many active runs", {"runs": (
+                f"you have {n} runs queued or running (at most {limit} per user, "
+                "RLPILOT_MAX_ACTIVE_RUNS_PER_USER): stop one or wait for one to finish")})
+
+
+# --- login throttling --------------------------------------------------------------------------------
+
+def _now() -> float:
+    return time.time()
+
+
+def _client_ip(request) -> str:
+    return (getattr(request, "META", {}) or {}).get("REMOTE_ADDR") or "-"
+
+
+def _throttle_key(request, username: Any) -> str:
+    who = f"{str(username or '').strip().casefold()}\n{_client_ip(request)}"
+    digest = hashlib.sha256(who.encode("utf-8", "replace")).hexdigest()[:32]
+    return f"rlpilot:login-failures:{digest}"
+
+
+def login_wait_s(request, username: Any) -> int:
+    """Seconds this username must wait before logging in again from this address (0 = may try)."""
+    limit = settings.RLPILOT_LOGIN_MAX_FAILURES
+    if limit <= 0:
+        return 0
+    try:
+        state = cache.get(_throttle_key(request, username))
+    except Exception:   # the cache is down: do not lock everybody out
+        log.warning("login throttle: cache unavailable", exc_info=True)
+        return 0
+    now = _now()
+    if isinstance(state, dict) and state.get("n", 0) >= limit and state.get("until", 0) > now:
+        return max(1, math.ceil(state["until"] - now))
+    return 0
+
+
+def login_failed(request, username: Any) -> None:
+    """Count one failed login (the window starts with the first failure)."""
+    if settings.RLPILOT_LOGIN_MAX_FAILURES <= 0:
+        return
+    key, now = _throttle_key(request, username), _now()
+    try:
+        state = cache.get(key)
+        if not isinstance(state, dict) or state.get("until", 0) <= now:
+            state = {"n": 0, "until": now + settings.RLPILOT_LOGIN_WINDOW_S}
+        state["n"] += 1
+        cache.set(key, state, timeout=max(1, math.ceil(state["until"] - now)))
+    except Exception:
+        log.warning("login throttle: cache unavailable", exc_info=True)
+
+
+def login_succeeded(request, username: Any) -> None:
+    try:
+        cache.delete(_throttle_key(request, username))
+    except Exception:
+        log.warning("login throttle: cache unavailable", exc_info=True)
+
+
+class ThrottledModelBackend(ModelBackend):
+    """Django's ModelBackend, refusing (without checking the password) a username that failed
+    RLPILOT_LOGIN_MAX_FAILURES times from this address in the last RLPILOT_LOGIN_WINDOW_S
+    seconds. It guards every password login (the login page and /admin/)."""
+
+    def authenticate(self, request, username=None, password=None, **kwargs):
+        if username is None:
+            username = kwargs.get(get_user_model().USERNAME_FIELD)
+        if username is None or password is None:
+            return None
+        if login_wait_s(request, username):
+            raise PermissionDenied("too many failed logins")
+        user = super().authenticate(request, username=username, password=password, **kwargs)
+        if user is None:
+            login_failed(request, username)
+        else:
+            login_succeeded(request, username)
+        return user
+
+
+class ThrottledLoginView(LoginView):
+    """The login page; after too many failures it answers 429 and says how long to wait."""
+
+    def post(self, request, *args, **kwargs):
+        wait = login_wait_s(request, request.POST.get("username", ""))
+        if wait:
+            return self._throttled(wait)
+        return super().post(request, *args, **kwargs)
+
+    def form_invalid(self, form):
+        wait = login_wait_s(self.request, self.request.POST.get("username", ""))
+        if wait:
+            return self._throttled(wait)
+        return super().form_invalid(form)
+
+    def _throttled(self, wait: int):
+        minutes = f" ({math.ceil(wait / 60)} min)" if wait >= 120 else ""
+        messages.error(self.request, f"Too many failed logins for this username from your "
+                                     f"address: wait {wait} s{minutes}, then try again.")
+        form = self.get_form_class()(request=self.request)   # unbound: no "didn't match" text
+        return self.render_to_response(self.get_context_data(form=form), status=429)
+
+
+# --- static files ------------------------------------------------------------------------------------
+
+def static_handler_class():
+    """Django's ASGIStaticFilesHandler, answering 404 (not 500) for paths that leave the static
+    folders (/static/%2e%2e/...: SuspiciousFileOperation) or cannot name a file (NUL)."""
+    class SafeASGIStaticFilesHandler(ASGIStaticFilesHandler):
+        def serve(self, request):
+            try:
+                return super().serve(request)
+            except (SuspiciousOperation, ValueError):
+                raise Http404("no such file") from None
+
+    return SafeASGIStaticFilesHandler
