@@ -287,6 +287,13 @@ def test_resume_with_the_process_worker_continues_from_the_restored_version(tmp_
              "run.checkpoint_every=3"]
     first, first_sink, _ = run(tmp_path, extra, steps=3)
     assert first.version == 3
+    # the checkpoint holds the child's sampling RNG, moved on from the seed's (a resume
+    # continues that stream instead of replaying the run's first samples)
+    from trainer import checkpoint
+    _, tensors = checkpoint.load(checkpoint.latest(tmp_path))
+    fresh = torch.Generator().manual_seed(first.cfg.run.seed).get_state()
+    assert tensors["rng"]["engine"].shape == fresh.shape
+    assert not torch.equal(tensors["rng"]["engine"], fresh)
     # every token generated after the resume carries the restored version or a later one (a
     # child stamping version 0 made every new group too stale: all dropped, the run hung)
     new_versions = []

@@ -72,3 +72,34 @@ def test_an_update_moves_likelihood_in_the_direction_of_the_advantage(sign):
     m2 = learner.update(seqs, pad_id=tok.pad_token_id, lr=1e-4, grad_clip=1.0, clip_low=0.2,
                         clip_high=0.28, kl_coef=0.0, micro_batch_tokens=4096)
     assert m2["actor/kl"] > 0.0
+
+
+@pytest.mark.parametrize("prox", ["recompute", "loglinear"])
+@pytest.mark.parametrize("mode", ["mask", "clamp"])
+def test_the_update_reports_each_sequences_applied_behaviour_weight(prox, mode):
+    """pi_prox / pi_b per token = 1, 2, 10, then 1 (by construction); cap 5: masked, the mean is
+    (n - 3 + 1 + 2 + 0) / n = 1; clamped, (n - 3 + 1 + 2 + 5) / n. With "loglinear" and one
+    mini-batch pi_prox is the live policy, whose logprobs equal the engine's."""
+    import math
+
+    from trainer.algo.decoupled import DecoupledLoss
+
+    model, tok, seqs = _setup()
+    seq = next(s for s in seqs if len(s.response_ids) >= 3)
+    n = len(seq.response_ids)
+    delta = [0.0, math.log(2.0), math.log(10.0)] + [0.0] * (n - 3)
+    engine = list(seq.old_logprobs)
+    if prox == "recompute":   # old_logprobs hold pi_prox
+        seq.behave_logprobs, seq.old_logprobs = engine, [a + d for a, d in zip(engine, delta)]
+    else:
+        seq.behave_logprobs = [a - d for a, d in zip(engine, delta)]
+    seq.versions, seq.report = [3] * n, {}
+    other = next(s for s in seqs if s is not seq)
+    other.behave_logprobs, other.versions = list(other.old_logprobs), [3] * len(other.response_ids)
+    learner = Learner(model, lr=0.0, weight_decay=0.0, track_reference=False)
+    learner.update([seq, other], pad_id=tok.pad_token_id, lr=0.0, grad_clip=0.0, clip_low=0.2,
+                   clip_high=0.2, kl_coef=0.0, micro_batch_tokens=10_000,
+                   decoupled_loss=DecoupledLoss(cap=5.0, cap_mode=mode, prox=prox, version=3))
+    expected = 1.0 if mode == "mask" else (n + 5) / n
+    assert seq.report["is_weight"] == pytest.approx(expected, abs=1e-3)
+    assert other.report is None   # nothing asked for it

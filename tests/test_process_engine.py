@@ -98,6 +98,30 @@ def test_restored_version_reaches_the_child(parts):
         eng.close()
 
 
+def test_the_childs_sampling_rng_is_saved_and_restored(parts):
+    """A checkpoint's engine RNG state, taken from the child, continues the child's stream: the
+    same samples after set_state, and the in-process engine's stream under the same seed."""
+    model, tok = parts
+    params = SamplingParams(temperature=1.0, max_new_tokens=40)
+    eng = ProcessEngine(model, eos_token_ids=[tok.eos_token_id], max_slots=4, max_seq_len=200, seed=3)
+    local = EmbeddedEngine(model, eos_token_ids=[tok.eos_token_id], max_slots=4, max_seq_len=200, seed=3)
+    try:
+        eng.generate(_samples(tok, params))      # move the stream away from the seed
+        local.generate(_samples(tok, params))
+        state = eng.generator.get_state()
+        assert torch.equal(state, local.generator.get_state())
+        first = _samples(tok, params)
+        eng.generate(first)
+        eng.generator.set_state(state)
+        again = _samples(tok, params)
+        eng.generate(again)
+        assert [s.response_ids for s in again] == [s.response_ids for s in first]
+        eng.generator.manual_seed(3)             # what data parallelism does per rank
+        assert torch.equal(eng.generator.get_state(), torch.Generator().manual_seed(3).get_state())
+    finally:
+        eng.close()
+
+
 def _engine_in_daemon(report, hold: bool):
     """Runs in a daemonic process, as a Celery prefork child does."""
     model = load_model("builtin", torch.device("cpu"), torch.float32).eval()

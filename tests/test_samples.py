@@ -74,9 +74,10 @@ class KnobsAt(ControlSource):
         return [Command(SET_KNOBS, knobs={"run.log_samples": 0})] if self.polls == self.at else []
 
 
-@pytest.mark.parametrize("preset", ["april", "async"])
-def test_a_run_records_bounded_rows_that_tell_each_samples_story(tmp_path, preset):
-    extra = ["async.prox_logp=recompute"] if preset == "async" else []  # pi_prox known before the update
+@pytest.mark.parametrize("preset,extra", [("april", []), ("async", []),
+                                          ("async", ["async.prox_logp=recompute"])],
+                         ids=["april", "async-loglinear", "async-recompute"])
+def test_a_run_records_bounded_rows_that_tell_each_samples_story(tmp_path, preset, extra):
     cfg = config_mod.load(preset, [*TINY_RUN, "run.max_steps=4", "april.segment_max_tokens=8",
                                    "run.log_samples=1", *extra])
     memory = MemorySink()
@@ -104,8 +105,10 @@ def test_a_run_records_bounded_rows_that_tell_each_samples_story(tmp_path, prese
         assert abs(sum(same)) < 1e-5
     on_disk = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
     assert on_disk == rows
-    if preset == "async":
-        assert any(x["tis_weight"] is not None for x in rows)
+    if preset == "async":   # every trained sample has its mean behaviour weight, in [0, cap]
+        trained = [x for x in rows if x["advantage"]]   # zero-variance groups are not trained
+        assert trained and all(x["tis_weight"] is not None for x in trained)
+        assert all(0.0 <= x["tis_weight"] <= cfg.async_.behave_imp_cap for x in trained)
 
 
 def test_the_samples_command(tmp_path, capsys):

@@ -26,6 +26,10 @@ class TrainSequence:
     # decoupled PPO (async): behaviour logprobs and per-token versions; old_logprobs is then pi_prox
     behave_logprobs: list[float] | None = None
     versions: list[int] | None = None
+    # where the update writes this sequence's figures ("is_weight": its mean applied behaviour
+    # weight pi_prox / pi_b); objective.py points it at the sample's metadata, which the rollout
+    # inspector shows
+    report: dict | None = None
 
     def __post_init__(self):
         if not self.weights:
@@ -135,6 +139,13 @@ class Learner:
                 logp, prox, behave, adv, w, clip_low=clip_low, clip_high=clip_high,
                 cap=decoupled_loss.cap, cap_mode=decoupled_loss.cap_mode,
                 total_tokens=total, ref_logp=ref, kl_coef=kl_coef)
+            if any(s.report is not None for s in mb):
+                w_b, _ = decoupled.behaviour_weights(prox, behave, decoupled_loss.cap,
+                                                     decoupled_loss.cap_mode)
+                means = ((w_b * w).sum(1) / w.sum(1).clamp(min=1e-9)).tolist()
+                for s, mean in zip(mb, means):
+                    if s.report is not None:
+                        s.report["is_weight"] = mean
         return loss, stats, entropy, w
 
     @staticmethod

@@ -188,12 +188,6 @@ class Runner:
         t0 = time.monotonic()
         seqs, adv_metrics, decoupled_loss = objective.train_sequences(groups, cfg, self.version,
                                                                       self._logprobs)
-        t_samples = time.monotonic()
-        if self.dist.is_main and cfg.run.log_samples:
-            seen = {id(g) for g in groups}  # what the step trains on, and what it scored and left
-            shown = groups + [g for g in result.scored if id(g) not in seen]
-            self.sink.samples(self.step + 1, self.samples.record(self.step + 1, shown, self.version, cfg))
-        samples_s = time.monotonic() - t_samples
         # sharing one GPU with the trainer: hand the engine's KV cache back while training
         release = (self.device.type == "cuda" and not self.rollout.concurrent
                    and self.engine.num_pending == 0 and self.engine.release_memory())
@@ -210,6 +204,12 @@ class Runner:
                 torch.cuda.max_memory_allocated(self.device) / 2**30)
         if release:
             self.engine.reacquire_memory()
+        t_samples = time.monotonic()   # after the update: it reports the behaviour weights
+        if self.dist.is_main and cfg.run.log_samples:
+            seen = {id(g) for g in groups}  # what the step trains on, and what it scored and left
+            shown = groups + [g for g in result.scored if id(g) not in seen]
+            self.sink.samples(self.step + 1, self.samples.record(self.step + 1, shown, self.version, cfg))
+        samples_s = time.monotonic() - t_samples
 
         t0 = time.monotonic()
         self.version += 1

@@ -237,6 +237,9 @@ RLPILOT_DATA_ROOTS = [Path(p).resolve() for p in env_list("RLPILOT_DATA_ROOTS", 
 # (seconds, from the first failure) and further attempts wait for the window's end. 0 = off.
 RLPILOT_LOGIN_MAX_FAILURES = env_int("RLPILOT_LOGIN_MAX_FAILURES", 5)
 RLPILOT_LOGIN_WINDOW_S = env_int("RLPILOT_LOGIN_WINDOW_S", 300)
+# how many reverse proxies in front of daphne append the client's address to X-Forwarded-For:
+# the login throttle then keys on that entry (0: the socket's peer, REMOTE_ADDR)
+RLPILOT_TRUSTED_PROXIES = env_int("RLPILOT_TRUSTED_PROXIES", 0)
 AUTHENTICATION_BACKENDS = ["webapp.dashboard.limits.ThrottledModelBackend"]
 # Runs one (non-staff) user may have queued, running, paused or stopping at once. 0 = no limit.
 RLPILOT_MAX_ACTIVE_RUNS_PER_USER = env_int("RLPILOT_MAX_ACTIVE_RUNS_PER_USER", 8)

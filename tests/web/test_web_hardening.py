@@ -387,6 +387,35 @@ def test_failed_logins_are_throttled_per_username_and_address(client, user, thro
     assert r.status_code == 302
 
 
+def test_behind_trusted_proxies_the_throttle_keys_on_the_forwarded_client(client, user, throttle,
+                                                                        settings):
+    """Every request comes from the proxy's address; with RLPILOT_TRUSTED_PROXIES = 1 the client is
+    X-Forwarded-For's last entry (what the proxy appended), not anything the client wrote."""
+    from django.test import RequestFactory
+
+    settings.RLPILOT_TRUSTED_PROXIES = 1
+    proxy = {"REMOTE_ADDR": "10.9.9.9"}
+    throttle("alice", "10.9.9.9")
+    for who in ("198.51.100.7", "203.0.113.5"):
+        throttle("alice", who)
+    bad = {"username": "alice", "password": "wrong"}
+    for spoof in ("1.1.1.1", "2.2.2.2", "3.3.3.3"):   # the client changes what it sends: same key
+        r = client.post("/accounts/login/", bad, HTTP_X_FORWARDED_FOR=f"{spoof}, 198.51.100.7", **proxy)
+    assert r.status_code == 429
+    # another user behind the same proxy is not locked out
+    r = client.post("/accounts/login/", {"username": "alice", "password": "alice-pw-123"},
+                    HTTP_X_FORWARDED_FOR="203.0.113.5", **proxy)
+    assert r.status_code == 302
+    addr = limits.client_address
+    assert addr(RequestFactory().get("/", HTTP_X_FORWARDED_FOR="a, b, c", REMOTE_ADDR="p")) == "c"
+    assert addr(RequestFactory().get("/", REMOTE_ADDR="p")) == "p"   # no header: the peer
+    settings.RLPILOT_TRUSTED_PROXIES = 2
+    assert addr(RequestFactory().get("/", HTTP_X_FORWARDED_FOR="a, b, c", REMOTE_ADDR="p")) == "b"
+    assert addr(RequestFactory().get("/", HTTP_X_FORWARDED_FOR="c", REMOTE_ADDR="p")) == "p"   # too short
+    settings.RLPILOT_TRUSTED_PROXIES = 0
+    assert addr(RequestFactory().get("/", HTTP_X_FORWARDED_FOR="a", REMOTE_ADDR="p")) == "p"   # not trusted
+
+
 def test_a_success_resets_the_count_and_the_admin_login_is_throttled_too(client, staff_user,
                                                                          throttle):
     from django.contrib.auth import authenticate

@@ -118,16 +118,14 @@ def train_sequences(groups, cfg, version: int, logprobs: Logprobs
 
 def _decoupled(seqs, samples, cfg, version: int, logprobs: Logprobs) -> DecoupledLoss:
     """Decoupled PPO inputs: behaviour logprobs and versions from the engine, pi_prox
-    recomputed with the pre-update weights (or interpolated in the learner)."""
+    recomputed with the pre-update weights (or interpolated in the learner). The learner
+    reports each sample's mean applied behaviour weight into its metadata (the inspector)."""
     a = cfg.async_
-    a_cap = a.behave_imp_cap
     for seq, s in zip(seqs, samples):
         seq.behave_logprobs, seq.versions = list(s.logprobs), list(s.versions)
+        seq.report = s.meta
     if a.prox_logp == "recompute" and seqs:
-        for seq, s, p in zip(seqs, samples, logprobs(seqs)):
+        for seq, p in zip(seqs, logprobs(seqs)):
             seq.old_logprobs = p
-            # the mean behaviour weight pi_prox / pi_behave (capped), for the rollout inspector
-            w = [min(math.exp(a - b), a_cap) for a, b in zip(p, seq.behave_logprobs)]
-            s.meta["is_weight"] = sum(w) / max(len(w), 1)
     return DecoupledLoss(cap=a.behave_imp_cap, cap_mode=a.behave_cap_mode, prox=a.prox_logp,
                          version=version)

@@ -144,6 +144,14 @@ def _serve(conn: Connection) -> None:
                     conn.send(("weights_loaded", msg[1]))
                 elif kind == "version":  # a resumed run: tokens carry the restored version
                     engine.version = msg[1]
+                elif kind == "rng_get":
+                    conn.send(("rng", bytes(engine.generator.get_state().numpy())))
+                elif kind == "rng_set":
+                    engine.generator.set_state(torch.frombuffer(bytearray(msg[1]), dtype=torch.uint8))
+                    conn.send(("rng_set",))
+                elif kind == "rng_seed":
+                    engine.generator.manual_seed(msg[1])
+                    conn.send(("rng_set",))
                 elif kind == "close":
                     conn.send(("closed",))
                     return
@@ -173,6 +181,29 @@ def _child_main(argv: list[str] | None = None) -> None:
         conn.close()
 
 
+class ChildGenerator:
+    """The child's sampling RNG, seen from the parent through the calls checkpoints and data
+    parallelism make on a torch.Generator (get_state, set_state, manual_seed): a resumed run
+    continues the child's random stream instead of replaying it from the seed."""
+
+    def __init__(self, engine: "ProcessEngine"):
+        self.engine = engine
+
+    def get_state(self) -> torch.Tensor:
+        self.engine._send(("rng_get",))
+        _, state = self.engine._expect("rng", 60)
+        return torch.frombuffer(bytearray(state), dtype=torch.uint8)
+
+    def set_state(self, state: torch.Tensor) -> None:
+        self.engine._send(("rng_set", bytes(state.to(torch.uint8).contiguous().numpy())))
+        self.engine._expect("rng_set", 60)
+
+    def manual_seed(self, seed: int) -> "ChildGenerator":
+        self.engine._send(("rng_seed", int(seed)))
+        self.engine._expect("rng_set", 60)
+        return self
+
+
 class ProcessEngine(RolloutEngine):
     def __init__(self, model, *, eos_token_ids: Iterable[int], max_slots: int | str = 64,
                  max_seq_len: int = 512, seed: int = 0, threads: int = 1,
@@ -184,7 +215,7 @@ class ProcessEngine(RolloutEngine):
         self.max_seq_len = max_seq_len
         self._version = 0
         self.stats = EngineStats()
-        self.generator = None  # the sampling RNG lives in the child
+        self.generator = ChildGenerator(self)  # the sampling RNG lives in the child
         self.live: dict[int, Sample] = {}   # submitted, not yet returned
         self._done: list[Sample] = []       # finished samples not yet handed out by step()
         self._replies: list[tuple] = []     # answers to abort / weights / ready

@@ -280,12 +280,22 @@ def _now() -> float:
     return time.time()
 
 
-def _client_ip(request) -> str:
-    return (getattr(request, "META", {}) or {}).get("REMOTE_ADDR") or "-"
+def client_address(request) -> str:
+    """The client's address: REMOTE_ADDR, or behind RLPILOT_TRUSTED_PROXIES = n proxies the n-th
+    X-Forwarded-For entry from the right (each trusted proxy appends its peer; entries further
+    left were written by the client and prove nothing). A header with fewer entries than that
+    did not come through every proxy, so it is ignored, as werkzeug's ProxyFix does."""
+    meta = getattr(request, "META", {}) or {}
+    n = settings.RLPILOT_TRUSTED_PROXIES
+    if n > 0:
+        hops = [h.strip() for h in str(meta.get("HTTP_X_FORWARDED_FOR", "")).split(",") if h.strip()]
+        if len(hops) >= n:
+            return hops[-n]
+    return meta.get("REMOTE_ADDR") or "-"
 
 
 def _throttle_key(request, username: Any) -> str:
-    who = f"{str(username or '').strip().casefold()}\n{_client_ip(request)}"
+    who = f"{str(username or '').strip().casefold()}\n{client_address(request)}"
     digest = hashlib.sha256(who.encode("utf-8", "replace")).hexdigest()[:32]
     return f"rlpilot:login-failures:{digest}"
 
