@@ -382,3 +382,29 @@ def test_greso_state_and_totals_change_only_under_the_shared_lock(tmp_path):
         assert r.run() == "finished"
         assert r.greso.trace(next(iter(r.greso._traces)))  # traces were written
     assert unlocked == []
+
+
+def test_a_step_served_wholly_from_the_queue_reports_no_reward_rather_than_zero():
+    """Right after a resume an asynchronous step may train only on groups queued before the stop:
+    nothing was scored during it, so reward, length and zero-variance figures are absent (a gap
+    on the charts), not 0; a step that scored groups reports them by hand-checkable means."""
+    from trainer.engine.base import STOP as STOPPED
+    from trainer.engine.base import EngineStats, Sample, SamplingParams
+    from trainer.rollout.base import Group, RolloutResult, StepCounts, step_metrics
+    from trainer.tasks.base import Problem
+
+    cfg = C.load("async", ["rollout.n_samples_per_prompt=2"])
+    params = SamplingParams(max_new_tokens=8)
+    samples = [Sample([1], params, response_ids=[5] * n, logprobs=[0.0] * n, versions=[0] * n,
+                      finish_reason=STOPPED) for n in (2, 4)]
+    g = Group(problem=Problem(id="p", prompt="p", answer="a", kind="sum"), samples=samples, rewards=[1.0, 0.0],
+              raw_scores=[1.0, 0.0])
+    served = step_metrics(cfg, RolloutResult(groups=[g], scored=[], gen_seconds=0.0,
+                                             counts=StepCounts()), EngineStats())
+    for key in ("reward/mean", "reward/accuracy", "rollout/response_len/mean", "rollout/zero_var_ratio"):
+        assert key not in served
+    assert served["rollout/samples"] == 0 and "timing/gen_s" in served
+    scored = step_metrics(cfg, RolloutResult(groups=[g], scored=[g], gen_seconds=0.0,
+                                             counts=StepCounts()), EngineStats())
+    assert scored["reward/mean"] == 0.5 and scored["reward/accuracy"] == 0.5
+    assert scored["rollout/response_len/mean"] == 3.0 and scored["rollout/zero_var_ratio"] == 0.0

@@ -28,3 +28,24 @@ def test_system_sampler_reports_cpu_and_ram_without_a_gpu():
     assert set(m) == {"system/cpu_util", "system/ram_gb"}
     assert 0 <= m["system/cpu_util"] <= 100 and 0 < m["system/ram_gb"] < 64
     assert not s._thread.is_alive()
+
+
+def test_cpu_utilisation_is_the_steps_own_window():
+    """A step that keeps one core busy reports at least most of one core's share, whatever else
+    in the process called psutil meanwhile; a window too short to measure reports no CPU figure
+    (a gap on the chart), never a false 0."""
+    import os
+    import time
+
+    import psutil
+
+    s = SystemSampler(interval_s=10.0, use_gpu=False).start()   # no loop sample in the window
+    try:
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 0.5:
+            psutil.cpu_percent(interval=None)   # another caller moving psutil's global mark
+        busy = s.summary()["system/cpu_util"]
+        assert busy >= 0.7 * 100 / os.cpu_count(), busy
+        assert "system/cpu_util" not in s.summary() and "system/ram_gb" in s.summary()
+    finally:
+        s.close()

@@ -261,8 +261,9 @@ class Runner:
         m.update(self.selector.report(cfg, result.counts))
         m.update(self.rollout.report(cfg, result, self.version, step_s, self._histogram))
         lengths = [len(s.response_ids) for g in result.scored for s in g.samples]
-        self.sink.histogram(self.step, "rollout/response_len", self.dist.sum_histogram(
-            histogram(lengths, length_edges(cfg.rollout.max_response_len))))
+        if lengths or self.dist.size > 1:   # every rank takes part in the sum
+            self.sink.histogram(self.step, "rollout/response_len", self.dist.sum_histogram(
+                histogram(lengths, length_edges(cfg.rollout.max_response_len))))
         return m
 
     def _histogram(self, name: str, values: list, edges: list) -> None:

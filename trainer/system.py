@@ -4,7 +4,8 @@ With an NVIDIA GPU (NVML through nvidia-ml-py): `system/gpu_util` (%), `system/g
 `system/gpu_power_w` (means over devices) and the same per device (`system/gpu0/util`, ...).
 Without one: `system/cpu_util` (% of all cores) and `system/ram_gb` (this process's resident
 memory). `summary()` returns the mean of the samples taken since the previous call, so each
-training step reports the utilisation during that step.
+training step reports the utilisation during that step; the CPU share is measured over exactly
+that window (busy CPU time / elapsed CPU time between two calls).
 """
 from __future__ import annotations
 
@@ -61,7 +62,10 @@ class SystemSampler:
         self.interval = interval_s
         self.nvml = _open_nvml() if use_gpu else None
         self.proc = psutil.Process()
-        psutil.cpu_percent(interval=None)  # the first call only starts the measurement
+        # the window's start. Not psutil.cpu_percent(interval=None): its reference point is
+        # module-global (any caller in the process moves it) and a call right after another one
+        # returns 0 or noise, which drew false dips on the CPU chart after a resume
+        self._cpu_mark = psutil.cpu_times()
         self._lock = threading.Lock()
         self._samples: list[dict[str, float]] = []
         self._stop = threading.Event()
@@ -72,14 +76,24 @@ class SystemSampler:
         return self.nvml is not None
 
     def start(self) -> "SystemSampler":
+        self._cpu_mark = psutil.cpu_times()
         self._thread.start()
         return self
 
     def sample(self) -> dict[str, float]:
         if self.nvml is not None:
             return self.nvml.read()
-        return {"system/cpu_util": psutil.cpu_percent(interval=None),
-                "system/ram_gb": self.proc.memory_info().rss / 2**30}
+        return {"system/ram_gb": self.proc.memory_info().rss / 2**30}
+
+    def _cpu_util(self) -> float | None:
+        """% of all cores busy since the previous call (None: too short a window to say)."""
+        now = psutil.cpu_times()
+        before, self._cpu_mark = self._cpu_mark, now
+        total = sum(now) - sum(before)
+        idle = (now.idle - before.idle) + (getattr(now, "iowait", 0.0) - getattr(before, "iowait", 0.0))
+        if total <= 0.02:   # cpu_times ticks at 10 ms
+            return None
+        return min(100.0, max(0.0, 100.0 * (total - idle) / total))
 
     def _loop(self):
         while not self._stop.wait(self.interval):
@@ -93,7 +107,12 @@ class SystemSampler:
         if not samples:
             samples = [self.sample()]
         keys = samples[-1].keys()
-        return {k: sum(s.get(k, 0.0) for s in samples) / len(samples) for k in keys}
+        out = {k: sum(s.get(k, 0.0) for s in samples) / len(samples) for k in keys}
+        if self.nvml is None:
+            cpu = self._cpu_util()
+            if cpu is not None:
+                out["system/cpu_util"] = cpu
+        return out
 
     def close(self):
         self._stop.set()

@@ -234,6 +234,17 @@ def step_metrics(cfg, result: RolloutResult, engine_stats) -> dict[str, float]:
     all_correct, all_wrong = kinds.count("all_correct"), kinds.count("all_wrong")
     m = dict(result.metrics)
     m.update({
+        "rollout/idle_slot_frac": engine_stats.idle_slot_frac(),
+        "rollout/decode_steps": engine_stats.decode_steps,
+        "rollout/gen_tokens": engine_stats.generated_tokens,
+        "rollout/samples": c.groups_started * cfg.rollout.n_samples_per_prompt,
+        "timing/gen_s": result.gen_seconds,
+    })
+    if not scored:
+        # nothing was scored this step (an asynchronous step served wholly from the queue, e.g.
+        # right after a resume): no reward or length to report, rather than a false 0 on the charts
+        return m
+    m.update({
         "reward/mean": sum(rewards) / n,
         "reward/accuracy": sum(1 for g in scored for r in g.raw_scores if r >= 1.0) / n,
         "rollout/response_len/mean": sum(lengths) / max(len(lengths), 1),
@@ -245,10 +256,5 @@ def step_metrics(cfg, result: RolloutResult, engine_stats) -> dict[str, float]:
         "rollout/zero_var_ratio": (all_correct + all_wrong) / n_groups,
         "rollout/zero_var_ratio/all_correct": all_correct / n_groups,
         "rollout/zero_var_ratio/all_wrong": all_wrong / n_groups,
-        "rollout/idle_slot_frac": engine_stats.idle_slot_frac(),
-        "rollout/decode_steps": engine_stats.decode_steps,
-        "rollout/gen_tokens": engine_stats.generated_tokens,
-        "rollout/samples": c.groups_started * cfg.rollout.n_samples_per_prompt,
-        "timing/gen_s": result.gen_seconds,
     })
     return m
