@@ -78,6 +78,25 @@ def test_summary_figures(user, make_run):
     assert empty["trained_tokens"] is None and empty["time_gen_pct"] is None
 
 
+def test_wall_time_counts_only_the_time_spent_running(user, make_run):
+    """queued 10 s, running 20 s, paused 10 s, running 10 s, stopped for a day, queued 10 s,
+    running 20 s: 50 s, what a run that went straight through would show."""
+    from datetime import timedelta
+
+    from webapp.dashboard import actions
+    from webapp.dashboard.models import RunEvent
+
+    run = make_run(user, "queued")
+    t0 = RunEvent.objects.get(run=run).time
+    for at, status in ((10, "running"), (30, "paused"), (40, "running"), (50, "stopping"),
+                       (50, "stopped"), (86_450, "queued"), (86_460, "running"), (86_480, "stopped")):
+        seq = actions.event(run.pk, 1, "status", {"status": status})
+        RunEvent.objects.filter(run=run, seq=seq).update(time=t0 + timedelta(seconds=at))
+    run.refresh_from_db()
+    assert reports.summary(run)["wall_time_s"] == pytest.approx(50.0)
+    assert reports.summary(make_run(user, "queued"))["wall_time_s"] is None   # never ran
+
+
 # --- comparison ----------------------------------------------------------------------------------
 
 def test_compare_page(alice, user, other_user, make_run):

@@ -19,12 +19,12 @@ from trainer import checkpoint
 from trainer import config as config_mod
 from webapp.dashboard import samples, streams
 from webapp.dashboard.actions import run_dir
-from webapp.dashboard.models import HistogramSnapshot, MetricPoint, RolloutSample, Run, RunEvent
+from webapp.dashboard.models import HistogramSnapshot, MetricPoint, RolloutSample, Run, RunEvent, Status
 
 # (key, label, higher is better) -- the order of the summary table
 SUMMARY = [
     ("steps", "steps", None),
-    ("wall_time_s", "wall time (s)", False),
+    ("wall_time_s", "wall time running (s)", False),
     ("gen_tokens", "generated tokens", None),
     ("trained_tokens", "trained tokens", None),
     ("samples_generated", "samples generated", None),
@@ -63,6 +63,26 @@ def _last(run_id: int, key: str) -> float | None:
             .order_by("-step", "-seq").values_list("value", flat=True).first())
 
 
+def running_seconds(run: Run) -> float | None:
+    """Seconds the run spent running or stopping, from its status events: time queued, paused,
+    or stopped before a resume does not count, so a run resumed a day later compares with one
+    that ran straight through. None before it first ran."""
+    total, since, seen = 0.0, None, False
+    for t, data in (RunEvent.objects.filter(run_id=run.pk, kind="status").order_by("seq")
+                    .values_list("time", "data")):
+        live = (data or {}).get("status") in (Status.RUNNING, Status.STOPPING)
+        if live and since is None:
+            since, seen = t, True
+        elif not live and since is not None:
+            total += (t - since).total_seconds()
+            since = None
+    if since is not None:   # still running (or its end was never recorded)
+        total += ((run.finished_at or timezone.now()) - since).total_seconds()
+    if not seen:
+        return None
+    return round(total, 3)
+
+
 def summary(run: Run) -> dict[str, Any]:
     """The report's key figures, computed from the run's rows (None where a metric is missing)."""
     agg = {r["key"]: r for r in (MetricPoint.objects.filter(run_id=run.pk, key__in=_KEYS)
@@ -85,12 +105,7 @@ def summary(run: Run) -> dict[str, Any]:
         v = last(total_key)
         return v if v is not None else total(per_step_key)
 
-    out: dict[str, Any] = {"steps": run.step}
-    if run.started_at:
-        end = run.finished_at or timezone.now()
-        out["wall_time_s"] = round((end - run.started_at).total_seconds(), 3)
-    else:
-        out["wall_time_s"] = None
+    out: dict[str, Any] = {"steps": run.step, "wall_time_s": running_seconds(run)}
     out["gen_tokens"] = cumulative("train/gen_tokens_total", "rollout/gen_tokens")
     out["trained_tokens"] = cumulative("train/trained_tokens_total", "rollout/trained_tokens")
     out["samples_generated"] = cumulative("train/samples_total", "rollout/samples")
