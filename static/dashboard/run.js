@@ -9,6 +9,7 @@
                   statusSeq: page.seq,   // the sequence number the shown status is as of
                   knobs: Object.assign({}, page.knobs), annotations: [], ws: null, closed: false };
   const MAX_LOCAL = 4000;
+  const ACTIVE = ["queued", "running", "paused", "stopping"];   // models.ACTIVE
 
   // --- helpers -----------------------------------------------------------------------------
   function el(tag, attrs, text) {
@@ -79,6 +80,8 @@
     const e = document.getElementById("run-status");
     e.textContent = status;
     e.className = "status s-" + status;
+    const title = document.getElementById("alerts-title");   // an ended run's alerts are history
+    if (title) title.textContent = ACTIVE.indexOf(status) >= 0 ? "Alerts" : "Alerts active when the run ended";
     updateButtons();
   }
   function rewind(step) {

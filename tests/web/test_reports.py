@@ -78,6 +78,16 @@ def test_summary_figures(user, make_run):
     assert empty["trained_tokens"] is None and empty["time_gen_pct"] is None
 
 
+def test_an_ended_runs_alerts_are_titled_as_history(alice, user, make_run):
+    alerts = {"active": {"kl_rising": {"step": 14, "message": "KL is rising"}}}
+    live = make_run(user, "running", alerts=alerts)
+    ended = make_run(user, "stopped", alerts=alerts)
+    for run, title in ((live, ">Alerts<"), (ended, ">Alerts active when the run ended<")):
+        for url in (f"/runs/{run.pk}/", f"/runs/{run.pk}/report/"):
+            html = alice.get(url).content.decode()
+            assert title in html and "kl_rising (step 14): KL is rising" in html, url
+
+
 def test_wall_time_counts_only_the_time_spent_running(user, make_run):
     """queued 10 s, running 20 s, paused 10 s, running 10 s, stopped for a day, queued 10 s,
     running 20 s: 50 s, what a run that went straight through would show."""

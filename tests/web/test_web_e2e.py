@@ -162,8 +162,15 @@ def test_browser_flow(live_asgi, django_user_model, monkeypatch, tmp_path):
             for chart, traces in final.items():
                 for t in traces:
                     assert t["last"] is not None and t["last"] >= step - 1, (chart, t, step)
+            # the same for the resume's reply (status "paused" when asked)
+            page.route("**/api/runs/*/resume", lambda route: held.append((route, route.fetch())))
             page.click("#btn-resume")
             expect(page.locator("#run-status")).to_have_text("running", timeout=60_000)
+            route, reply = held.pop()
+            route.fulfill(response=reply)
+            expect(page.locator("#action-msg")).to_have_text("resume requested")
+            expect(page.locator("#run-status")).to_have_text("running")
+            page.unroute("**/api/runs/*/resume")
             # the system chart: CPU utilisation and RAM, drawn live, with real numbers
             system = {t["name"]: t for t in final["chart-system"]}
             assert set(system) == {"system/cpu_util", "system/ram_gb"}, system
@@ -228,6 +235,7 @@ def test_browser_flow(live_asgi, django_user_model, monkeypatch, tmp_path):
             expect(page.locator("#run-status")).to_have_text("stopped", timeout=60_000)
             expect(page.locator("#event-log")).to_contain_text("run_stopped")
             expect(page.locator("#btn-resume")).to_be_enabled()
+            expect(page.locator("#alerts-title")).to_have_text("Alerts active when the run ended")
 
             # the report: the same charts, static; the knob change in the timeline; readable events
             run_id = int(re.search(r"/runs/(\d+)/", page.url).group(1))
