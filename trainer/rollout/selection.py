@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 
-from trainer.greso import GresoFilter, classify
+from trainer.greso import GresoFilter
 from trainer.rollout.base import PromptSource, StepCounts
 
 
@@ -53,9 +53,3 @@ class PromptSelector:
                 "greso/skip_rate/hard": counts.skipped_hard / max(drawn, 1),
                 "greso/p_easy": self.filter.p_easy, "greso/p_hard": self.filter.p_hard,
                 "greso/prompts_sampled": drawn}
-
-
-def zero_variance_counts(scored) -> tuple[int, int]:
-    """(all-correct, all-wrong) groups among `scored`."""
-    kinds = [classify(g.rewards) for g in scored]
-    return kinds.count("all_correct"), kinds.count("all_wrong")

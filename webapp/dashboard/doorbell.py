@@ -127,6 +127,9 @@ def _log_failure(fut) -> None:
         log.warning("doorbell failed: %s", fut.exception())
 
 
+_scheduled: set = set()   # rings scheduled on a running loop, until they are sent
+
+
 def ring(run_id: int, seq: int) -> None:
     """Ring now. With a cross-process layer (Redis) from the process's background doorbell, never
     blocking; with the in-memory layer to this process's own consumers (others poll)."""
@@ -142,7 +145,9 @@ def ring(run_id: int, seq: int) -> None:
         running = None
     try:
         if running is not None:   # a sync write from inside an event loop's thread: schedule it
-            running.create_task(layer.group_send(group_name(run_id), message(seq)))
+            task = running.create_task(layer.group_send(group_name(run_id), message(seq)))
+            _scheduled.add(task)   # the loop keeps only a weak reference to a task
+            task.add_done_callback(_scheduled.discard)
         else:
             async_to_sync(layer.group_send)(group_name(run_id), message(seq))
     except Exception:  # the database has the rows; a missed ring only delays a poll

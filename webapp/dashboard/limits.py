@@ -152,15 +152,6 @@ def json_depth(value: Any, stop_at: int) -> int:
     return deepest
 
 
-def parse_id(text: str) -> int | None:
-    """A row id from text, or None when it is not one (negative, or past MAX_ID)."""
-    try:
-        i = int(text)
-    except (TypeError, ValueError):
-        return None
-    return i if 0 <= i <= MAX_ID else None
-
-
 class RunIdConverter:
     """<id:run_id> in URLs: 1 to 18 digits, so every id fits the database's 64-bit integers."""
     regex = "[0-9]{1,18}"
