@@ -179,6 +179,25 @@ def test_a_stale_drop_gives_its_admission_back():
     assert res.counts.discarded_tokens == 2
 
 
+def test_the_trainer_takes_the_oldest_queued_groups_first():
+    # B = 2, version 3, eta 2. Queued in completion order: two fresh groups (version 3), then
+    # two that a long answer kept in flight since version 1. Taking in completion order would
+    # train the fresh pair and leave the old pair to fall out of the bound at version 4;
+    # oldest first trains the old pair now (draws 2, 3), and the fresh pair stays queued.
+    cfg = _cfg(**{"rollout.rollout_batch_size": 2, "async.max_staleness": 2})
+    ar = AsyncDriver(IdleEngine(), None, None, None, lock=threading.RLock())
+    ar.cfg, ar.version = cfg, 3
+    ar.queue.extend([_finished_group(3, 0), _finished_group(3, 1), _finished_group(1, 2),
+                     _finished_group(1, 3)])
+    ar.accepted = 4
+    ar._thread = threading.current_thread()
+    res = ar.collect(cfg, 3)
+    assert [g.draw for g in res.groups] == [2, 3]
+    assert sorted(res.staleness) == [2, 2]
+    assert [g.draw for g in ar.queue] == [0, 1] and ar.dropped_stale == 0
+    assert res.metrics["async/queue_size"] == 2
+
+
 def test_a_deadlock_is_raised_with_the_admission_counters():
     from trainer.rollout.asynchronous import AsyncStall
 

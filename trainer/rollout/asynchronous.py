@@ -3,7 +3,8 @@
 A generation worker (a thread here; it only talks to the engine through the engine interface,
 so the engine may live on another device or behind HTTP) keeps the engine busy: it admits new
 groups, steps the engine, scores groups as they complete and queues them. The trainer takes
-the oldest complete groups from the queue (`collect`), trains, and pushes new weights; the
+the complete groups whose oldest token is oldest (`collect`; groups complete out of order, and
+taking them as they completed would let a long answer's group fall out of the bound), trains, and pushes new weights; the
 engine swaps them between two decode steps (interruptible generation), so a long answer may
 carry tokens from several policy versions, each tagged with its version.
 
@@ -160,6 +161,18 @@ class AsyncDriver(Driver):
             self.cond.notify_all()
 
     # --- the trainer side -------------------------------------------------------------------------
+    def _take_oldest(self, version: int) -> tuple[Group, int]:
+        """Remove and return the queued group whose oldest token is oldest (the first queued on
+        a tie), with that token's version. Groups complete out of order (a long answer started
+        early finishes late); taking in completion order would let the trainer pass over such
+        a group until it is too stale and must be dropped, wasting its whole generation."""
+        def oldest(g):
+            return min((min(s.versions) for s in g.samples if s.versions), default=version)
+        i = min(range(len(self.queue)), key=lambda k: oldest(self.queue[k]))
+        g = self.queue[i]
+        del self.queue[i]
+        return g, oldest(g)
+
     def collect(self, cfg, version: int) -> RolloutResult:
         """Block until B groups are queued; return the oldest B whose staleness is within eta.
         Raises AsyncStall when no group can come (see the module docstring)."""
@@ -172,9 +185,7 @@ class AsyncDriver(Driver):
             while len(taken) < B:
                 self._raise_worker_error()
                 if self.queue:
-                    g = self.queue.popleft()
-                    oldest = min((min(s.versions) for s in g.samples if s.versions),
-                                 default=version)
+                    g, oldest = self._take_oldest(version)
                     if version - oldest > cfg.async_.max_staleness:
                         self.dropped_stale += 1
                         self.accepted -= 1  # a dropped group gives its admission back
