@@ -46,6 +46,30 @@ def test_bench_async_reports_speedup_and_best_eta():
         assert v["admission"]["bound"] == (eta + v["admission"]["version"] + 1) * 4
         assert v["dropped_stale_groups"] >= 0 and "staleness_mean" in v
     assert "admission" not in out["sync"]
+    # --sync-threads 1: the synchronous variant itself gives the one-thread phases
+    phases = out["ratio"]["one_thread_step_s"]
+    sync = out["sync"]
+    assert abs(phases["generation"] - sync["rollout_s"] / 2) < 1e-3
+    assert abs(phases["generation"] + phases["rest"] - sync["time_per_step_s"]) < 2e-3
+    assert out["ratio"]["overlap_ceiling"] == asynchronous.overlap_ceiling(
+        sync["time_per_step_s"], sync["rollout_s"] / 2, sync["time_per_step_s"] - sync["rollout_s"] / 2)
+    assert "sync_1_thread" not in out
+
+
+def test_overlap_ceiling_by_hand():
+    # sync 1.0 s/step on two threads; one thread each: generation 0.72 s, the rest 0.9 s
+    assert asynchronous.overlap_ceiling(1.0, 0.72, 0.9) == 1.111
+    assert asynchronous.overlap_ceiling(1.0, 0.5, 0.5) == 2.0   # perfectly balanced, no speed-up from threads
+    assert asynchronous.overlap_ceiling(1.2, 0.4, 1.2) == 1.0   # the update alone takes the whole step
+
+
+def test_bench_april_reports_decode_cost_per_token():
+    out = april.run(args(preset="demo", steps=1, eval_size=0), log=lambda *a: None)
+    for v in (out["baseline"], out["april"]):
+        assert v["decode_ms_per_token"] > 0 and v["admit_ms_per_token"] > 0
+        assert 1 <= v["rows_per_decode_step"] <= 16
+    assert out["ratio"]["decode_cost_per_token"] == round(
+        out["baseline"]["decode_ms_per_token"] / out["april"]["decode_ms_per_token"], 3)
 
 
 def test_bench_learn_reports_before_after_and_delta():

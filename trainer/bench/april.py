@@ -8,6 +8,12 @@ the tokens left untrained in its buffer at the end (their rollout time is in its
 so they count against it); `ratio.rollout_throughput` is APRIL / baseline (medians) and
 `ratio.accuracy_delta` APRIL - baseline (a fraction). With --curve-every, also the training
 seconds each needed to reach the baseline's final accuracy.
+
+What APRIL can win is bounded by the hardware: it fills idle decode slots, which pays only as
+far as a decode step costs less per row when it holds more rows. Each variant reports its mean
+rows per decode step and the engine's decode (and admission: prefill, cache moves)
+milliseconds per generated token; `ratio.decode_cost_per_token` is the baseline's decode cost
+per token over APRIL's, the gain APRIL's full batches bought in decoding alone.
 """
 from __future__ import annotations
 
@@ -31,4 +37,5 @@ def run(args, log=print) -> dict:
         "time_per_step": ratio(apr["time_per_step_s"], base["time_per_step_s"]),
         "end_to_end_trained_tokens_per_s": ratio(apr["trained_tokens_per_s"],
                                                  base["trained_tokens_per_s"]),
+        "decode_cost_per_token": ratio(base["decode_ms_per_token"], apr["decode_ms_per_token"]),
         "accuracy_delta": accuracy_delta(apr, base)}}

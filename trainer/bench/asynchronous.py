@@ -10,11 +10,18 @@ reported from (so it is optimistic: read every eta), `ratio.best_eta` that setti
 
 The synchronous loop uses every core for each phase (torch intra-op threads); the asynchronous
 one gives generation (its own process) and training one thread each by default, so both use
-the same cores. The asynchronous variants use the log-linear pi_prox (no extra forward pass per
+the same cores. That bounds what overlapping can win: with one thread each, a step takes at
+least the longer of the two sides, so the synchronous loop is also run on one thread
+(`sync_1_thread`, unless --sync-threads is 1 already) and `ratio.overlap_ceiling` is the
+synchronous step time over the longer of its one-thread generation and the rest of its step
+(update, rewards, weight sync). Where the cores speed each phase up almost linearly, the
+ceiling is near 1 whatever the engine does; separate devices for the two sides (as AReaL
+has) lift it. The asynchronous variants use the log-linear pi_prox (no extra forward pass per
 step) unless --set says otherwise.
 """
 from __future__ import annotations
 
+import argparse
 import os
 
 from trainer.bench.common import accuracy_delta, add_comparison_arguments, compare, ratio
@@ -28,6 +35,8 @@ def add_arguments(p) -> None:
     p.add_argument("--etas", default="1,2,4", help="comma-separated staleness bounds")
     p.add_argument("--sync-threads", type=int, default=os.cpu_count() or 1,
                    help="torch threads of the synchronous loop (default: every core)")
+    p.add_argument("--ceiling", action=argparse.BooleanOptionalAction, default=True,
+                   help="also run the synchronous loop on one thread for ratio.overlap_ceiling")
     p.add_argument("--trainer-threads", type=int, default=1,
                    help="torch threads of the asynchronous trainer (its engine process has "
                    "async.worker_threads, default 1)")
@@ -36,13 +45,18 @@ def add_arguments(p) -> None:
 def run(args, log=print) -> dict:
     variants = [("sync", args.preset, [*args.set, "async.enabled=false",
                                        f"model.threads={args.sync_threads}"])]
+    one_thread = "sync" if args.sync_threads == 1 else "sync_1_thread"
+    if getattr(args, "ceiling", True) and one_thread != "sync":
+        variants.append((one_thread, args.preset,
+                         [*args.set, "async.enabled=false", "model.threads=1"]))
     for eta in (int(e) for e in args.etas.split(",")):
         variants.append((f"eta_{eta}", args.preset, [
             "async.prox_logp=loglinear", *args.set, "async.enabled=true",
             f"model.threads={args.trainer_threads}", f"async.max_staleness={eta}"]))
     out = compare(variants, args, log)
     sync = out["sync"]
-    best = max((k for k in out if k != "sync"), key=lambda k: out[k]["trained_tokens_per_s"])
+    best = max((k for k in out if k.startswith("eta_")),
+               key=lambda k: out[k]["trained_tokens_per_s"])
     out["ratio"] = {"speedup": ratio(out[best]["trained_tokens_per_s"],
                                      sync["trained_tokens_per_s"]),
                     "best_eta": int(best.split("_")[1]),
@@ -50,4 +64,17 @@ def run(args, log=print) -> dict:
                     **{f"speedup_{k}": ratio(out[k]["trained_tokens_per_s"],
                                              sync["trained_tokens_per_s"])
                        for k in out if k.startswith("eta_")}}
+    if one_thread in out:
+        one = out[one_thread]
+        gen = one["rollout_s"] / one["steps"]
+        rest = one["time_per_step_s"] - gen
+        out["ratio"]["overlap_ceiling"] = overlap_ceiling(sync["time_per_step_s"], gen, rest)
+        out["ratio"]["one_thread_step_s"] = {"generation": round(gen, 3), "rest": round(rest, 3)}
     return out
+
+
+def overlap_ceiling(sync_step_s: float, gen_s: float, rest_s: float) -> float | None:
+    """The most an asynchronous step can gain over a synchronous one of `sync_step_s` when
+    generation (`gen_s` per step) and the rest of the step (`rest_s`) run side by side, one
+    thread each: the step cannot be shorter than the longer side."""
+    return ratio(sync_step_s, max(gen_s, rest_s))

@@ -53,6 +53,7 @@ def train_variant(name: str, preset: str, overrides: list[str], *, steps: int, e
             t0 = time.monotonic()
             runner.run()
             wall = time.monotonic() - t0
+            engine = runner.engine.stats  # before the evaluation below adds its own decoding
             accuracy = runner.evaluate() if eval_size else None
     s = sink.series
     gen_s = sum(s("timing/gen_s"))
@@ -67,6 +68,11 @@ def train_variant(name: str, preset: str, overrides: list[str], *, steps: int, e
         "trained_tokens_per_rollout_s": round(trained / max(gen_s, 1e-9), 1),
         "trained_tokens_per_s": round(trained / max(wall, 1e-9), 1),
         "idle_slot_frac_mean": round(_mean(s("rollout/idle_slot_frac")), 3),
+        # what a generated token cost the engine: a fuller batch pays only where a decode
+        # step costs less per row as rows are added
+        "rows_per_decode_step": round(engine.slot_steps_used / max(engine.decode_steps, 1), 1),
+        "decode_ms_per_token": round(1e3 * engine.decode_s / max(engine.generated_tokens, 1), 4),
+        "admit_ms_per_token": round(1e3 * engine.admit_s / max(engine.generated_tokens, 1), 4),
         "reward_mean": round(_mean(s("reward/mean")), 4),
         "zero_var_ratio_mean": round(_mean(s("rollout/zero_var_ratio")), 4),
         "heldout_accuracy": accuracy,

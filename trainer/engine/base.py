@@ -80,6 +80,10 @@ class EngineStats:
     generated_tokens: int = 0
     prefill_tokens: int = 0         # prompt/context tokens run through the model
     prefill_shared_tokens: int = 0  # ... and those copied from a sample with the same context
+    # wall seconds in decode steps and in admissions (prefills, cache moves); 0 where an
+    # engine does not time them. Per generated token they show what a full batch costs here
+    decode_s: float = 0.0
+    admit_s: float = 0.0
 
     def idle_slot_frac(self) -> float:
         if self.slot_steps_capacity == 0:
@@ -91,7 +95,8 @@ class EngineStats:
 
     def astuple(self):
         return (self.decode_steps, self.slot_steps_used, self.slot_steps_capacity,
-                self.generated_tokens, self.prefill_tokens, self.prefill_shared_tokens)
+                self.generated_tokens, self.prefill_tokens, self.prefill_shared_tokens,
+                self.decode_s, self.admit_s)
 
 
 class RolloutEngine:

@@ -25,6 +25,7 @@ is decided in one place, `_finish_reason` (end-of-sequence tokens: `self.eos`).
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from typing import Iterable
 
@@ -117,9 +118,13 @@ class EmbeddedEngine(RolloutEngine):
         with self.lock:
             if self.cache is None:  # released for training: take it back before generating
                 self.reacquire_memory()
+            t0 = time.perf_counter()
             out = self._admit()
+            t1 = time.perf_counter()
+            self.stats.admit_s += t1 - t0
             if self.slots:
                 out.extend(self._decode())
+                self.stats.decode_s += time.perf_counter() - t1
             return out
 
     def abort(self, request_ids: Iterable[int] | None = None,
