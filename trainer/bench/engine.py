@@ -13,10 +13,15 @@ finished / all row-steps; engine: empty slot-steps / all slot-steps) and the mea
 engine / static.
 
 Models: `builtin` (the warmed-up CPU model; responses end where the model writes <eos>), a local
-HF directory, or `qwen2.5-0.5b-random`: a Qwen2.5-0.5B-shaped model with random weights (no
-download). A random model never chooses to stop, so with it each response is forced to the
-length of the task's reference answer (`--lengths reference`): the same long tail, by
-construction. `--model auto` = the Qwen-shaped model on CUDA, `builtin` on CPU.
+HF directory, `qwen2.5-0.5b-random`: a Qwen2.5-0.5B-shaped model with random weights (no
+download), or `builtin-43m-random`: the built-in model's architecture and tokenizer widened and
+deepened to 43M parameters, random weights (the bigger CPU model of the rollout-dominated
+workload below). A random model never chooses to stop, so with it each response is forced to a
+length: the task's reference answer's (`--lengths reference`, the same long tail, by
+construction) or one drawn from a heavy Pareto tail (`--lengths heavy`: `--tail-min` x
+u^(-1/`--tail-alpha`), capped at `--max-new-tokens`; the defaults give a median near 22 tokens
+and max/median of 50 and more at 1,536 tokens: the regime where rollout dominates, as in the
+papers). `--model auto` = the Qwen-shaped model on CUDA, `builtin` on CPU.
 
 Noise: a shared machine's timings move by several percent between runs, so each variant runs
 `--reps` times (default 3), interleaved (static, engine, static, engine, ...), and the JSON
@@ -30,9 +35,17 @@ attention should make the second cost about the first (`ratio`, target <= 1.3x),
 padded attention costs B x the longest row (`one_long_padded_ms`, `padded_ratio`: the same
 batch with a single padded bucket, as the engine decoded before). Measured interleaved too
 (A B C A B C ...), each run the median of `--step-steps` decode steps.
+
+`decode_cost`: what a generated token costs in a decode step of B rows (every row at
+~`--step-short` cached tokens), for each B of `--cost-batches` (default 8, 32, 128), and
+`batching_gain` = the cost per token at the smallest B over that at the largest. This is what
+filling idle slots (continuous batching, APRIL) can win on the device: near B x on a GPU, whose
+decode step costs about the same at 8 and 128 rows; little on a CPU, whose matrix products are
+already compute-bound at a few rows.
 """
 from __future__ import annotations
 
+import math
 import random
 import statistics
 import time
@@ -43,11 +56,14 @@ NAME = "engine"
 HELP = "embedded engine vs static-batch HF generate: useful tokens/s on the long-tailed task"
 
 QWEN_RANDOM = "qwen2.5-0.5b-random"
+WIDE_RANDOM = "builtin-43m-random"
+RANDOM_MODELS = (QWEN_RANDOM, WIDE_RANDOM)
 
 
 def add_arguments(p) -> None:
     p.add_argument("--model", default="auto",
-                   help=f"auto | builtin | {QWEN_RANDOM} | a local HF model directory")
+                   help=f"auto | builtin | {QWEN_RANDOM} | {WIDE_RANDOM} | a local HF model "
+                   "directory")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--prompts", type=int, default=256, help="sum-task prompts (default 256)")
@@ -55,9 +71,13 @@ def add_arguments(p) -> None:
                    help="engine slots = static batch size (default 64)")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--lengths", default="auto", choices=["auto", "natural", "reference"],
+    p.add_argument("--lengths", default="auto", choices=["auto", "natural", "reference", "heavy"],
                    help="natural: rows end at <eos>; reference: each row is forced to the length "
-                   "of the task's reference answer (auto: reference for the random model)")
+                   "of the task's reference answer; heavy: to a length from a Pareto tail "
+                   "(auto: reference for a random model)")
+    p.add_argument("--tail-alpha", type=float, default=0.7,
+                   help="--lengths heavy: the tail's exponent (smaller = heavier)")
+    p.add_argument("--tail-min", type=int, default=8, help="--lengths heavy: the shortest length")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = default)")
     p.add_argument("--reps", type=int, default=3,
@@ -69,6 +89,8 @@ def add_arguments(p) -> None:
                    help="decode_step: cached tokens of the one long row (default 300)")
     p.add_argument("--step-steps", type=int, default=12,
                    help="decode_step: timed decode steps per run (default 12)")
+    p.add_argument("--cost-batches", default="8,32,128",
+                   help="decode_cost: the batch sizes, comma-separated (empty: skip)")
 
 
 def _qwen_random(device, dtype):
@@ -79,6 +101,23 @@ def _qwen_random(device, dtype):
                       max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6,
                       tie_word_embeddings=True, bos_token_id=None, eos_token_id=None,
                       pad_token_id=151643)  # no eos: random weights would stop by chance only
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="sdpa")
+    return model.eval()
+
+
+def _wide_random(device, dtype):
+    """The built-in model's shape (Qwen2, character vocabulary of 100) at 43M parameters."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from trainer.model import BUILTIN, model_dir
+
+    cfg = Qwen2Config.from_pretrained(model_dir(BUILTIN))
+    cfg.update(dict(hidden_size=640, intermediate_size=1728, num_hidden_layers=10,
+                    num_attention_heads=10, num_key_value_heads=2, max_position_embeddings=4096,
+                    layer_types=["full_attention"] * 10,
+                    eos_token_id=None))  # no eos: random weights would stop by chance only
     torch.manual_seed(0)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="sdpa")
@@ -97,6 +136,9 @@ def _load(args, device, dtype):
         # for Qwen's, which also spell digits and punctuation one token each
         tok = load_tokenizer(BUILTIN)
         return _qwen_random(device, dtype), tok, 151643, 151643, name
+    if name == WIDE_RANDOM:
+        tok = load_tokenizer(BUILTIN)
+        return _wide_random(device, dtype), tok, tok.eos_token_id, tok.pad_token_id, name
     tok = load_tokenizer(name)
     return load_model(name, device, dtype).eval(), tok, tok.eos_token_id, tok.pad_token_id, name
 
@@ -277,6 +319,41 @@ def _decode_step(model, args, device, dtype, vocab: int, log) -> dict:
     return out
 
 
+def _decode_cost(model, args, device, dtype, vocab: int, log) -> dict | None:
+    """decode_cost: ms per generated token of a decode step at each of --cost-batches rows,
+    the batch sizes interleaved over --reps runs after a warm-up round."""
+    batches = [int(b) for b in args.cost_batches.split(",") if b.strip()]
+    if not batches:
+        return None
+    runs: dict[int, list[float]] = {b: [] for b in batches}
+    for rep in range(max(args.reps, 1) + 1):
+        for b in batches:
+            eng = _step_engine(model, _Args(args, step_batch=b), device, dtype, vocab, False)
+            ms, _ = _time_steps(eng, args.step_steps, device)
+            eng.close()
+            if rep:
+                runs[b].append(ms / b)
+    per_token = {b: statistics.median(v) for b, v in runs.items()}
+    lo, hi = min(batches), max(batches)
+    out = {"cached_tokens": args.step_short,
+           "per_token_ms": {str(b): _spread(v, 4) for b, v in runs.items()},
+           "step_ms": {str(b): round(per_token[b] * b, 3) for b in batches},
+           "batching_gain": round(per_token[lo] / per_token[hi], 2),
+           "batching_gain_batches": [lo, hi]}
+    log("  decode cost per token: " + ", ".join(f"B={b} {per_token[b]:.4f} ms" for b in batches)
+        + f"; B={lo} -> B={hi}: {out['batching_gain']}x cheaper per token")
+    return out
+
+
+def heavy_tail_lengths(n: int, args) -> list[int]:
+    """n response lengths from a Pareto tail: tail_min * u^(-1/alpha), capped at
+    --max-new-tokens (seeded; the same lengths for every variant and run)."""
+    rng = random.Random(args.seed)
+    return [min(args.max_new_tokens, math.ceil(args.tail_min * (1.0 - rng.random())
+                                                ** (-1.0 / args.tail_alpha)))
+            for _ in range(n)]
+
+
 def run(args, log=print) -> dict:
     from trainer.model import resolve_device, resolve_dtype
     from trainer.system import SystemSampler
@@ -288,10 +365,11 @@ def run(args, log=print) -> dict:
     model, tok, eos_id, pad, name = _load(args, device, dtype)
     lengths = args.lengths
     if lengths == "auto":
-        lengths = "reference" if name == QWEN_RANDOM else "natural"
+        lengths = "reference" if name in RANDOM_MODELS else "natural"
     prompts, ref_len = _workload(args, tok)
-    targets = ref_len if lengths == "reference" else [None] * len(prompts)
-    eos = [] if lengths == "reference" else [eos_id]
+    targets = {"reference": ref_len, "heavy": heavy_tail_lengths(len(prompts), args),
+               "natural": [None] * len(prompts)}[lengths]
+    eos = [eos_id] if lengths == "natural" else []
     max_seq_len = max(len(p) for p in prompts) + args.max_new_tokens + 1
     reps = max(args.reps, 1)
     log(f"bench engine: {name} on {device} ({str(dtype).replace('torch.', '')}), "
@@ -349,14 +427,18 @@ def run(args, log=print) -> dict:
         f"{ratio['useful_throughput_runs']['runs']})")
     vocab = int(getattr(model.config, "vocab_size", 100))
     step = _decode_step(model, args, device, dtype, min(vocab, len(tok)), log)
+    cost = _decode_cost(model, args, device, dtype, min(vocab, len(tok)), log)
     return {"model": name, "device": str(device), "dtype": str(dtype).replace("torch.", ""),
             "prompts": len(prompts), "slots": args.slots, "max_new_tokens": args.max_new_tokens,
             "temperature": args.temperature, "lengths": lengths, "reps": reps,
             "response_len": {"mean": round(sum(lens) / max(len(lens), 1), 1),
                              "p50": _pct(lens, 0.5), "p90": _pct(lens, 0.9),
-                             "max": max(lens, default=0)},
+                             "max": max(lens, default=0),
+                             "max_over_median": round(max(lens, default=0)
+                                                      / max(_pct(lens, 0.5), 1), 1)},
             "outputs_agree": round(sum(a == b for a, b in zip(re_, rs)) / max(len(re_), 1), 3),
             "engine": e, "static_generate": s, "ratio": ratio, "decode_step": step,
+            "decode_cost": cost,
             "threads": torch.get_num_threads() if device.type == "cpu" else None}
 
 

@@ -4,9 +4,10 @@ A generation worker (a thread here; it only talks to the engine through the engi
 so the engine may live on another device or behind HTTP) keeps the engine busy: it admits new
 groups, steps the engine, scores groups as they complete and queues them. The trainer takes
 the complete groups whose oldest token is oldest (`collect`; groups complete out of order, and
-taking them as they completed would let a long answer's group fall out of the bound), trains, and pushes new weights; the
-engine swaps them between two decode steps (interruptible generation), so a long answer may
-carry tokens from several policy versions, each tagged with its version.
+taking them as they completed would let a long answer's group fall out of the bound), trains,
+and pushes new weights; the engine swaps them between two decode steps (interruptible
+generation), so a long answer may carry tokens from several policy versions, each tagged with
+its version.
 
 Staleness bound eta (`async.max_staleness`): a new group is admitted only while
 
