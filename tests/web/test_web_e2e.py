@@ -230,9 +230,16 @@ def test_browser_flow(live_asgi, django_user_model, monkeypatch, tmp_path):
                                  "data": {"rule": "stalled"}})
             expect(page.locator('#alerts li[data-rule="stalled"]')).to_have_count(0)
 
-            # stop
+            # stop, its reply held back too (status "running" when asked) until the stream has
+            # brought "stopped": the page must stay on "stopped"
+            page.route("**/api/runs/*/stop", lambda route: held.append((route, route.fetch())))
             page.click("#btn-stop")
             expect(page.locator("#run-status")).to_have_text("stopped", timeout=60_000)
+            route, reply = held.pop()
+            route.fulfill(response=reply)
+            expect(page.locator("#action-msg")).to_have_text("stop requested")
+            expect(page.locator("#run-status")).to_have_text("stopped")
+            page.unroute("**/api/runs/*/stop")
             expect(page.locator("#event-log")).to_contain_text("run_stopped")
             expect(page.locator("#btn-resume")).to_be_enabled()
             expect(page.locator("#alerts-title")).to_have_text("Alerts active when the run ended")
