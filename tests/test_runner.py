@@ -127,3 +127,31 @@ def test_greso_state_survives_checkpoint_and_resume(tmp_path, tiny_overrides):
         assert again.greso.state_dict() == saved
         again.run()
     assert again.step == 4
+
+
+def test_the_runner_says_what_it_does_between_steps(tmp_path, monkeypatch):
+    # the dashboard's stall watch reads Runner.phase: set while evaluating and saving, else None
+    from trainer import run_state
+    from trainer import runner as runner_mod
+
+    seen = []
+    real_eval, real_save = runner_mod.evaluate, run_state.save
+
+    def evaluate(*a, **k):
+        seen.append(("eval", r.phase))
+        return real_eval(*a, **k)
+
+    def save(run):
+        seen.append(("save", run.phase))
+        return real_save(run)
+
+    monkeypatch.setattr(runner_mod, "evaluate", evaluate)
+    monkeypatch.setattr(run_state, "save", save)
+    cfg = C.load("demo", ["rollout.rollout_batch_size=2", "rollout.n_samples_per_prompt=2",
+                          "rollout.max_response_len=16", "run.max_steps=2", "run.eval_every=2",
+                          "run.eval_size=4", "run.checkpoint_every=0", "run.reward_workers=0"])
+    with Runner(cfg, tmp_path, sink=MemorySink(), system_telemetry=False) as r:
+        assert r.phase is None
+        r.run()
+        assert r.phase is None
+    assert seen == [("eval", "evaluating"), ("eval", "evaluating"), ("save", "saving a checkpoint")]

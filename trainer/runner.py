@@ -62,6 +62,9 @@ class Runner:
                        "reward_timeouts": 0}
         self.best_eval: float | None = None
         self.last_eval: float | None = None
+        # what the run is doing between two steps ("evaluating", "saving a checkpoint"), else
+        # None: the dashboard's stall watch reads it, so a long evaluation is no stalled step
+        self.phase: str | None = None
 
         ckpt_state = ckpt_tensors = None
         if resume:
@@ -279,7 +282,8 @@ class Runner:
         cfg = self.cfg
         problems = self.task.eval_problems(cfg.run.eval_size)[self.dist.rank::self.dist.size]
 
-        with self.rollout.suspended():  # the async worker shares the engine: hold it
+        with self._between_steps("evaluating"), self.rollout.suspended():
+            # (the async worker shares the engine: suspended() holds it)
             res = evaluate(self.engine, self.tokenizer, problems, self.scorer.texts,
                            temperature=cfg.run.eval_temperature,
                            max_new_tokens=cfg.rollout.max_response_len)
@@ -298,9 +302,18 @@ class Runner:
 
     # --- checkpoints --------------------------------------------------------------------------------
     def save_checkpoint(self) -> Path:
-        path = run_state.save(self)
+        with self._between_steps("saving a checkpoint"):
+            path = run_state.save(self)
         self.sink.event(self.step, "checkpoint", {"path": str(path)})
         return path
+
+    @contextlib.contextmanager
+    def _between_steps(self, phase: str):
+        self.phase = phase
+        try:
+            yield
+        finally:
+            self.phase = None
 
 
 def _finite(v) -> bool:

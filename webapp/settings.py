@@ -185,6 +185,8 @@ ALERT_CLEAR_STEPS = env_int("RLPILOT_ALERT_CLEAR_STEPS", 3)
 # ALERT_STALL_MIN_S (evaluated by the worker's heartbeat thread, so also when nothing is written)
 ALERT_STALL_FACTOR = env_float("RLPILOT_ALERT_STALL_FACTOR", 5.0)
 ALERT_STALL_MIN_S = env_float("RLPILOT_ALERT_STALL_MIN_S", 60.0)
+# an evaluation or a checkpoint between steps is no stall, for up to this long
+ALERT_STALL_PHASE_MAX_S = env_float("RLPILOT_ALERT_STALL_PHASE_MAX_S", 1800.0)
 # (the heartbeat alert uses RLPILOT_HEARTBEAT_TIMEOUT_S above)
 
 # --- auth and security ---------------------------------------------------------------------------

@@ -216,3 +216,90 @@ def test_the_heartbeat_thread_raises_it_while_the_trainer_writes_nothing(user, m
     finally:
         beat.stop()
     assert alert_events(run) == [(4, "alert", "stalled"), (5, "alert_cleared", "stalled")]
+
+
+def test_an_evaluation_between_steps_is_no_stall_up_to_its_allowance(user, make_run, stall_settings):
+    stall_settings.ALERT_STALL_PHASE_MAX_S = 300
+    run = make_run(user, "running")
+    trainer = Trainer(run)
+    trainer.steps(18, 20, 22, 19, 21, 20)              # median 20 s: the limit is 100 s
+    watch = StallWatch(run.pk)
+    watch.tick(now=0)
+    trainer.steps(20)                                  # step 7 finishes at t = 5
+    assert watch.tick(now=5) == []
+    # a 250 s evaluation: the clock is held while the trainer says so
+    assert watch.tick(now=10, phase="evaluating") == []
+    assert watch.tick(now=260, phase="evaluating") == []
+    # it ended at t = 260: the clock runs from there, 99 s later is still within the limit
+    assert watch.tick(now=359) == []
+    (rec,) = watch.tick(now=361)                       # 101 s after the evaluation ended
+    assert rec.values["rule"] == "stalled" and rec.values["stalled_s"] == 101
+    assert "evaluating" not in rec.values["message"]
+    trainer.steps(20)                                  # step 8 clears it
+    assert [r.name for r in watch.tick(now=362)] == ["alert_cleared"]
+    # a checkpoint that hangs: held for its 300 s allowance, then counted; the message says so
+    assert watch.tick(now=400, phase="saving a checkpoint") == []
+    assert watch.tick(now=700, phase="saving a checkpoint") == []    # 300 s into it: held
+    assert watch.tick(now=790, phase="saving a checkpoint") == []    # 90 s past the allowance
+    (rec,) = watch.tick(now=802, phase="saving a checkpoint")
+    assert rec.values["stalled_s"] == 102                            # counted from t = 700
+    assert "saving a checkpoint for 402 s, more than the 300 s allowed" in rec.values["message"]
+    assert alert_events(run) == [(7, "alert", "stalled"), (8, "alert_cleared", "stalled"),
+                                 (8, "alert", "stalled")]
+
+
+def test_the_heartbeat_thread_passes_the_trainers_phase(user, make_run, settings, wait_until):
+    import time
+
+    settings.ALERT_STALL_FACTOR = 5
+    settings.ALERT_STALL_MIN_S = 0.3
+    settings.ALERT_STALL_PHASE_MAX_S = 1800
+    run = make_run(user, "running")
+    trainer = Trainer(run)
+    trainer.steps(0.05, 0.05, 0.05)
+    beat = Heartbeat(run.pk, interval=0.1)
+    phase = ["evaluating"]
+    beat.phase = lambda: phase[0]
+    beat.start()
+    try:
+        wait_until(lambda: beat.stall.step == 3, 5, "the heartbeat's first look")
+        trainer.steps(0.05)
+        time.sleep(1.5)                                # 5x the floor, evaluating all along
+        assert not RunEvent.objects.filter(run=run, kind="alert").exists()
+        phase[0] = None                                # the evaluation ended, no step follows
+        wait_until(lambda: RunEvent.objects.filter(run=run, kind="alert", data__rule="stalled").exists(),
+                   10, "the stalled alert")
+    finally:
+        beat.stop()
+
+
+def test_the_training_task_hands_the_runners_phase_to_its_heartbeat(user, tiny, monkeypatch):
+    """The worker's task wires Runner.phase into its Heartbeat: during an evaluation the stall
+    watch is told "evaluating"."""
+    from trainer import config as config_mod
+    from trainer import runner as runner_mod
+    from webapp.dashboard import tasks
+    from webapp.dashboard.models import Status
+
+    beats, seen = [], []
+
+    class RecordingHeartbeat(Heartbeat):
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            beats.append(self)
+
+    real_eval = runner_mod.evaluate
+
+    def evaluate(*a, **k):
+        seen.append(beats[0].phase())
+        return real_eval(*a, **k)
+
+    monkeypatch.setattr(tasks, "Heartbeat", RecordingHeartbeat)
+    monkeypatch.setattr(runner_mod, "evaluate", evaluate)
+    cfg = config_mod.load("demo", {**tiny, "run.max_steps": 2, "run.eval_every": 2,
+                                   "run.eval_size": 4})
+    run = Run.objects.create(owner=user, name="phase", config=cfg.to_dict(), knobs=cfg.knob_values(),
+                             max_steps=cfg.run.max_steps, status=Status.QUEUED)
+    assert tasks.execute(Run.objects.get(pk=run.pk)) == Status.FINISHED
+    assert seen and set(seen) == {"evaluating"}
+    assert beats[0].phase() is None   # after the run: nothing between steps any more

@@ -20,8 +20,9 @@ Rules (thresholds are settings, `RLPILOT_ALERT_*`):
   nan_loss       actor/pg_loss non-finite, or a trainer `warning` event about a non-finite update
   heartbeat      no heartbeat for RLPILOT_HEARTBEAT_TIMEOUT_S (the run becomes interrupted)
   stalled        no step finished for max(ALERT_STALL_FACTOR x median step time, ALERT_STALL_MIN_S)
-                 while running; evaluated by the worker's heartbeat thread (StallWatch), which
-                 keeps going while the trainer is stuck and writes nothing
+                 while running (an evaluation or checkpoint between steps holds the clock, up to
+                 ALERT_STALL_PHASE_MAX_S); evaluated by the worker's heartbeat thread
+                 (StallWatch), which keeps going while the trainer is stuck and writes nothing
 """
 from __future__ import annotations
 
@@ -178,6 +179,9 @@ class StallWatch:
     first step after a (re)start never count) and only runs while the run is `running`: a pause
     restarts it (and clears the alert: the trainer reached a step boundary). The median step
     time is that of the run's last 100 `timing/step_s` values, else the pace this watch saw.
+    While the trainer says it is evaluating or saving a checkpoint between two steps (`phase`,
+    Runner.phase), the clock is held too, for up to ALERT_STALL_PHASE_MAX_S of that phase: a
+    long evaluation is no stalled step, a hung one is still seen after the allowance.
     The alert is raised once (an `alert` event + the banner state on the run row) and cleared
     when the next step finishes; if the sink overwrote the banner state meanwhile (its Monitor
     does not own this rule), tick() puts it back without a second event."""
@@ -193,10 +197,16 @@ class StallWatch:
         self.seen: list[tuple[float, int]] = []   # (when, step) advances: the fallback pace
         self.raised = False              # the alert is on (raised here, or by an earlier attempt)
         self._median: tuple[int, float | None] | None = None   # (step, median) cache
+        self.phase: tuple[str, float] | None = None   # (the trainer's phase, first seen at)
 
-    def tick(self, now: float | None = None) -> list[Record]:
-        """Evaluate the rule once; returns the records written (alert / alert_cleared)."""
+    def tick(self, now: float | None = None, phase: str | None = None) -> list[Record]:
+        """Evaluate the rule once; returns the records written (alert / alert_cleared).
+        `phase`: what the trainer reports doing between steps (None: training)."""
         now = self.clock() if now is None else now
+        if phase is None:
+            self.phase = None
+        elif self.phase is None or self.phase[0] != phase:
+            self.phase = (phase, now)
         row = Run.objects.filter(pk=self.run_id).values("status", "step", "alerts").first()
         if row is None:
             return []
@@ -214,6 +224,9 @@ class StallWatch:
             return self._clear(row["step"], "the run is paused at a step boundary")
         if row["status"] != Status.RUNNING or self.since is None:
             return []
+        if self.phase is not None and now - self.phase[1] <= settings.ALERT_STALL_PHASE_MAX_S:
+            self.since = now             # evaluating or checkpointing is no stall (up to a limit)
+            return []
         stalled_s = now - self.since
         floor = settings.ALERT_STALL_MIN_S
         if stalled_s <= floor:
@@ -224,12 +237,17 @@ class StallWatch:
         limit = max(floor, settings.ALERT_STALL_FACTOR * median)
         if stalled_s <= limit:
             return []
+        note = ""
+        if self.phase is not None:   # past the allowance: say what the trainer is stuck in
+            note = (f"; {self.phase[0]} for {now - self.phase[1]:.0f} s, more than the "
+                    f"{settings.ALERT_STALL_PHASE_MAX_S:g} s allowed")
         if self.raised:
             if not on_row:               # the sink's Monitor wrote the banner state without it
                 self._write(None, lambda active: active.setdefault(
-                    self.RULE, {"message": self.message(stalled_s, median, limit), "step": row["step"]}))
+                    self.RULE, {"message": self.message(stalled_s, median, limit, note),
+                                "step": row["step"]}))
             return []
-        message = self.message(stalled_s, median, limit)
+        message = self.message(stalled_s, median, limit, note)
         rec = alert_record(row["step"], self.RULE, message, stalled_s=round(stalled_s, 1),
                            median_step_s=round(median, 4), limit_s=round(limit, 1),
                            factor=settings.ALERT_STALL_FACTOR, min_s=floor)
@@ -239,12 +257,12 @@ class StallWatch:
         return [rec]
 
     @staticmethod
-    def message(stalled_s: float, median: float, limit: float) -> str:
+    def message(stalled_s: float, median: float, limit: float, phase: str = "") -> str:
         def secs(x: float) -> str:
             return f"{x:.0f}" if x >= 10 else f"{x:.2g}"
         return (f"stalled: no step finished for {secs(stalled_s)} s (median step time {median:.3g} s; "
                 f"the limit is {secs(limit)} s = max({settings.ALERT_STALL_FACTOR:g} x median, "
-                f"{settings.ALERT_STALL_MIN_S:g} s))")
+                f"{settings.ALERT_STALL_MIN_S:g} s))" + phase)
 
     def median_step_s(self) -> float | None:
         if self._median is not None and self._median[0] == self.step:

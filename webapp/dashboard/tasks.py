@@ -100,6 +100,7 @@ def execute(run: Run, resume: bool = False, resume_step: int | None = None,
     try:
         with Runner(cfg, directory, sink=sink, controls=controls, resume=resume_from_ckpt,
                     log=log.info) as runner:
+            heartbeat.phase = lambda: runner.phase
             status = runner.run()
             summary = runner.summary()
         final = Status.FINISHED if status == "finished" else Status.STOPPED

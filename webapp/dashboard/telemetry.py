@@ -19,7 +19,7 @@ import threading
 import time
 from datetime import datetime
 from datetime import timezone as dt_timezone
-from typing import Any
+from typing import Any, Callable
 
 from django.conf import settings
 from django.db import close_old_connections, connection
@@ -268,6 +268,9 @@ class Heartbeat:
         self.stop_event = threading.Event()
         self.thread = threading.Thread(target=self._loop, name="heartbeat", daemon=True)
         self.stall = alerts.StallWatch(run_id)
+        # what the trainer is doing between steps (Runner.phase), for the stall watch; the
+        # task sets it once the runner exists
+        self.phase: Callable[[], str | None] = lambda: None
 
     def start(self) -> "Heartbeat":
         self.thread.start()
@@ -275,7 +278,7 @@ class Heartbeat:
 
     def _check_stall(self) -> None:
         try:   # an alert-rule bug must never cost the run its heartbeat
-            self.stall.tick()
+            self.stall.tick(phase=self.phase())
         except Exception:
             log.exception("run %s: evaluating the stalled alert failed", self.run_id)
             close_old_connections()
