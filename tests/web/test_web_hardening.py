@@ -183,6 +183,20 @@ def test_sglang_is_refused_without_an_allow_list(alice, tiny, settings):
     assert not Run.objects.exists()
 
 
+def test_the_launch_form_shows_sglang_disabled_without_an_allow_list(alice, settings):
+    settings.RLPILOT_SGLANG_URLS = []
+    page = alice.get("/").content.decode()
+    (option,) = re.findall(r'<option value="sglang"[^>]*>[^<]*</option>', page)
+    assert " disabled" in option and "(not enabled here)" in option and "RLPILOT_SGLANG_URLS" in option
+    assert 'data-refused="sglang"' in page
+    embedded = re.search(r'<option value="embedded"[^>]*>', page).group(0)
+    assert "disabled" not in embedded
+    settings.RLPILOT_SGLANG_URLS = ["http://127.0.0.1:30000"]
+    page = alice.get("/").content.decode()
+    (option,) = re.findall(r'<option value="sglang"[^>]*>[^<]*</option>', page)
+    assert "disabled" not in option and 'data-refused="sglang"' not in page
+
+
 def test_sglang_urls_must_be_on_the_allow_list(alice, tiny, settings):
     settings.RLPILOT_SGLANG_URLS = ["http://127.0.0.1:30000", "http://gpu-a:30000/"]
     sg = {"rollout.engine": "sglang"}

@@ -198,17 +198,32 @@ def path_problem(value: str, roots: list[str], setting: str) -> str | None:
     return f"not allowed: expected {where}"
 
 
+SGLANG_DISABLED = ("the SGLang engine is not enabled on this server (the administrator lists the "
+                   "SGLang servers runs may use in RLPILOT_SGLANG_URLS)")
+
+
+def _sglang_allowed() -> list[str]:
+    return [u for u in getattr(settings, "RLPILOT_SGLANG_URLS", []) if u.strip()]
+
+
+def unavailable_choices(name: str) -> dict[str, str]:
+    """The choices of a config key that this server refuses, with why: the launch form shows
+    them disabled instead of offering what config_problems() would then refuse."""
+    if name == "rollout.engine" and not _sglang_allowed():
+        return {"sglang": SGLANG_DISABLED}
+    return {}
+
+
 def config_problems(cfg: config_mod.Config) -> dict[str, str]:
     """What a run's config may not do on this server: {dotted key: message}. Checked at launch
     from the web and again by the worker (with its own settings) before it trains."""
     errors: dict[str, str] = {}
     r = cfg.rollout
-    allowed = [u for u in getattr(settings, "RLPILOT_SGLANG_URLS", []) if u.strip()]
+    allowed = _sglang_allowed()
     if r.engine == "sglang" or r.sglang_urls.strip():
         if not allowed:
             key = "rollout.engine" if r.engine == "sglang" else "rollout.sglang_urls"
-            errors[key] = ("the SGLang engine is not enabled on this server (the administrator "
-                           "lists the SGLang servers runs may use in RLPILOT_SGLANG_URLS)")
+            errors[key] = SGLANG_DISABLED
         else:
             # imported here, not at the top (no import cycle involved): the SGLang client pulls
             # in requests and urllib3, which only a run naming SGLang servers needs

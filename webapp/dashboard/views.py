@@ -22,9 +22,11 @@ def _sections(errors: dict[str, str], values: dict[str, str]):
     out: dict[str, list] = {}
     for p in config_mod.schema():
         section = p.name.split(".")[0]
+        refused = limits.unavailable_choices(p.name)
         out.setdefault(section, []).append({
             "name": p.name, "field": FIELD_PREFIX + p.name, "type": p.as_json()["type"],
-            "choices": list(p.choices) if p.choices else None, "default": p.default,
+            "choices": [{"value": c, "refused": refused.get(c, "")} for c in p.choices]
+                       if p.choices else None, "default": p.default,
             "min": p.min, "max": p.max, "help": p.help, "tunable": p.tunable,
             "allowed": p.allowed(), "value": values.get(p.name, ""), "error": errors.get(p.name, ""),
         })
