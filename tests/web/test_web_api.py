@@ -210,6 +210,22 @@ def test_state_machine(alice, bob, staff_user, user, make_run):
     assert statuses == ["running", "stopping", "stopped", "queued", "stopped"]
 
 
+def test_resuming_an_interrupted_run_clears_its_heartbeat_alert(alice, user, make_run):
+    run = make_run(user, "interrupted")
+    other = {"message": "KL 0.9 > 0.5", "step": 3}
+    Run.objects.filter(pk=run.pk).update(alerts={"active": {
+        "heartbeat": {"message": "heartbeat lost", "step": 3}, "kl_high": other}})
+    r = post(alice, f"/api/runs/{run.pk}/resume")
+    assert r.status_code == 202 and r.json()["status"] == "queued"
+    assert Run.objects.get(pk=run.pk).alerts["active"] == {"kl_high": other}
+    cleared = RunEvent.objects.filter(run=run, kind="alert_cleared")
+    assert [e.data["rule"] for e in cleared] == ["heartbeat"]
+    # nothing to clear the next time: no second event
+    Run.objects.filter(pk=run.pk).update(status="interrupted")
+    assert post(alice, f"/api/runs/{run.pk}/resume").status_code == 202
+    assert RunEvent.objects.filter(run=run, kind="alert_cleared").count() == 1
+
+
 def test_delete(alice, bob, user, make_run):
     run = make_run(user, "running")
     assert alice.delete(f"/api/runs/{run.pk}").status_code == 409

@@ -347,12 +347,11 @@ def request_knobs(run: Run, user, knobs: Any) -> KnobChange:
 # --- stop / pause / resume / kill / delete --------------------------------------------------------------
 
 def _clear_alert(run: Run, rule: str) -> None:
+    """Clear `rule` from the run's active alerts, with an alert_cleared event, if it is on."""
     state = Run.objects.filter(pk=run.pk).values_list("alerts", flat=True).first() or {}
-    active = dict(state.get("active") or {})
-    if rule in active:
-        del active[rule]
-        append(run.pk, [Record("event", run.step, "alert_cleared", {"rule": rule})],
-               {"alerts": {**state, "active": active}})
+    if rule in (state.get("active") or {}):
+        change_alerts(run.pk, lambda active: active.pop(rule, None),
+                      Record("event", run.step, "alert_cleared", {"rule": rule}))
 
 
 def control(run: Run, user, action: str, resume_step: int | None = None) -> Run:
