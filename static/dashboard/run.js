@@ -9,7 +9,7 @@
                   statusSeq: page.seq,   // the sequence number the shown status is as of
                   knobs: Object.assign({}, page.knobs), annotations: [], ws: null, closed: false };
   const MAX_LOCAL = 4000;
-  const ACTIVE = ["queued", "running", "paused", "stopping"];   // models.ACTIVE
+  const ACTIVE = page.active_statuses;   // models.ACTIVE, from the server
 
   // --- helpers -----------------------------------------------------------------------------
   function el(tag, attrs, text) {

@@ -98,7 +98,8 @@ def run_page(request, run_id: int):
     page = {"id": run.pk, "name": run.name, "status": run.status, "seq": run.last_seq, "step": run.step,
             "max_steps": run.max_steps, "knobs": run.knobs, "config": run.config,
             "can_control": run.can_control(request.user), "knob_schema": knobs,
-            "owner": run.owner.get_username(), "user": request.user.get_username()}
+            "owner": run.owner.get_username(), "user": request.user.get_username(),
+            "active_statuses": list(ACTIVE)}
     return render(request, "dashboard/run.html", {"run": run, "page": page, "active_alerts": active_alerts(run),
                                                   "config_toml": config_mod.to_toml(config_mod.from_dict(run.config))})
 
