@@ -72,6 +72,28 @@ def test_abort_resume_and_weight_versions_across_the_process_boundary(parts):
     assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
 
 
+def test_a_result_filed_while_waiting_for_another_reply_stays_pending(parts):
+    """The child's "finished" message can arrive while the parent waits for an abort's or new
+    weights' reply; that sample is then no longer live but not yet returned by step(). It must
+    still count as pending: the asynchronous worker steps the engine only while something is
+    pending, so a sample left uncounted was never handed out and the run waited for it."""
+    model, tok = parts
+    eng = ProcessEngine(model, eos_token_ids=[tok.eos_token_id], max_slots=2, max_seq_len=200)
+    try:
+        s = Sample(tok("[3,5]=").input_ids, SamplingParams(temperature=0.0, max_new_tokens=2))
+        eng.submit([s])
+        deadline = time.monotonic() + 30
+        while not eng._done and time.monotonic() < deadline:   # as abort/weights do: wait for a
+            time.sleep(0.1)                                    # reply, filing what comes first
+            eng.generator.get_state()
+        assert eng._done == [s] and not eng.live
+        assert eng.num_pending == 1
+        assert eng.step() == [s] and s.done and len(s.response_ids) == 2
+        assert eng.num_pending == 0
+    finally:
+        eng.close()
+
+
 def test_child_decodes_on_the_parents_device_and_leaves_no_file(parts, tmp_path):
     model, tok = parts
     eng = ProcessEngine(model, eos_token_ids=[tok.eos_token_id], max_slots=2, max_seq_len=200)

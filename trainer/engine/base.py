@@ -127,7 +127,7 @@ class RolloutEngine:
 
     @property
     def num_pending(self) -> int:
-        """Samples queued or running."""
+        """Samples queued or running, or finished and not yet returned by step()."""
         raise NotImplementedError
 
     def release_memory(self) -> bool:

@@ -329,7 +329,9 @@ class ProcessEngine(RolloutEngine):
 
     @property
     def num_pending(self) -> int:
-        return len(self.live)
+        # finished samples filed while waiting for another reply (an abort, new weights) are
+        # still owed to step(): a caller that steps only while something is pending must see them
+        return len(self.live) + len(self._done)
 
     def step(self) -> list[Sample]:
         if not self._done and self.live:
