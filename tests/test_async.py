@@ -198,6 +198,42 @@ def test_the_trainer_takes_the_oldest_queued_groups_first():
     assert res.metrics["async/queue_size"] == 2
 
 
+def test_suspending_hands_finished_samples_to_the_worker_before_an_evaluation():
+    # the engine in its own process may hold a finished sample it has not handed out yet (it
+    # came in while the parent waited for the abort's reply). suspended() must take it: the
+    # evaluation's generate() would otherwise take it, and its group would wait forever
+    from trainer.engine.base import STOP, Sample, SamplingParams
+    from trainer.rollout import Group
+    from trainer.tasks.base import Problem
+
+    class HoldingEngine(IdleEngine):
+        def __init__(self, done):
+            self.done = list(done)
+
+        @property
+        def num_pending(self):
+            return len(self.done)
+
+        def step(self):
+            out, self.done = self.done, []
+            return out
+
+    s = Sample([1, 2], SamplingParams(max_new_tokens=4), response_ids=[3], logprobs=[-0.1],
+               versions=[0], finish_reason=STOP)
+    g = Group(problem=Problem("p0", "[1]=", 1, "sum"), samples=[s], draw=0)
+    eng = HoldingEngine([s])
+    ar = AsyncDriver(eng, None, None, lambda groups: [x.rewards.append(1.0) for x in groups],
+                     lock=threading.RLock())
+    ar.cfg, ar.version = _cfg(), 0
+    ar.running[id(g)], ar.owner[s.request_id] = g, g
+    ar._thread = threading.current_thread()   # a worker exists (and is idle)
+    ar._idle.set()
+    with ar.suspended():
+        assert eng.num_pending == 0             # nothing left for the evaluation to take
+        assert list(ar.queue) == [g] and not ar.running and ar.accepted == 1
+    assert g.rewards == [1.0]
+
+
 def test_a_deadlock_is_raised_with_the_admission_counters():
     from trainer.rollout.asynchronous import AsyncStall
 

@@ -142,6 +142,13 @@ class AsyncDriver(Driver):
         self.pause(wait=True)
         with self.cond:
             partial = self.engine.abort(keep_cache=True)
+            # samples that finished but were not handed out yet (an engine in another process
+            # files them while it waits for the abort's reply): hand them to the worker's
+            # bookkeeping now. Left in the engine, the evaluation's generate() would take them
+            # and their groups would wait forever; the checkpoint also sees them done
+            left = self.engine.step() if self.engine.num_pending else []
+        partial += [s for s in left if s.finish_reason == SEGMENT]
+        self._handle([s for s in left if s.finish_reason != SEGMENT])
         try:
             yield partial
         finally:
