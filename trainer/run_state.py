@@ -41,7 +41,8 @@ def load_latest(run_dir: Path, cfg: config_mod.Config, keep_knobs=()):
 def save(runner) -> Path:
     state = {"step": runner.step, "version": runner.version, "cursor": runner.prompts.cursor,
              "totals": runner.totals, "best_eval": runner.best_eval, "last_eval": runner.last_eval,
-             "config": runner.cfg.to_dict(), "knobs": runner.cfg.knob_values()}
+             "config": runner.cfg.to_dict(), "knobs": runner.cfg.knob_values(),
+             "ledger": runner.rollout.ledger.state_dict()}
     tensors = {"optimizer": runner.learner.state_dict(),
                "rng": checkpoint.rng_state(runner.engine.generator),
                "rollout": runner.rollout.state_dict(), "greso": runner.greso.state_dict()}
@@ -61,6 +62,7 @@ def restore(runner, state: dict, tensors: dict) -> None:
     runner.learner.load_state_dict(tensors["optimizer"])
     runner.dist.restore_rng(tensors, runner.engine.generator, runner.cfg.run.seed, runner.step)
     runner.rollout.load_state_dict(tensors.get("rollout", {}), runner.version)
+    runner.rollout.ledger.load_state_dict(state.get("ledger", {}))
     if "greso" in tensors:
         runner.greso.load_state_dict(tensors["greso"])
     runner.engine.version = runner.version

@@ -65,6 +65,8 @@ class Runner:
         # what the run is doing between two steps ("evaluating", "saving a checkpoint"), else
         # None: the dashboard's stall watch reads it, so a long evaluation is no stalled step
         self.phase: str | None = None
+        # tokens the engine generated for evaluations: the token ledger counts rollouts only
+        self.eval_tokens = 0
 
         ckpt_state = ckpt_tensors = None
         if resume:
@@ -125,6 +127,7 @@ class Runner:
         try:
             if self.step == 0 and self.cfg.run.eval_every:
                 self.evaluate()
+            self._observe_generation()  # the ledger's baseline: this engine's counter so far
             self.rollout.start(self.cfg, self.version)
             while self.step < self.cfg.run.max_steps:
                 cfg = self.boundary.cross(self.step, self.cfg)
@@ -234,6 +237,12 @@ class Runner:
             "timing/weight_sync_s": sync_s, "timing/step_s": step_s, "actor/lr": cfg.optim.lr,
             "train/policy_version": self.version, "rollout/trained_tokens": trained_tokens,
         })
+        self._observe_generation()
+        ledger = self.rollout.ledger
+        ledger.train(trained_tokens)
+        # complete groups the objective left out (algo.skip_zero_adv)
+        ledger.drop("zero_variance", sum(g.tokens() for g in groups) - trained_tokens)
+        m.update(ledger.step_metrics())
         with self.lock:  # the async worker adds reward counts to the totals
             self.totals["samples"] += m["rollout/samples"]
             self.totals["gen_tokens"] += m["rollout/gen_tokens"]
@@ -269,6 +278,10 @@ class Runner:
                 histogram(lengths, length_edges(cfg.rollout.max_response_len))))
         return m
 
+    def _observe_generation(self) -> None:
+        """Hand the ledger the engine's count of rollout tokens (evaluations' taken out)."""
+        self.rollout.ledger.observe_engine(self.engine.stats.generated_tokens - self.eval_tokens)
+
     def _histogram(self, name: str, values: list, edges: list) -> None:
         self.sink.histogram(self.step, name, histogram(values, edges))
 
@@ -284,9 +297,11 @@ class Runner:
 
         with self._between_steps("evaluating"), self.rollout.suspended():
             # (the async worker shares the engine: suspended() holds it)
+            before = self.engine.stats.generated_tokens
             res = evaluate(self.engine, self.tokenizer, problems, self.scorer.texts,
                            temperature=cfg.run.eval_temperature,
                            max_new_tokens=cfg.rollout.max_response_len)
+            self.eval_tokens += self.engine.stats.generated_tokens - before
         res = self.dist.reduce_eval(res)
         self.last_eval = res["accuracy"]
         self.best_eval = max(self.best_eval or 0.0, res["accuracy"])

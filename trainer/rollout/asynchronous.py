@@ -45,6 +45,7 @@ from collections import deque
 from trainer.engine.base import SEGMENT, Sample, SamplingParams
 from trainer.rollout import april as april_mod
 from trainer.rollout.base import Driver, Group, RolloutResult, StepCounts, new_group, sampling_params
+from trainer.rollout.ledger import TokenLedger
 
 
 def admission_allowed(accepted: int, running: int, version: int, eta: int, batch: int) -> bool:
@@ -94,6 +95,12 @@ class AsyncDriver(Driver):
         self._restored: list[Group] = []     # from a checkpoint, resumed first
         self._stable_steps = 0               # auto staleness: consecutive steps with weights near 1
         self._busy_reported = 0.0            # busy_s at the last report
+        self.ledger = TokenLedger()
+
+    def held_tokens(self) -> int:
+        with self.cond:
+            groups = list(self.queue) + list(self.running.values()) + self._restored
+        return sum(g.tokens() for g in groups)
 
     # --- lifecycle --------------------------------------------------------------------------------
     def start(self, cfg, version: int) -> None:

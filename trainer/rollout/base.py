@@ -16,6 +16,7 @@ from typing import Callable
 from trainer.engine.base import LENGTH, Sample, SamplingParams
 from trainer.greso import classify
 from trainer.metrics import percentile
+from trainer.rollout.ledger import TokenLedger
 from trainer.tasks.base import Problem, Task
 
 
@@ -111,6 +112,12 @@ class Driver:
     driver that generates only inside `collect` (nothing runs between steps)."""
 
     concurrent = False  # True: generation goes on while the trainer trains (the engine is busy)
+    ledger: TokenLedger  # where this driver's generated tokens went (set by each driver)
+
+    def held_tokens(self) -> int:
+        """Generated tokens held for a later step (buffered, queued or generating), as far as
+        this process knows: the ledger's "waiting" where nothing is inside the engine."""
+        return 0
 
     def collect(self, cfg, version: int) -> RolloutResult:
         raise NotImplementedError

@@ -15,6 +15,7 @@ import time
 from trainer.greso import next_sampling_batch_size
 from trainer.rollout import april
 from trainer.rollout.base import Driver, RolloutResult, StepRun, sampling_params
+from trainer.rollout.ledger import TokenLedger
 
 
 class SynchronousDriver(Driver):
@@ -26,6 +27,10 @@ class SynchronousDriver(Driver):
         self.april = april.AprilRollout()
         self.length_history: dict[str, float] = {}  # problem id -> mean response length
         self.next_batch: int | None = None          # dynamic sampling's next draw size
+        self.ledger = TokenLedger()
+
+    def held_tokens(self) -> int:
+        return self.buffer.tokens()
 
     @property
     def buffer(self) -> april.PartialBuffer:
