@@ -3,7 +3,6 @@ runs (config diff, summaries with ratios) and the exports (CSV, JSON, TOML, self
 Reads only; nothing here writes rows."""
 from __future__ import annotations
 
-import csv
 import io
 import json
 from datetime import datetime
@@ -20,6 +19,7 @@ from trainer import config as config_mod
 from webapp.dashboard import samples, streams
 from webapp.dashboard.actions import run_dir
 from webapp.dashboard.models import HistogramSnapshot, MetricPoint, RolloutSample, Run, RunEvent, Status
+from webapp.dashboard.spreadsheet_safe import SafeWriter
 
 # (key, label, higher is better) -- the order of the summary table
 SUMMARY = [
@@ -327,10 +327,10 @@ def all_points(run: Run):
 
 def export_csv(run: Run) -> str:
     buf = io.StringIO()
-    w = csv.writer(buf, lineterminator="\n")
+    w = SafeWriter(buf)
     w.writerow(["seq", "step", "key", "value"])
     for seq, step, key, value in all_points(run):
-        w.writerow([seq, step, key, "" if value is None else repr(value)])
+        w.writerow([seq, step, key, "" if value is None else value])
     return buf.getvalue()
 
 
@@ -376,12 +376,11 @@ def iter_samples_csv(run: Run):
     """The run's rollout samples as CSV lines, one row each (segments, tokens and
     log-probabilities as JSON; a missing number empty), produced as they are read."""
     buf = io.StringIO()
-    w = csv.writer(buf, lineterminator="\n")
+    w = SafeWriter(buf)
     w.writerow(SAMPLE_COLUMNS)
     for s in samples.export_rows(run.pk):
         w.writerow([json.dumps(s[c], ensure_ascii=False) if c in _JSON_COLUMNS
-                    else "" if s[c] is None else repr(s[c]) if isinstance(s[c], float) else s[c]
-                    for c in SAMPLE_COLUMNS])
+                    else "" if s[c] is None else s[c] for c in SAMPLE_COLUMNS])
         yield buf.getvalue()
         buf.seek(0)
         buf.truncate()
