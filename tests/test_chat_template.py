@@ -159,7 +159,9 @@ def test_the_config_keys_are_declared_and_validated():
         C.load("demo", ["data.chat_template=always"])
     assert "one of 'auto', 'none'" in e.value.errors["data.chat_template"]
     for bad, says in (("'</a>'", "not valid JSON"), ("'[1]'", "JSON list of strings"),
-                      ("'[\"\"]'", "empty"), ("'[\"" + "x" * 300 + "\"]'", "longer than")):
+                      ("'[\"\"]'", "empty"), ("'[\"" + "x" * 300 + "\"]'", "too long"),
+                      ("'[\"</a>\", \"\\u0000\"]'", "stop string 2: contains a NUL character"),
+                      ("'[\"a\\ud800\"]'", "lone UTF-16 surrogate (U+D800)")):
         with pytest.raises(C.ConfigError) as e:
             C.load("demo", [f"rollout.stop={bad}"])
         assert says in e.value.errors["rollout.stop"], bad

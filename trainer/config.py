@@ -625,8 +625,10 @@ def stop_strings(value: str) -> list[str]:
         raise ValueError("a stop string is empty")
     if len(out) > MAX_STOP_STRINGS:
         raise ValueError(f"{len(out)} stop strings; at most {MAX_STOP_STRINGS}")
-    if any(len(x) > MAX_STOP_LEN for x in out):
-        raise ValueError(f"a stop string is longer than {MAX_STOP_LEN} characters")
+    for i, x in enumerate(out):  # the same text rules as every config string, after decoding
+        problem = text_problem(x, MAX_STOP_LEN)
+        if problem:
+            raise ValueError(f"stop string {i + 1}: {problem}")
     return list(dict.fromkeys(out))
 
 

@@ -65,6 +65,9 @@ def test_names_and_notes_with_surrogates_or_nul_are_400s(alice, user, make_run, 
     # config strings (overrides, TOML) too
     assert_error(launch(alice, tiny, **{"data.prompt_template": "{prompt}" + bad}), 400,
                  "data.prompt_template", why)
+    # rollout.stop's entries once its JSON is decoded ('["\\u0000"]' is plain ASCII text)
+    assert_error(launch(alice, tiny, **{"rollout.stop": json.dumps(["</a>", bad])}), 400,
+                 "rollout.stop", why)
     toml = config_mod.to_toml(config_mod.load("demo")).replace('path = "builtin"',
                                                               'path = "builtin"\n# ' + bad)
     assert_error(post(alice, "/api/runs", {"name": "t", "toml": toml}), 400, "toml", why)
