@@ -140,7 +140,8 @@ class RewardService:
 
     `item_timeout_s` limits one sandboxed code run (default: `timeout_s`); `kinds` names the
     problem kinds to expect, so that workers import their verifiers while the trainer starts.
-    `reward_fn` ('module:function', importable by the workers) replaces the task registry's verifiers for every item.
+    `reward_fn` ('module:function', importable by the workers) replaces the task registry's
+    verifiers for every item.
     """
 
     def __init__(self, workers: int = 1, timeout_s: float = 10.0, *,

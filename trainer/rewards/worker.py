@@ -2,10 +2,11 @@
 
     python -c <boot> <fd> <kinds> <sandbox dir> <reward fn>
 
-It reads ("score", items, item time limit, batch time left) from the pipe on `fd`, scores each
-item with `dispatch.score_item`, and answers ("part", results) every `_PART_EVERY_S` of a long
-chunk, then ("done", results), so that a batch that runs out of time loses only unfinished
-items. It runs until the pipe closes; Ctrl-C is the trainer's to handle.
+It says ("ready", pid) once its verifiers are imported, then reads ("score", items, item time
+limit, batch time left) from the pipe on `fd`, scores each item with `dispatch.score_item`, and
+answers ("part", results) every `_PART_EVERY_S` of a long chunk, then ("done", results), so that
+a batch that runs out of time loses only unfinished items. It runs until the pipe closes;
+Ctrl-C is the trainer's to handle.
 """
 from __future__ import annotations
 
