@@ -4,7 +4,7 @@
 `score_item` is what the reward pool runs for each item, in a worker or in-process: it turns an
 exception into an "error" and a verifier's own timeout into a "timeout", so that a bad reward
 scores 0 and is counted instead of stopping the run. `reward_fn` ('module:function') replaces
-the registry's verifiers for every item (run.reward_fn).
+the registry's verifiers for every item.
 """
 from __future__ import annotations
 
