@@ -10,7 +10,7 @@ from trainer.algo import objective
 from trainer.engine.embedded import EmbeddedEngine
 from trainer.metrics import MemorySink
 from trainer.model import load_model, load_tokenizer
-from trainer.rewards import score
+from trainer.rewards.dispatch import score
 from trainer.rollout import PromptSource, april
 from trainer.rollout.base import StepRun
 from trainer.rollout.synchronous import SynchronousDriver

@@ -26,7 +26,7 @@ from trainer.model import (
     stop_token_ids,
 )
 from trainer.prompts import PromptRenderer, messages_problem
-from trainer.tasks.base import build_task
+from trainer.tasks import build_task
 from trainer.tasks.jsonl import JsonlTask
 
 # a ChatML-like template, enough to see where each part goes

@@ -4,7 +4,7 @@ import json
 import pytest
 
 from trainer.config import Config, ConfigError
-from trainer.tasks.base import Problem, build_task
+from trainer.tasks import Problem, build_task
 from trainer.tasks.jsonl import JsonlTask
 
 

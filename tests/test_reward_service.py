@@ -6,7 +6,7 @@ import time
 import psutil
 import pytest
 
-from trainer.rewards import RewardBatch, RewardService
+from trainer.rewards.pool import RewardBatch, RewardService
 from trainer.tasks.base import Problem
 from trainer.tasks.sum import SumTask
 
@@ -30,7 +30,8 @@ def slow_rewards(tmp_path, monkeypatch):
     """A reward function module that hangs on "hang" and kills its process on "crash"."""
     (tmp_path / "slow_rewards_mod.py").write_text(textwrap.dedent("""
         import os, time
-        from trainer.rewards import run_code, score
+        from trainer.rewards.dispatch import score
+        from trainer.rewards.sandbox import run_code
 
         def reward(kind, answer, completion):
             if completion == "hang":

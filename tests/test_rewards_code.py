@@ -3,7 +3,10 @@ import time
 
 import pytest
 
-from trainer.rewards import RewardService, extract_code, run_code, score, score_code
+from trainer.rewards.dispatch import score
+from trainer.rewards.pool import RewardService
+from trainer.rewards.sandbox import run_code
+from trainer.rewards.verifiers import extract_code, score_code
 from trainer.tasks.base import Problem
 
 ADD = {"tests": "assert add(1, 2) == 3\nassert add(-1, 1) == 0", "entry_point": "add"}
@@ -134,10 +137,10 @@ def test_malformed_answer_raises_a_clear_error():
 def test_nproc_limit_for_non_root_counts_the_users_threads(monkeypatch):
     import os
 
-    from trainer import rewards
+    from trainer.rewards import sandbox
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
-    limit = rewards._nproc_limit()
+    limit = sandbox._nproc_limit()
     # This process (one of the user's) and its threads are counted, plus the margin.
-    assert limit > rewards._CODE_MAX_NPROC_EXTRA
+    assert limit > sandbox._CODE_MAX_NPROC_EXTRA
     monkeypatch.setattr(os, "geteuid", lambda: 0)
-    assert rewards._nproc_limit() == 0   # root ignores RLIMIT_NPROC: leave it unset
+    assert sandbox._nproc_limit() == 0   # root ignores RLIMIT_NPROC: leave it unset

@@ -3,7 +3,8 @@ import threading
 
 import pytest
 
-from trainer.rewards import extract_answer, last_boxed, score, score_math
+from trainer.rewards.dispatch import score
+from trainer.rewards.verifiers import extract_answer, last_boxed, score_math
 
 
 @pytest.mark.parametrize("completion", [
@@ -90,7 +91,7 @@ def test_score_math_works_outside_the_main_thread():
 
 
 def test_bad_arguments_raise_clear_errors():
-    with pytest.raises(ValueError, match="unknown reward kind 'poetry'"):
+    with pytest.raises(ValueError, match="unknown task 'poetry'; the known tasks are sum, arith, math, code"):
         score("poetry", "1", "1")
     with pytest.raises(TypeError, match="completion must be a string"):
         score_math("1", None)

@@ -73,7 +73,7 @@ def _err(msg: str) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from trainer.rewards import RewardService
+    from trainer.rewards.pool import RewardService
     from trainer.tasks.jsonl import JsonlTask
 
     workers = getattr(args, "workers", None)

@@ -30,7 +30,7 @@ from trainer.evaluate import evaluate
 from trainer.learner import Learner, TrainSequence
 from trainer.metrics import MetricsSink, histogram, length_edges
 from trainer.model import load_model, load_tokenizer, resolve_device, resolve_dtype
-from trainer.rewards import RewardService
+from trainer.rewards.pool import RewardService
 from trainer.rollout import build_driver
 from trainer.rollout.asynchronous import AsyncStall
 from trainer.rollout.base import step_metrics
@@ -38,7 +38,7 @@ from trainer.rollout.selection import PromptSelector
 from trainer.samples import SampleRecorder
 from trainer.scoring import Scorer
 from trainer.system import SystemSampler
-from trainer.tasks.base import build_task
+from trainer.tasks import build_task
 
 FINISHED, STOPPED = "finished", "stopped"
 

@@ -13,7 +13,7 @@ import time
 from typing import Callable
 
 from trainer.algo import objective
-from trainer.rewards import RewardService
+from trainer.rewards.pool import RewardService
 from trainer.rollout.base import Group
 
 

@@ -1,4 +1,79 @@
-"""Verifiable tasks: where prompts come from and how a completion is scored."""
-from trainer.tasks.base import Problem, Task, build_task
+"""Verifiable tasks, and the one registry of them: name -> (factory, verifier, preload).
 
-__all__ = ["Problem", "Task", "build_task"]
+`data.task` names a task; `build_task` builds it from the config, and the reward code
+(trainer/rewards/dispatch.py) scores a problem with the verifier registered under its
+`Problem.kind`. A task's problems carry the name of the task whose verifier scores them: its own,
+or another's that checks answers the same way (arith's problems are "math" problems).
+
+The registry imports the task modules and the verifiers, never the reward pool, and no task
+module imports it, so there is no import cycle between trainer.tasks and trainer.rewards.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from trainer.config import ConfigError
+from trainer.prompts import PromptRenderer
+from trainer.rewards.verifiers import Verdict, check_code, score_code, score_math, warm_math
+from trainer.tasks.arith import ArithTask
+from trainer.tasks.base import Problem, Task
+from trainer.tasks.jsonl import JsonlTask
+from trainer.tasks.sum import SumTask, score_sum
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    """One registered task. The verifiers are module-level functions, so they pickle to the
+    reward workers; a verifier that runs the completion (code) also has `check_within`, which
+    the pool gives the item's time left and whose timeouts it counts as such."""
+    build: Callable[[Any, PromptRenderer], Task]        # (config, prompt renderer) -> the task
+    score: Callable[[Any, str], float]                  # (answer, completion) -> reward
+    preload: Callable[[], None] | None = None           # warms a reward worker's imports
+    check_within: Callable[[Any, str, float], Verdict] | None = None
+
+
+def _sum(cfg, renderer: PromptRenderer) -> Task:
+    d = cfg.data
+    return SumTask(max_len=d.max_list_len, alpha=d.length_alpha, max_operand=d.max_operand,
+                   train_size=d.train_size, seed=cfg.run.seed, renderer=renderer)
+
+
+def _arith(cfg, renderer: PromptRenderer) -> Task:
+    return ArithTask(max_operand=cfg.data.max_operand, train_size=cfg.data.train_size,
+                     seed=cfg.run.seed, renderer=renderer)
+
+
+def _jsonl(cfg, renderer: PromptRenderer) -> Task:
+    d = cfg.data
+    return JsonlTask(d.path, kind=d.task, template=d.prompt_template, eval_path=d.eval_path,
+                     seed=cfg.run.seed, renderer=renderer)
+
+
+TASKS: dict[str, TaskSpec] = {
+    "sum": TaskSpec(_sum, score_sum),
+    "arith": TaskSpec(_arith, score_math, preload=warm_math),
+    "math": TaskSpec(_jsonl, score_math, preload=warm_math),
+    "code": TaskSpec(_jsonl, score_code, check_within=check_code),
+}
+
+
+def task_spec(name: str) -> TaskSpec:
+    """The registered task `name` (ValueError naming the known ones when there is none)."""
+    spec = TASKS.get(name) if isinstance(name, str) else None
+    if spec is None:
+        raise ValueError(f"unknown task {name!r}; the known tasks are " + ", ".join(TASKS))
+    return spec
+
+
+def build_task(cfg, tokenizer=None) -> Task:
+    """Build the task named by a Config's data section. Prompts are rendered for `tokenizer`
+    (its chat template, see trainer/prompts.py); without one they are plain text."""
+    try:
+        spec = task_spec(cfg.data.task)
+    except ValueError as e:
+        raise ConfigError({"data.task": str(e)}) from None
+    return spec.build(cfg, PromptRenderer.from_config(cfg, tokenizer))
+
+
+__all__ = ["TASKS", "Problem", "Task", "TaskSpec", "build_task", "task_spec"]

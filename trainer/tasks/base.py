@@ -1,8 +1,8 @@
 """The task interface.
 
-A task hands out problems by index (so a data cursor is one integer and a run resumes exactly)
-and scores a completion with a pure, picklable function that the reward pool runs in another
-process: `score(kind, answer, completion) -> float` in `trainer.rewards`.
+A task hands out problems by index, so a data cursor is one integer and a run resumes exactly.
+It does not score them: the registry (trainer/tasks/__init__.py) names each task's verifier, a
+pure function that the reward pool runs in another process.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ class Problem:
     id: str            # stable across runs: used for GRESO traces and reports
     prompt: str        # the text given to the model, rendered (trainer/prompts.py)
     answer: Any        # what the verifier needs (an int, a LaTeX string, tests...)
-    kind: str          # which verifier scores it: "sum", "math" or "code"
+    kind: str          # the registered task whose verifier scores it: "sum", "math" or "code"
 
 
 def epoch_order(index: int, size: int, seed: int) -> int:
@@ -67,23 +67,3 @@ class Task:
         """The problem text of the longest prompt the task can produce, when there is a bound
         (None: the 64 evaluation problems stand for the rest)."""
         return None
-
-
-def build_task(cfg, tokenizer=None) -> Task:
-    """Build the task named by a Config's data section. Prompts are rendered for `tokenizer`
-    (its chat template, see trainer/prompts.py); without one they are plain text."""
-    renderer = PromptRenderer.from_config(cfg, tokenizer)
-    if cfg.data.task == "sum":
-        from trainer.tasks.sum import SumTask
-        task: Task = SumTask(max_len=cfg.data.max_list_len, alpha=cfg.data.length_alpha,
-                             max_operand=cfg.data.max_operand, train_size=cfg.data.train_size,
-                             seed=cfg.run.seed)
-        task.renderer = renderer
-        return task
-    if cfg.data.task == "arith":
-        from trainer.tasks.arith import ArithTask
-        return ArithTask(max_operand=cfg.data.max_operand, train_size=cfg.data.train_size,
-                         seed=cfg.run.seed, renderer=renderer)
-    from trainer.tasks.jsonl import JsonlTask
-    return JsonlTask(cfg.data.path, kind=cfg.data.task, template=cfg.data.prompt_template,
-                     eval_path=cfg.data.eval_path, seed=cfg.run.seed, renderer=renderer)

@@ -101,7 +101,7 @@ class JsonlTask(Task):
                         + " (set data.chat_template = 'none' for plain prompts)")}) from None
 
     def _make(self, r: _Row) -> Problem:
-        # str.replace, not str.format: braces are common in problems (sets, LaTeX, code).
+        # a code answer is copied: a caller that changes it cannot change the dataset
         return Problem(id=r.id, prompt=self.renderer.render(r.text),
                        answer=dict(r.answer) if isinstance(r.answer, dict) else r.answer,
                        kind=self.kind)

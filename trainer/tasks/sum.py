@@ -12,6 +12,7 @@ from __future__ import annotations
 import random
 import re
 
+from trainer.prompts import PromptRenderer
 from trainer.tasks.base import Problem, Task
 
 _EVAL_STREAM = 1_000_003  # held-out problems come from a separate random stream
@@ -50,9 +51,11 @@ class SumTask(Task):
     name = "sum"
 
     def __init__(self, max_len: int = 24, alpha: float = 1.0, max_operand: int = 9,
-                 train_size: int = 4096, seed: int = 0):
+                 train_size: int = 4096, seed: int = 0, renderer: PromptRenderer | None = None):
         self.max_len, self.alpha, self.max_operand = max_len, alpha, max_operand
         self.train_size, self.seed = train_size, seed
+        if renderer is not None:
+            self.renderer = renderer
 
     def _problem(self, stream: int, index: int) -> Problem:
         rng = random.Random(f"{self.seed}:{stream}:{index}")

@@ -1,0 +1,65 @@
+"""trainer/ has no import cycle, and the task registry and the reward package import one way:
+verifiers and sandbox <- the task registry (trainer.tasks) <- dispatch <- the pool and its workers.
+
+The graph is read from every module's syntax tree, imports inside functions included, with the
+checker of tests/web/test_import_graph.py. The registry and reward modules are also each
+imported first in a fresh interpreter: a package that re-exports a module which imports back
+into a package still being initialised fails only in some import orders."""
+from __future__ import annotations
+
+import functools
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+CHECKER = ROOT / "tests" / "web" / "test_import_graph.py"
+
+
+@functools.cache
+def _checker():
+    """tests/web/test_import_graph.py, loaded as a module of its own and pointed at trainer/."""
+    spec = importlib.util.spec_from_file_location("_trainer_import_graph", CHECKER)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.PACKAGE = "trainer"
+    return module
+
+
+def trainer_graph() -> tuple[dict[str, dict[str, int]], dict[str, Path]]:
+    return _checker().parsed_graph()
+
+
+def test_trainer_has_no_import_cycle():
+    graph, modules = trainer_graph()
+    assert "trainer.tasks" in graph and "trainer.rewards.pool" in graph   # it read the tree
+    checker = _checker()
+    cycles = checker.find_cycles(graph)
+    assert not cycles, "import cycles in trainer/:\n" + "\n".join(
+        checker.describe(c, graph, modules, ROOT) for c in cycles)
+
+
+def test_the_registry_sits_between_the_verifiers_and_the_pool():
+    graph, _ = trainer_graph()
+    tasks = [m for m in graph if m.startswith("trainer.tasks.")]
+    assert tasks and not [m for m in tasks if "trainer.tasks" in graph[m]], \
+        "a task module imports the registry that imports it"
+    for low in ("trainer.rewards.sandbox", "trainer.rewards.verifiers"):
+        assert not [d for d in graph[low] if d.startswith("trainer.tasks")], f"{low} imports a task"
+    assert "trainer.rewards.verifiers" in graph["trainer.tasks"]
+    assert not [d for d in graph["trainer.tasks"] if d.startswith("trainer.rewards.")
+                and d != "trainer.rewards.verifiers"], "the registry imports more than the verifiers"
+    assert "trainer.tasks" in graph["trainer.rewards.dispatch"]
+    assert graph["trainer.rewards"] == {}, "trainer/rewards/__init__.py must re-export nothing"
+
+
+@pytest.mark.parametrize("module", sorted(
+    ".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+    for pkg in ("tasks", "rewards") for p in (ROOT / "trainer" / pkg).glob("*.py")))
+def test_each_registry_and_reward_module_imports_first_in_a_fresh_interpreter(module):
+    out = subprocess.run([sys.executable, "-c", f"import {module}"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
