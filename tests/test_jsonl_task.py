@@ -169,3 +169,47 @@ def test_build_task_reads_the_data_section(math_file):
     task = build_task(cfg)
     assert isinstance(task, JsonlTask) and task.seed == 9 and task.train_size == 3
     assert task.problem(2).prompt == "Problem: What is 6 * 7?"
+
+
+# --- size limit and streaming -------------------------------------------------------------------
+
+def test_a_file_over_the_size_limit_is_refused_naming_its_size_and_the_limit(tmp_path, monkeypatch):
+    path = tmp_path / "big.jsonl"
+    write_jsonl(path, [{"prompt": "p" * 100, "answer": "1"}] * 30)
+    monkeypatch.setenv("RLPILOT_MAX_DATA_BYTES", "1000")
+    with pytest.raises(ConfigError) as e:
+        JsonlTask(str(path), "math")
+    msg = error_of(e)
+    assert f"{path.stat().st_size} bytes" in msg and "1000 bytes" in msg
+    assert "RLPILOT_MAX_DATA_BYTES" in msg
+    monkeypatch.setenv("RLPILOT_MAX_DATA_BYTES", str(path.stat().st_size))  # at the limit: read
+    assert JsonlTask(str(path), "math").train_size == 30
+
+
+def test_a_bad_size_limit_setting_is_named(tmp_path, monkeypatch, math_file):
+    for bad, says in (("lots", "whole number"), ("0", "positive")):
+        monkeypatch.setenv("RLPILOT_MAX_DATA_BYTES", bad)
+        with pytest.raises(ConfigError) as e:
+            JsonlTask(str(math_file), "math")
+        assert says in e.value.errors["RLPILOT_MAX_DATA_BYTES"]
+
+
+def test_memory_grows_with_the_rows_kept_not_the_file(tmp_path):
+    """40 rows of 1 MiB each, whose bulk is a field the task ignores: the rows kept are small,
+    and reading line by line never holds the whole file."""
+    import tracemalloc
+
+    path = tmp_path / "padded.jsonl"
+    with path.open("w") as f:
+        for i in range(40):
+            f.write(json.dumps({"prompt": f"q{i}", "answer": str(i), "pad": "x" * 2**20}) + "\n")
+    size = path.stat().st_size
+    assert size > 40 * 2**20  # guard: the file is far larger than any one line
+    tracemalloc.start()
+    try:
+        task = JsonlTask(str(path), "math")
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert task.train_size == 40 and task.problem(39).answer == "39"
+    assert peak < size / 4, f"peak {peak / 2**20:.1f} MiB for a {size / 2**20:.1f} MiB file"

@@ -14,13 +14,16 @@ An optional "id" (str or int) names a row; otherwise its id is "<kind>:<row>" fo
 and "<kind>:eval:<row>" for rows of the evaluation file. Other fields are ignored.
 
 The whole file is validated when the task is built, so a broken dataset fails at launch with a
-`ConfigError` that names the file, the line and the field, not hours into a run.
+`ConfigError` that names the file, the line and the field, not hours into a run. It is read as a
+stream, line by line, after its size is checked against `RLPILOT_MAX_DATA_BYTES` (512 MiB by
+default): memory grows with the rows kept, never with a whole file read at once.
 """
 from __future__ import annotations
 
 import json
 import keyword
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +32,7 @@ from trainer.prompts import PromptRenderer, messages_problem
 from trainer.tasks.base import Problem, Task
 
 KINDS = ("math", "code")
+MAX_DATA_BYTES_DEFAULT = 512 * 2**20
 _MAX_REPORTED = 5  # errors listed in one ConfigError message; the rest are counted
 
 
@@ -119,35 +123,44 @@ def _load(path: str, kind: str, *, key: str, default_id: str) -> list[_Row]:
         raise ConfigError({key: f"{path}: file not found"})
     if not p.is_file():
         raise ConfigError({key: f"{path}: not a regular file"})
-    try:
-        raw_lines = p.read_bytes().splitlines()
-    except OSError as e:
-        raise ConfigError({key: f"{path}: cannot read: {e.strerror or e}"}) from None
+    problem = size_problem(p)
+    if problem:
+        raise ConfigError({key: problem})
+    limit = max_data_bytes()
 
     rows: list[_Row] = []
     errors: list[str] = []
     seen_ids: dict[str, int] = {}
-    for lineno, raw in enumerate(raw_lines, start=1):
-        if lineno == 1 and raw.startswith(b"\xef\xbb\xbf"):
-            raw = raw[3:]  # UTF-8 byte-order mark
-        if not raw.strip():
-            continue
-        try:
-            obj = json.loads(raw.decode("utf-8"))
-            row = _parse_row(obj, kind, row=len(rows), default_id=default_id)
-            if row.id in seen_ids:
-                raise _RowError(f"duplicate id {row.id!r} (first used on line {seen_ids[row.id]})")
-        except UnicodeDecodeError:
-            errors.append(f"line {lineno}: not valid UTF-8")
-            continue
-        except json.JSONDecodeError as e:
-            errors.append(f"line {lineno}: invalid JSON ({e.msg} at column {e.colno})")
-            continue
-        except _RowError as e:
-            errors.append(f"line {lineno}: {e}")
-            continue
-        seen_ids[row.id] = lineno
-        rows.append(row)
+    read = 0
+    try:
+        with p.open("rb") as f:
+            for lineno, raw in enumerate(f, start=1):
+                read += len(raw)
+                if read > limit:  # the file grew after its size was checked
+                    raise ConfigError({key: f"{path}: grew past {_mib(limit)} while being read "
+                                            "(RLPILOT_MAX_DATA_BYTES)"})
+                if lineno == 1 and raw.startswith(b"\xef\xbb\xbf"):
+                    raw = raw[3:]  # UTF-8 byte-order mark
+                if not raw.strip():
+                    continue
+                try:
+                    obj = json.loads(raw.decode("utf-8"))
+                    row = _parse_row(obj, kind, row=len(rows), default_id=default_id)
+                    if row.id in seen_ids:
+                        raise _RowError(f"duplicate id {row.id!r} (first used on line {seen_ids[row.id]})")
+                except UnicodeDecodeError:
+                    errors.append(f"line {lineno}: not valid UTF-8")
+                    continue
+                except json.JSONDecodeError as e:
+                    errors.append(f"line {lineno}: invalid JSON ({e.msg} at column {e.colno})")
+                    continue
+                except _RowError as e:
+                    errors.append(f"line {lineno}: {e}")
+                    continue
+                seen_ids[row.id] = lineno
+                rows.append(row)
+    except OSError as e:
+        raise ConfigError({key: f"{path}: cannot read: {e.strerror or e}"}) from None
     if errors:
         shown = errors[:_MAX_REPORTED]
         more = len(errors) - len(shown)
@@ -160,6 +173,38 @@ def _load(path: str, kind: str, *, key: str, default_id: str) -> list[_Row]:
 
 class _RowError(ValueError):
     pass
+
+
+def max_data_bytes() -> int:
+    """The largest data file a run may read (`RLPILOT_MAX_DATA_BYTES`, bytes)."""
+    raw = os.environ.get("RLPILOT_MAX_DATA_BYTES", "").strip()
+    if not raw:
+        return MAX_DATA_BYTES_DEFAULT
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ConfigError({"RLPILOT_MAX_DATA_BYTES": f"must be a whole number of bytes, got {raw[:40]!r}"}) from None
+    if value <= 0:
+        raise ConfigError({"RLPILOT_MAX_DATA_BYTES": f"must be positive, got {value}"})
+    return value
+
+
+def size_problem(path: str | Path) -> str | None:
+    """Why the data file at `path` is too big to read, or None (also None when it is missing:
+    that is reported where the file is opened)."""
+    try:
+        size = Path(path).stat().st_size
+    except OSError:
+        return None
+    limit = max_data_bytes()
+    if size > limit:
+        return (f"{path}: {_mib(size)} is larger than the {_mib(limit)} a data file may have "
+                "(RLPILOT_MAX_DATA_BYTES)")
+    return None
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n} bytes"
 
 
 def _parse_row(obj: Any, kind: str, *, row: int, default_id: str) -> _Row:
