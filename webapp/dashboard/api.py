@@ -1,7 +1,7 @@
 """The JSON API. Session auth (with CSRF) for the browser, `Authorization: Token <key>` for
 scripts (any other Authorization scheme, e.g. an auth proxy's Basic, is left to the session).
-Errors are JSON with a message per field, shortened (validation.clip_errors); bad input never gives
-a 500."""
+Errors are JSON with a message per field, shortened (validation.clip_errors); bad input never
+gives a 500."""
 from __future__ import annotations
 
 import functools
