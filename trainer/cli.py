@@ -178,10 +178,10 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--seed", type=int, default=0)
     w.set_defaults(func=_cmd_warmup)
 
-    from trainer import bench, docs, gguf_import, reward_cli, samples_cli
+    from trainer import bench, docs, gguf_import, inspector_cli, reward_cli
     gguf_import.add_parser(sub)
     reward_cli.add_parser(sub)
-    samples_cli.add_parser(sub)
+    inspector_cli.add_parser(sub)
     bench.add_parser(sub)
     docs.add_parser(sub)
     return p

@@ -27,6 +27,7 @@ from trainer.boundary import StepBoundary
 from trainer.controls import ControlSource
 from trainer.engine import build_engine
 from trainer.evaluate import evaluate
+from trainer.inspector import InspectorRecorder
 from trainer.learner import Learner, TrainSequence
 from trainer.metrics import MetricsSink, histogram, length_edges
 from trainer.model import load_model, load_tokenizer, resolve_device, resolve_dtype
@@ -35,7 +36,6 @@ from trainer.rollout import build_driver
 from trainer.rollout.asynchronous import AsyncStall
 from trainer.rollout.base import step_metrics
 from trainer.rollout.selection import PromptSelector
-from trainer.samples import SampleRecorder
 from trainer.scoring import Scorer
 from trainer.system import SystemSampler
 from trainer.tasks import build_task
@@ -103,7 +103,7 @@ class Runner:
         self.scorer = Scorer(self.rewards, self.tokenizer, lambda: self.cfg, self.totals, self.lock)
         self.rollout = build_driver(self.cfg, self.engine, self.tokenizer, self.selector,
                                     self.scorer, self.lock)
-        self.samples = SampleRecorder(self.tokenizer, self.cfg.run.seed)  # the rollout inspector's
+        self.samples = InspectorRecorder(self.tokenizer, self.cfg.run.seed)  # the rollout inspector's
         self.boundary = StepBoundary(self.controls, self.sink, self.dist, self.rollout)
         self.system = (SystemSampler(use_gpu=self.device.type == "cuda")
                        if system_telemetry and self.dist.is_main else None)

@@ -9,17 +9,29 @@ django_asgi = get_asgi_application()
 from channels.auth import AuthMiddlewareStack  # noqa: E402
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 from django.conf import settings  # noqa: E402
+from django.contrib.staticfiles.handlers import ASGIStaticFilesHandler  # noqa: E402
+from django.core.exceptions import SuspiciousOperation  # noqa: E402
+from django.http import Http404  # noqa: E402
 
 from webapp import vardir  # noqa: E402
-from webapp.dashboard.limits import static_handler_class  # noqa: E402
 from webapp.dashboard.origins import SameOriginValidator  # noqa: E402
 from webapp.dashboard.routing import websocket_urlpatterns  # noqa: E402
 
+
+class SafeASGIStaticFilesHandler(ASGIStaticFilesHandler):
+    """Django's static handler, answering 404 (not 500) for paths that leave the static folders
+    (/static/%2e%2e/...: SuspiciousFileOperation) or cannot name a file (NUL)."""
+
+    def serve(self, request):
+        try:
+            return super().serve(request)
+        except (SuspiciousOperation, ValueError):
+            raise Http404("no such file") from None
+
+
 vardir.ensure_secret_key()   # the web server starts: keep (or adopt) the local SECRET_KEY
 
-http_app = django_asgi
-if settings.SERVE_STATIC:   # Django's static handler; /static/%2e%2e/... is a 404, not a 500
-    http_app = static_handler_class()(django_asgi)
+http_app = SafeASGIStaticFilesHandler(django_asgi) if settings.SERVE_STATIC else django_asgi
 
 application = ProtocolTypeRouter({
     "http": http_app,

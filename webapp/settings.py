@@ -226,7 +226,7 @@ LOGGING = {
     "loggers": {"django.channels.server": {"level": "WARNING"}},
 }
 
-# --- hardening (issue #12; webapp/dashboard/limits.py) ----------------------------------------------
+# --- hardening (webapp/dashboard/validation.py, policy.py, throttle.py) ------------------------------
 # The SGLang servers a run may use (comma-separated URLs). Empty: the SGLang engine is refused.
 RLPILOT_SGLANG_URLS = env_list("RLPILOT_SGLANG_URLS", [])
 # model.path / data.path / data.eval_path of a run launched from the web must resolve (symlinks
@@ -242,7 +242,7 @@ RLPILOT_LOGIN_WINDOW_S = env_int("RLPILOT_LOGIN_WINDOW_S", 300)
 # how many reverse proxies in front of daphne append the client's address to X-Forwarded-For:
 # the login throttle then keys on that entry (0: the socket's peer, REMOTE_ADDR)
 RLPILOT_TRUSTED_PROXIES = env_int("RLPILOT_TRUSTED_PROXIES", 0)
-AUTHENTICATION_BACKENDS = ["webapp.dashboard.limits.ThrottledModelBackend"]
+AUTHENTICATION_BACKENDS = ["webapp.dashboard.throttle.ThrottledModelBackend"]
 # Runs one (non-staff) user may have queued, running, paused or stopping at once. 0 = no limit.
 RLPILOT_MAX_ACTIVE_RUNS_PER_USER = env_int("RLPILOT_MAX_ACTIVE_RUNS_PER_USER", 8)
 # The cache holds the login failure counts: Redis when there is one (shared by every web

@@ -114,7 +114,7 @@
     const config = () => ({ displaylogo: false, responsive: true, staticPlot: !!opts.staticPlot });
     // opts.onPick({step, min_len?, max_len?}): a click on a point of a line chart (its step), a
     // bar of a histogram (the step drawn; for a length histogram, that bin's lengths) or a cell of
-    // the heatmap (its step and bin). The inspector (samples.js) opens those samples.
+    // the heatmap (its step and bin). The inspector (inspector.js) opens those samples.
     function binLengths(edges, i) {   // bins are [lo, hi), the last closed; outside values clamp in
       const p = {};
       if (i > 0) p.min_len = Math.max(0, Math.ceil(edges[i]));

@@ -3,9 +3,9 @@
 (function () {
   "use strict";
   const page = JSON.parse(document.getElementById("report-page").textContent);
-  // the rollout inspector (static/dashboard/samples.js); a click on a chart opens that step's samples
+  // the rollout inspector (static/dashboard/inspector.js); a click on a chart opens that step's samples
   const samplesBox = document.getElementById("samples-panel");
-  const inspector = samplesBox && window.RLSamples ? RLSamples.create(samplesBox, { run: page.id }) : null;
+  const inspector = samplesBox && window.RLInspector ? RLInspector.create(samplesBox, { run: page.id }) : null;
   fetch("/api/runs/" + page.id + "/metrics", { credentials: "same-origin" })
     .then(r => r.json())
     .then(function (data) {

@@ -28,9 +28,9 @@
   }
   // --- charts (static/dashboard/charts.js) ----------------------------------------------------
   state.config = page.config;
-  // the rollout inspector (static/dashboard/samples.js): a click on a chart opens that step's samples
+  // the rollout inspector (static/dashboard/inspector.js): a click on a chart opens that step's samples
   const samplesBox = document.getElementById("samples-panel");
-  const inspector = samplesBox && window.RLSamples ? RLSamples.create(samplesBox, { run: RUN }) : null;
+  const inspector = samplesBox && window.RLInspector ? RLInspector.create(samplesBox, { run: RUN }) : null;
   const charts = RLCharts.create(document.getElementById("charts"), state,
                                  { onPick: inspector ? inspector.open : null });
   let drawTimer = null;

@@ -1,4 +1,4 @@
-"""Fuzzing the JSON API (issue #12): generated bodies and query strings for every endpoint (the
+"""Fuzzing the JSON API: generated bodies and query strings for every endpoint (the
 samples endpoints included), from a fixed seed, must never give a 500; every error is the JSON
 error format, short. Bounded: a few hundred requests, ~10-20 s. (A WebSocket part lives with the consumer's tests.)
 

@@ -1,4 +1,4 @@
-"""Issue #12: no input becomes a 500, and no user reaches the worker's files, hosts or another
+"""No input becomes a 500, and no user reaches the worker's files, hosts or another
 user's runs. One test (or a few) per item, each sending the input of the report and checking
 the documented answer (docs/dashboard.md, "Security")."""
 import asyncio
@@ -12,7 +12,8 @@ import pytest
 
 from trainer import config as config_mod
 from trainer.model import builtin_dir
-from webapp.dashboard import limits
+from webapp.dashboard import throttle as login_throttle
+from webapp.dashboard import validation
 from webapp.dashboard.models import Run, Status
 
 pytestmark = pytest.mark.django_db
@@ -339,7 +340,7 @@ def test_the_default_roots_allow_checkpoints_of_runs(settings):
     cfg = config_mod.load("demo", {"model.path": str(settings.RUNS_DIR / "run-000001" / "checkpoints"
                                                       / "step_000002" / "model")})
     # allowed by the roots (that it is not there yet is check_model_dir's message, not theirs)
-    assert "RLPILOT_MODEL_ROOTS" not in limits.config_problems(cfg).get("model.path", "")
+    assert "RLPILOT_MODEL_ROOTS" not in validation.config_problems(cfg).get("model.path", "")
 
 
 # --- 6. metrics cursors ---------------------------------------------------------------------------------
@@ -374,7 +375,7 @@ def throttle(settings):
     from django.test import RequestFactory
 
     for username, ip in used:
-        limits.login_succeeded(RequestFactory().get("/", REMOTE_ADDR=ip), username)
+        login_throttle.login_succeeded(RequestFactory().get("/", REMOTE_ADDR=ip), username)
 
 
 def test_failed_logins_are_throttled_per_username_and_address(client, user, throttle, monkeypatch):
@@ -397,8 +398,8 @@ def test_failed_logins_are_throttled_per_username_and_address(client, user, thro
                     REMOTE_ADDR="10.0.0.2")
     assert r.status_code == 302
     # the window ends
-    now = limits._now()
-    monkeypatch.setattr(limits, "_now", lambda: now + 301)
+    now = login_throttle._now()
+    monkeypatch.setattr(login_throttle, "_now", lambda: now + 301)
     client.logout()
     r = client.post("/accounts/login/", {"username": "alice", "password": "alice-pw-123"})
     assert r.status_code == 302
@@ -423,7 +424,7 @@ def test_behind_trusted_proxies_the_throttle_keys_on_the_forwarded_client(client
     r = client.post("/accounts/login/", {"username": "alice", "password": "alice-pw-123"},
                     HTTP_X_FORWARDED_FOR="203.0.113.5", **proxy)
     assert r.status_code == 302
-    addr = limits.client_address
+    addr = login_throttle.client_address
     assert addr(RequestFactory().get("/", HTTP_X_FORWARDED_FOR="a, b, c", REMOTE_ADDR="p")) == "c"
     assert addr(RequestFactory().get("/", REMOTE_ADDR="p")) == "p"   # no header: the peer
     settings.RLPILOT_TRUSTED_PROXIES = 2
@@ -452,7 +453,7 @@ def test_a_success_resets_the_count_and_the_admin_login_is_throttled_too(client,
     # /admin/ logs in through the same backend
     client.post("/admin/login/", {"username": "carol", "password": "carol-pw-123"})
     assert "_auth_user_id" not in client.session
-    limits.login_succeeded(req, "carol")
+    login_throttle.login_succeeded(req, "carol")
     r = client.post("/admin/login/?next=/admin/", {"username": "carol", "password": "carol-pw-123",
                                                    "next": "/admin/"})
     assert r.status_code == 302 and client.session["_auth_user_id"] == str(staff_user.pk)
@@ -509,7 +510,7 @@ def test_error_replies_never_echo_a_long_value(alice, user, make_run, tiny):
         assert r.status_code == 400, r.content[:200]
         assert len(r.content) < 10_000, (len(r.content), r.content[:200])
         assert set(r.json()) == {"message", "errors"}
-    assert len(replies[10].json()["errors"]) == limits.MAX_ERRORS + 1   # "...": "and N more"
+    assert len(replies[10].json()["errors"]) == validation.MAX_ERRORS + 1   # "...": "and N more"
     r = post(alice, "/api/runs", raw='{"name": "' + "x" * 3_000_000 + '"}')
     assert r.status_code == 413 and r.json()["errors"]["body"].startswith("at most")
 

@@ -1,5 +1,5 @@
-"""Issue 16: the launch (API and form) checks `model.path` before a run is queued, through
-trainer.model.check_model_dir in limits.config_problems: a directory inside RLPILOT_MODEL_ROOTS
+"""The launch (API and form) checks `model.path` before a run is queued, through
+trainer.model.check_model_dir in validation.config_problems: a directory inside RLPILOT_MODEL_ROOTS
 must exist, hold a config of an architecture the embedded engine runs, weights, and a tokenizer
 that loads. Each failure is a 400 with a field error on model.path, and no run is created."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 
 from trainer import config as config_mod
 from trainer.model import builtin_dir
-from webapp.dashboard import limits
+from webapp.dashboard import validation
 from webapp.dashboard.models import Run
 
 pytestmark = pytest.mark.django_db
@@ -99,9 +99,9 @@ def test_a_path_outside_the_roots_is_refused_before_it_is_looked_at(alice, tiny,
 def test_the_worker_check_sees_a_model_removed_after_the_launch(models):
     d = copy_builtin(models / "soon-gone")
     cfg = config_mod.load("demo", {"model.path": str(d)})
-    assert limits.config_problems(cfg) == {}
+    assert validation.config_problems(cfg) == {}
     shutil.rmtree(d)
-    assert "no model directory at" in limits.config_problems(cfg)["model.path"]
+    assert "no model directory at" in validation.config_problems(cfg)["model.path"]
 
 
 def test_the_opt_in_preset_names_its_model_under_the_project_and_says_how_to_make_it(alice, settings):

@@ -1,4 +1,4 @@
-"""Importing the settings has no side effect (issue #13): no folder, no file. What the embedded
+"""Importing the settings has no side effect: no folder, no file. What the embedded
 setup keeps under RLPILOT_VAR_DIR is created where it is needed (webapp/vardir.py): the SQLite
 folder when the database first opens, the broker's folders when a task is sent or a worker starts,
 the local secret key when `manage.py serve` or the web server starts. Each check runs in a fresh

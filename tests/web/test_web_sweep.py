@@ -1,4 +1,4 @@
-"""The periodic stale-run sweep (issue #13): a run whose worker dies becomes `interrupted`, with a
+"""The periodic stale-run sweep: a run whose worker dies becomes `interrupted`, with a
 heartbeat alert, within RLPILOT_HEARTBEAT_TIMEOUT_S (+ one sweep interval) of its last heartbeat,
 with nobody watching: no page, API call or socket. Production: Celery beat sends
 `webapp.dashboard.tasks.sweep_stale_runs` to RLPILOT_SWEEP_QUEUE, consumed by a worker of its own;

@@ -29,7 +29,8 @@ from django.utils import timezone
 
 from trainer import config as config_mod
 from webapp.celery import app as celery_app
-from webapp.dashboard import doorbell, limits, samples
+from webapp.dashboard import doorbell, limits
+from webapp.dashboard import inspector as samples  # the rollout inspector's rows
 from webapp.dashboard.doorbell import group_name  # noqa: F401 (re-exported)
 from webapp.dashboard.errors import ActionError, Conflict, Forbidden, Invalid  # noqa: F401 (re-exported)
 from webapp.dashboard.models import (

@@ -1,7 +1,7 @@
 """The JSON API. Session auth (with CSRF) for the browser, `Authorization: Token <key>` for
 scripts (any other Authorization scheme, e.g. an auth proxy's Basic, is left to the session).
-Errors are JSON with a message per field, shortened (limits.clip_errors); bad input never gives
-a 500."""
+Errors are JSON with a message per field, shortened (validation.clip_errors); bad input never
+gives a 500."""
 from __future__ import annotations
 
 import functools
@@ -17,7 +17,7 @@ from django.utils import timezone
 from django.views.decorators.csrf import csrf_exempt
 
 from trainer import config as config_mod
-from webapp.dashboard import actions, limits, reports, samples, streams, sweep
+from webapp.dashboard import actions, inspector, reports, streams, sweep, validation
 from webapp.dashboard.models import ApiToken, KnobChange, Run, Status
 
 log = logging.getLogger(__name__)
@@ -26,8 +26,8 @@ log = logging.getLogger(__name__)
 def error(status: int, message: str, errors: dict | None = None) -> JsonResponse:
     """An error reply; the message and every error are shortened (a bad value never comes back
     whole)."""
-    return JsonResponse({"message": limits.clip(message, limits.MAX_MESSAGE_LEN),
-                         "errors": limits.clip_errors(errors)}, status=status)
+    return JsonResponse({"message": validation.clip(message, validation.MAX_MESSAGE_LEN),
+                         "errors": validation.clip_errors(errors)}, status=status)
 
 
 def _token_user(request: HttpRequest):
@@ -77,8 +77,8 @@ def api(*methods: str):
                     return error(413, "the request body is too large",
                                  {"body": f"at most {settings.DATA_UPLOAD_MAX_MEMORY_SIZE} bytes"})
                 try:
-                    body = limits.parse_json_body(raw)
-                except limits.BadBody as e:
+                    body = validation.parse_json_body(raw)
+                except validation.BadBody as e:
                     return error(400, "the request body is not valid JSON",
                                  {"body": f"expected a JSON object: {e}"})
                 if not isinstance(body, dict):
@@ -217,7 +217,7 @@ def run_metrics(request, body, run_id: int):
             errors["after"] = "expected a cursor (a non-negative integer)"
         else:
             if after > run.last_seq:   # a cursor this run never gave out
-                errors["after"] = (f"cursor {limits.clip(after, 40)} is past the run's last "
+                errors["after"] = (f"cursor {validation.clip(after, 40)} is past the run's last "
                                    f"cursor ({run.last_seq})")
     else:
         after = None
@@ -228,8 +228,8 @@ def run_metrics(request, body, run_id: int):
     except ValueError:
         errors["max_points"] = "expected an integer in [4, 100000]"
     keys = [k for k in request.GET.get("keys", "").replace("\x00", "").split(",") if k]
-    if len(keys) > limits.MAX_METRIC_KEYS:
-        errors["keys"] = f"at most {limits.MAX_METRIC_KEYS} metric names"
+    if len(keys) > validation.MAX_METRIC_KEYS:
+        errors["keys"] = f"at most {validation.MAX_METRIC_KEYS} metric names"
     if errors:
         return error(400, "bad query", errors)
     return JsonResponse(streams.metrics_snapshot(run, keys, after, max_points))
@@ -241,7 +241,7 @@ def run_samples(request, body, run_id: int):
     min_reward, max_reward, min_len, max_len, finish, reward_status, q, group, order, after,
     limit, fields). Anyone logged in may read them, as for metrics."""
     run = get_run_or_404(run_id)
-    return JsonResponse(samples.query(run.pk, request.GET))
+    return JsonResponse(inspector.query(run.pk, request.GET))
 
 
 @api("GET")
@@ -249,7 +249,7 @@ def run_sample(request, body, run_id: int, sample_id: int):
     """One sample whole (tokens, log-probabilities, version segments) and the other members of
     its group at that step."""
     run = get_run_or_404(run_id)
-    found = samples.detail(run.pk, sample_id)
+    found = inspector.detail(run.pk, sample_id)
     if found is None:
         raise NotFound(f"run {run.pk} has no sample {sample_id}", {"sample": "not found"})
     return JsonResponse(found)

@@ -16,7 +16,7 @@ from django.utils import timezone
 
 from trainer import checkpoint
 from trainer import config as config_mod
-from webapp.dashboard import samples, streams
+from webapp.dashboard import inspector, streams
 from webapp.dashboard.actions import run_dir
 from webapp.dashboard.models import HistogramSnapshot, MetricPoint, RolloutSample, Run, RunEvent, Status
 from webapp.dashboard.spreadsheet_safe import SafeWriter
@@ -363,7 +363,7 @@ def export_json(run: Run) -> dict[str, Any]:
                         "data": e.data} for e in RunEvent.objects.filter(run_id=run.pk).order_by("seq")],
             "knob_timeline": [{**k, "time": k["time"].isoformat()} for k in knob_timeline(run)],
             # every sample but its per-token arrays (the samples CSV has those: they can be large)
-            "samples": list(samples.export_rows(run.pk, per_token=False))}
+            "samples": list(inspector.export_rows(run.pk, per_token=False))}
 
 
 SAMPLE_COLUMNS = ["id", "seq", "step", "group", "index", "why", "finish", "length", "reward", "score",
@@ -378,7 +378,7 @@ def iter_samples_csv(run: Run):
     buf = io.StringIO()
     w = SafeWriter(buf)
     w.writerow(SAMPLE_COLUMNS)
-    for s in samples.export_rows(run.pk):
+    for s in inspector.export_rows(run.pk):
         w.writerow([json.dumps(s[c], ensure_ascii=False) if c in _JSON_COLUMNS
                     else "" if s[c] is None else s[c] for c in SAMPLE_COLUMNS])
         yield buf.getvalue()

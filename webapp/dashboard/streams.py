@@ -5,7 +5,7 @@ from typing import Any, Iterable
 
 from django.db.models import ExpressionWrapper, F, IntegerField, Max, Min
 
-from webapp.dashboard import samples
+from webapp.dashboard import inspector
 from webapp.dashboard.models import HistogramSnapshot, MetricPoint, Run, RunEvent
 
 BATCH = 500   # sequence numbers per backlog chunk
@@ -42,7 +42,7 @@ def messages_after(run_id: int, cursor: int, upto: int | None = None,
     for e in RunEvent.objects.filter(run_id=run_id, seq__gt=cursor, seq__lte=hi):
         by_seq[e.seq] = event_message(e)
     # a step's rollout samples, as compact summaries (GET /api/runs/<id>/samples/<id> has the rest)
-    for seq, rows in samples.summary_rows(run_id, cursor, hi).items():
+    for seq, rows in inspector.summary_rows(run_id, cursor, hi).items():
         by_seq[seq] = {"type": "samples", "step": rows[0]["step"], "samples": rows, "cursor": seq}
     # sequence numbers whose rows were deleted (rewound on resume) are simply skipped
     return [by_seq[s] for s in sorted(by_seq)], hi

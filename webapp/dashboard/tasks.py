@@ -20,7 +20,7 @@ from django.utils import timezone
 from trainer import checkpoint
 from trainer import config as config_mod
 from trainer.runner import Runner  # imported in the worker's parent: forked children start fast
-from webapp.dashboard import actions, limits, sweep
+from webapp.dashboard import actions, sweep, validation
 from webapp.dashboard.actions import run_dir
 from webapp.dashboard.models import Desired, Run, Status
 from webapp.dashboard.telemetry import DbControlSource, DbSink, Heartbeat
@@ -70,10 +70,10 @@ def execute(run: Run, resume: bool = False, resume_step: int | None = None,
             worker: str | None = None) -> str:
     """Train `run` in this process (the Celery task's body; tests and benchmarks call it too)."""
     rid = run.pk
-    refused = limits.config_problems(config_mod.from_dict(run.config))  # this worker's settings
+    refused = validation.config_problems(config_mod.from_dict(run.config))  # this worker's settings
     if refused:
         actions.set_status(rid, Status.FAILED, only_from=[Status.QUEUED],
-                           error=limits.clip("refused by this worker's settings: " + "; ".join(
+                           error=validation.clip("refused by this worker's settings: " + "; ".join(
                                f"{k}: {v}" for k, v in refused.items()), 2000))
         return Status.FAILED
     directory = run_dir(rid)

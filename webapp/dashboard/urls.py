@@ -1,9 +1,21 @@
 from django.urls import path, re_path, register_converter
 
-from webapp.dashboard import api, limits, views
+from webapp.dashboard import api, views
 
-# <id:...>: 1 to 18 digits, so an id always fits a 64-bit database integer (a longer one is a 404)
-register_converter(limits.RunIdConverter, "id")
+
+class RunIdConverter:
+    """<id:...> in URLs: 1 to 18 digits, so an id always fits the database's 64-bit integers (a
+    longer one is a 404, not an overflow)."""
+    regex = "[0-9]{1,18}"
+
+    def to_python(self, value: str) -> int:
+        return int(value)
+
+    def to_url(self, value) -> str:
+        return str(value)
+
+
+register_converter(RunIdConverter, "id")
 
 urlpatterns = [
     path("", views.runs_page, name="runs"),

@@ -10,7 +10,7 @@ from django.shortcuts import redirect, render
 from django.views.decorators.http import require_http_methods, require_POST
 
 from trainer import config as config_mod
-from webapp.dashboard import actions, limits, reports, sweep
+from webapp.dashboard import actions, reports, sweep, validation
 from webapp.dashboard.api import filter_runs
 from webapp.dashboard.models import ACTIVE, RESUMABLE, Run, RunEvent, Status
 
@@ -22,7 +22,7 @@ def _sections(errors: dict[str, str], values: dict[str, str]):
     out: dict[str, list] = {}
     for p in config_mod.schema():
         section = p.name.split(".")[0]
-        refused = limits.unavailable_choices(p.name)
+        refused = validation.unavailable_choices(p.name)
         out.setdefault(section, []).append({
             "name": p.name, "field": FIELD_PREFIX + p.name, "type": p.as_json()["type"],
             "choices": [{"value": c, "refused": refused.get(c, "")} for c in p.choices]
@@ -211,7 +211,7 @@ def compare_page(request):
         messages.error(request, "Pick 2 to 8 runs to compare.")
         return redirect("runs")
     # an id past the database's 64-bit integers names no run (the query would overflow)
-    possible = [i for i in ids if 0 <= i <= limits.MAX_ID]
+    possible = [i for i in ids if 0 <= i <= validation.MAX_ID]
     found = {r.pk: r for r in Run.objects.select_related("owner").filter(pk__in=possible)}
     missing = [i for i in ids if i not in found]
     if missing:

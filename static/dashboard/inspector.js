@@ -1,7 +1,7 @@
 // The rollout inspector (live page and report page): the samples table with its filters, read
 // from GET /api/runs/<id>/samples; a sample opened whole (GET .../samples/<sid>) with its tokens
 // shaded by the policy version that produced them (or by log-probability) and the other members
-// of its group beside it. RLSamples.create(panel, {run}) returns {open(filters), onFrame(m)}:
+// of its group beside it. RLInspector.create(panel, {run}) returns {open(filters), onFrame(m)}:
 // the charts call open() on a click, the live page hands it the socket's "samples" frames.
 //
 // Everything the model wrote is text: it is inserted with textContent, never as HTML.
@@ -366,5 +366,5 @@
     return { open: open, onFrame: onFrame, openSample: openSample, reload: () => load(true) };
   }
 
-  window.RLSamples = { create: create, versionColour: versionColour, logprobColour: logprobColour };
+  window.RLInspector = { create: create, versionColour: versionColour, logprobColour: logprobColour };
 })();

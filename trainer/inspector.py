@@ -104,7 +104,7 @@ def rows(step: int, picks, tokenizer, version: int, cfg) -> list[dict[str, Any]]
     return out
 
 
-class SampleRecorder:
+class InspectorRecorder:
     """Picks and builds a step's rows (the runner hands them to its sink)."""
 
     def __init__(self, tokenizer, seed: int):

@@ -10,7 +10,7 @@ import math
 import pytest
 from helpers import sample_row
 
-from webapp.dashboard import actions, reports
+from webapp.dashboard import actions, inspector, reports
 from webapp.dashboard.actions import Record
 from webapp.dashboard.models import RolloutSample, Run
 from webapp.dashboard.telemetry import DbSink
@@ -123,7 +123,7 @@ def test_samples_are_capped_oldest_steps_thinned_first(user, make_run, settings)
     gaps = [b - a for a, b in zip(steps, steps[1:])]
     assert gaps == sorted(gaps, reverse=True)                 # sparser the older
     # a long run with the default cap: ~500 steps of 40 samples over 2000 steps, evenly spread
-    from webapp.dashboard.samples import _level
+    from webapp.dashboard.inspector import _level
 
     kept = []
     for s in range(1, 2001):   # thin()'s rule on step numbers alone (the database is slow for this)
@@ -376,7 +376,7 @@ def test_exports_round_trip_and_escape(alice, user, make_run, tmp_path):
     rows = fill(run, steps=4)
     actions.append(run.pk, [Record("samples", 5, "", {"rows": [
         sample_row(5, group=77, index=0, completion=EVIL, reward=0.25, score=0.5, tis_weight=None)]})])
-    written = [reports.samples.as_json(s) for s in RolloutSample.objects.filter(run=run).order_by("seq", "id")]
+    written = [inspector.as_json(s) for s in RolloutSample.objects.filter(run=run).order_by("seq", "id")]
     assert len(written) == len(rows) + 1
 
     data = alice.get(f"/api/runs/{run.pk}/export?format=json").json()
@@ -416,7 +416,7 @@ def test_pages_have_the_samples_panel(alice, user, make_run):
     fill(run, steps=1)
     for url in (f"/runs/{run.pk}/", f"/runs/{run.pk}/report/"):
         html = alice.get(url).content.decode()
-        assert 'id="samples-panel"' in html and "dashboard/samples.js" in html, url
+        assert 'id="samples-panel"' in html and "dashboard/inspector.js" in html, url
         assert EVIL not in html
 
 

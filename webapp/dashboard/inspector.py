@@ -1,10 +1,10 @@
-"""Rollout samples (the rollout inspector): what the trainer's sink hands over, cleaned for the
-database; the per-run cap (oldest steps thinned first); the filters, orders and cursors of
-GET /api/runs/<id>/samples; the compact summary the WebSocket sends.
+"""The rollout inspector's rows on the web side (the `RolloutSample` table): what the trainer's
+sink hands over, cleaned for the database; the per-run cap (oldest steps thinned first); the
+filters, orders and cursors of GET /api/runs/<id>/samples; the compact summary the WebSocket sends.
 
-The actions layer calls `rows_for` and `thin` inside its transaction; the API, the streams and
-the reports read through the rest. This module imports only the models, limits.py and errors.py
-(never the actions layer).
+The actions layer calls `row_for` and `thin` inside its transaction; the API, the streams and
+the reports read through the rest. This module imports only the models, validation.py and
+errors.py (never the actions layer).
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from typing import Any
 from django.conf import settings
 from django.db.models import F, Q
 
-from webapp.dashboard import limits
+from webapp.dashboard import validation
 from webapp.dashboard.errors import Invalid
 from webapp.dashboard.models import RolloutSample
 
@@ -66,8 +66,8 @@ def _int(v: Any, lo: int = 0, hi: int = MAX_INT) -> int:
 
 def _text(v: Any, limit: int) -> str:
     """Text the database can hold: NUL and lone surrogates replaced (config.UNSTORABLE, as
-    limits.clip does for every text), at most `limit` characters."""
-    return limits.clip("" if v is None else v, limit)
+    validation.clip does for every text), at most `limit` characters."""
+    return validation.clip("" if v is None else v, limit)
 
 
 def _choice(v: Any, allowed: tuple[str, ...], default: str) -> str:
@@ -297,7 +297,7 @@ def query(run_id: int, params) -> dict[str, Any]:
                 qs = qs.filter(**{name: v})
     q = params.get("q")
     if q not in (None, ""):
-        problem = limits.text_error(q, MAX_Q)
+        problem = validation.text_error(q, MAX_Q)
         if problem:
             errors["q"] = problem
         else:

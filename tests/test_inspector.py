@@ -1,4 +1,4 @@
-"""The rollout inspector's record (trainer/samples.py): which samples a step keeps, what each row
+"""The rollout inspector's record (trainer/inspector.py): which samples a step keeps, what each row
 says, that runs write them through every sink, and the `samples` command."""
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ from trainer import cli
 from trainer import config as config_mod
 from trainer.controls import SET_KNOBS, Command, ControlSource
 from trainer.engine.base import LENGTH, STOP, Sample
+from trainer.inspector import finish, pick, segments
 from trainer.metrics import JsonlSink, MemorySink, MultiSink
 from trainer.rollout.base import Group
 from trainer.runner import Runner
-from trainer.samples import finish, pick, segments
 from trainer.tasks.base import Problem
 
 
