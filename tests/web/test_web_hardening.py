@@ -324,6 +324,19 @@ def test_model_and_data_paths_must_lie_under_the_roots(alice, tiny, roots):
     assert launch(alice, tiny, **{"model.path": "builtin"}).status_code == 201
 
 
+def test_a_data_file_over_the_size_limit_is_refused_at_launch(alice, tiny, roots, monkeypatch):
+    _, data, _ = roots
+    big = data / "big.jsonl"
+    big.write_text('{"prompt": "p", "answer": "1"}\n' * 100)
+    monkeypatch.setenv("RLPILOT_MAX_DATA_BYTES", "1000")
+    for key in ("data.path", "data.eval_path"):
+        paths = {"data.path": str(data / "ok.jsonl"), key: str(big)}
+        body = assert_error(launch(alice, tiny, **{"data.task": "math"}, **paths), 400, key,
+                            f"{big.stat().st_size} bytes is larger than the 1000 bytes")
+        assert "RLPILOT_MAX_DATA_BYTES" in body["errors"][key]
+    assert launch(alice, tiny, **{"data.task": "math", "data.path": str(data / "ok.jsonl")}).status_code == 201
+
+
 def test_path_errors_do_not_reveal_whether_a_file_exists(alice, tiny, roots):
     _, _, outside = roots
 

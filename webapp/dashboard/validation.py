@@ -222,6 +222,10 @@ def config_problems(cfg: config_mod.Config) -> dict[str, str]:
         value = cfg.get(key)
         if value:
             problem = path_problem(value, _roots(settings.RLPILOT_DATA_ROOTS), "RLPILOT_DATA_ROOTS")
+            if not problem:  # inside the roots: may it be read? (checked again when read)
+                from trainer.tasks.jsonl import size_problem
+
+                problem = size_problem(value)
             if problem:
                 errors[key] = problem
     return errors
