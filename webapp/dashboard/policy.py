@@ -10,6 +10,8 @@ since the pages ask it too.
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.db import transaction
@@ -33,3 +35,24 @@ def check_active_runs(user) -> None:
             "too many active runs", {"runs": (
                 f"you have {n} runs queued or running (at most {limit} per user, "
                 "RLPILOT_MAX_ACTIVE_RUNS_PER_USER): stop one or wait for one to finish")})
+
+
+def model_source_problem(user, model_path: str) -> str | None:
+    """Why `user` may not start a run from `model_path`, or None. A path inside another run's
+    folder (RLPILOT_RUNS_DIR/run-NNNNNN/...: its checkpoints) is that run's weights: only the
+    run's owner or staff may copy them into a new run, as only they may control it. Reading a
+    run's report stays open to every user; taking its weights does not. A path naming no run
+    there (a typo, a deleted run) is refused too rather than guessed."""
+    try:
+        rel = Path(model_path).resolve().relative_to(settings.RUNS_DIR)
+    except (ValueError, OSError):
+        return None  # not a run's folder: the model roots decide
+    folder = rel.parts[0] if rel.parts else ""
+    run_id = int(folder[4:]) if folder.startswith("run-") and folder[4:].isdigit() else None
+    run = Run.objects.filter(pk=run_id).first() if run_id is not None else None
+    if run is None:
+        return "names no run's checkpoint under RLPILOT_RUNS_DIR"
+    if not run.can_control(user):
+        return (f"the checkpoints of run {run.pk} belong to its owner: only they or staff may "
+                "start a run from them")
+    return None
