@@ -171,7 +171,9 @@ def test_the_layers_import_one_way():
     """The shape issue #13 asks for: the actions layer imports no module that calls it."""
     graph, _ = parsed_graph()
     d = "webapp.dashboard."
-    actions = set(graph[d + "actions"])
+    # the actions package: what any of its modules imports, outside the package
+    package = [m for m in graph if m == d + "actions" or m.startswith(d + "actions.")]
+    actions = set().union(*(graph[m] for m in package)) - set(package)
     for caller in ("alerts", "telemetry", "tasks", "sweep", "views", "api", "consumers", "reports"):
         assert d + caller not in actions, f"actions imports {caller}"
     assert d + "actions" not in graph[d + "limits"] and d + "actions" not in graph[d + "errors"]
