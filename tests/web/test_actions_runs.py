@@ -2,12 +2,15 @@
 control a run, what each control records and sends to Celery, knob requests, notes, and the
 worker's rewind, heartbeat and end. Which (status, action) pairs are allowed is table-tested in
 test_lifecycle.py."""
+# the named users are fixtures imported from named_users.py; tests take them as parameters
+# ruff: noqa: F811
 from __future__ import annotations
 
 from datetime import timedelta
 
 import pytest
 from django.utils import timezone
+from named_users import alice, bob, carol, running  # noqa: F401 (fixtures)
 
 from webapp.dashboard import actions
 from webapp.dashboard.actions import Record
@@ -15,30 +18,6 @@ from webapp.dashboard.errors import TooManyRuns
 from webapp.dashboard.models import KnobChange, MetricPoint, RolloutSample, Run, RunEvent
 
 pytestmark = pytest.mark.django_db
-
-
-# named users (no passwords: hashing one costs seconds on a busy CPU, and no test here logs in)
-@pytest.fixture
-def alice(django_user_model):
-    """Owns the runs."""
-    return django_user_model.objects.create_user("alice")
-
-
-@pytest.fixture
-def bob(django_user_model):
-    """Another user: may watch alice's runs, not control them."""
-    return django_user_model.objects.create_user("bob")
-
-
-@pytest.fixture
-def carol(django_user_model):
-    """Staff: may control anyone's run."""
-    return django_user_model.objects.create_user("carol", is_staff=True)
-
-
-@pytest.fixture
-def running(alice, make_run):
-    return make_run(alice, "running", celery_task_id="task-1")
 
 
 @pytest.fixture

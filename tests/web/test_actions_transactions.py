@@ -2,12 +2,15 @@
 leaves neither (a page never shows a status without its event, a note without `annotated`, a
 pending knob change nobody was told about). Each test makes the second write fail and checks that
 the first did not stay."""
+# the named users are fixtures imported from named_users.py; tests take them as parameters
+# ruff: noqa: F811
 from __future__ import annotations
 
 from datetime import timedelta
 
 import pytest
 from django.utils import timezone
+from named_users import alice, running  # noqa: F401 (fixtures)
 
 from webapp.dashboard import actions, alerts
 from webapp.dashboard.actions import Record
@@ -18,17 +21,6 @@ pytestmark = pytest.mark.django_db
 
 class Boom(Exception):
     pass
-
-
-@pytest.fixture
-def alice(django_user_model):
-    """The runs' owner (no password: hashing one costs seconds on a busy CPU)."""
-    return django_user_model.objects.create_user("alice")
-
-
-@pytest.fixture
-def running(alice, make_run):
-    return make_run(alice, "running")
 
 
 @pytest.fixture

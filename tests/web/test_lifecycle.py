@@ -1,6 +1,8 @@
 """The run lifecycle's rules (webapp/dashboard/lifecycle.py), table-driven, and each place that
 moves a run's status following them: a person's controls (actions.control), the trainer's events
 written by the sink, the worker's end, the sweep, and the allowed actions the pages receive."""
+# the named users are fixtures imported from named_users.py; tests take them as parameters
+# ruff: noqa: F811
 from __future__ import annotations
 
 import itertools
@@ -8,6 +10,7 @@ from datetime import timedelta
 
 import pytest
 from django.utils import timezone
+from named_users import alice  # noqa: F401 (a fixture)
 
 from trainer.controls import PAUSE, RESUME, STOP
 from webapp.dashboard import actions, lifecycle, streams
@@ -117,13 +120,6 @@ def test_the_command_the_trainer_gets(status, desired, paused, stop_sent, orphan
 
 
 # --- the places that move a run follow the table --------------------------------------------------------
-
-
-@pytest.fixture
-def alice(django_user_model):
-    """The runs' owner (no password: hashing one costs seconds on a busy CPU, and no test here
-    logs in)."""
-    return django_user_model.objects.create_user("alice")
 
 
 def _state(run):

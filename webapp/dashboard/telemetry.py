@@ -9,7 +9,7 @@ DbControlSource turns pending KnobChange rows and the run's `desired` field into
 Commands (which command, lifecycle.trainer_command says).
 
 Heartbeat beats for the run and evaluates the `stalled` alert. Every write here goes through the
-actions layer (webapp/dashboard/actions.py); the doorbell is webapp/dashboard/doorbell.py.
+actions layer (webapp/dashboard/actions/); the doorbell is webapp/dashboard/doorbell.py.
 """
 from __future__ import annotations
 
