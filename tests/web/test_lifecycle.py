@@ -213,3 +213,19 @@ def test_resuming_an_ended_run_rejects_its_pending_knob_changes(alice, make_run)
     KnobChange.objects.create(run=run, change_id="c1", knobs={"optim.lr": 1e-5}, requested_by=alice)
     actions.control(run, alice, "resume")
     assert KnobChange.objects.get(change_id="c1").status == KnobChange.REJECTED
+
+
+@pytest.mark.django_db
+def test_the_control_source_stops_an_orphaned_run_after_the_grace_period(alice, make_run, monkeypatch):
+    from webapp.dashboard import telemetry
+
+    clock = [1000.0]
+    monkeypatch.setattr(telemetry.time, "monotonic", lambda: clock[0])
+    run = make_run(alice, RUNNING)
+    controls = telemetry.DbControlSource(run.pk, min_interval=0)
+    assert controls.poll() == []
+    Run.objects.filter(pk=run.pk).update(status=STOPPED)   # killed, but the signal got lost
+    assert controls.poll() == []                            # a kill may still land
+    clock[0] += lifecycle.ORPHAN_GRACE_S + 0.5
+    assert [c.kind for c in controls.poll()] == [STOP]
+    assert controls.poll() == []                            # told once
