@@ -7,6 +7,9 @@
   const RUN = page.id;
   const state = { series: {}, hists: {}, cursor: 0, status: page.status, step: page.step,
                   statusSeq: page.seq,   // the sequence number the shown status is as of
+                  // what the run accepts now, from the server (lifecycle.allowed_actions): the
+                  // page holds no copy of the rules, only the latest list a frame or reply brought
+                  allowed: page.allowed_actions,
                   knobs: Object.assign({}, page.knobs), annotations: [], ws: null, closed: false };
   const MAX_LOCAL = 4000;
   const ACTIVE = page.active_statuses;   // models.ACTIVE, from the server
@@ -74,9 +77,15 @@
     document.getElementById("run-step").textContent = step;
     document.getElementById("run-progress").value = step;
   }
-  function setStatus(status, seq) {
+  function setAllowed(allowed) {
+    if (!Array.isArray(allowed)) return;
+    state.allowed = allowed;
+    updateButtons();
+  }
+  function setStatus(status, seq, allowed) {
     if (typeof seq === "number") state.statusSeq = Math.max(state.statusSeq, seq);
     state.status = status;
+    if (Array.isArray(allowed)) state.allowed = allowed;
     const e = document.getElementById("run-status");
     e.textContent = status;
     e.className = "status s-" + status;
@@ -107,7 +116,7 @@
     } else if (m.type === "histogram") {
       addHist(m);
     } else if (m.type === "status") {
-      setStatus(m.status, m.cursor);
+      setStatus(m.status, m.cursor, m.allowed_actions);
       logEvent(m.step, "status", m.status + (m.message ? " — " + m.message : ""));
       if (m.message) { const e = document.getElementById("run-error"); e.textContent = m.message; e.hidden = false; }
     } else if (m.type === "event") {
@@ -148,6 +157,11 @@
   }
   function onEvent(m) {
     const d = m.data || {};
+    // a pending pause or resume changes what the run accepts without a status change
+    if (m.allowed_actions) {
+      if (typeof m.cursor === "number") state.statusSeq = Math.max(state.statusSeq, m.cursor);
+      setAllowed(m.allowed_actions);
+    }
     logEvent(m.step, m.kind, describe(m.kind, d));
     if (m.kind === "knob_applied") {
       for (const k in (d.changes || {})) state.knobs[k] = d.changes[k].new;
@@ -322,14 +336,11 @@
   }
 
   // --- buttons ----------------------------------------------------------------------------------
-  const ALLOWED = { pause: ["running"], resume: ["paused", "stopped", "failed", "interrupted"],
-                    stop: ["queued", "running", "paused"], kill: ["queued", "running", "paused", "stopping"] };
   function updateButtons() {
     document.querySelectorAll("button[data-action]").forEach(function (b) {
-      b.disabled = !page.can_control || ALLOWED[b.dataset.action].indexOf(state.status) < 0;
+      b.disabled = !page.can_control || state.allowed.indexOf(b.dataset.action) < 0;
     });
-    document.getElementById("knob-apply").disabled = !page.can_control ||
-      ["queued", "running", "paused"].indexOf(state.status) < 0;
+    document.getElementById("knob-apply").disabled = !page.can_control || state.allowed.indexOf("knobs") < 0;
   }
   document.querySelectorAll("button[data-action]").forEach(function (b) {
     b.addEventListener("click", function () {
@@ -341,7 +352,7 @@
           if (r.ok) {
             showMessage(action + " requested");
             // a reply read before a status the stream has already delivered must not undo it
-            if (j.status && j.seq >= state.statusSeq) setStatus(j.status, j.seq);
+            if (j.status && j.seq >= state.statusSeq) setStatus(j.status, j.seq, j.allowed_actions);
           }
           else showMessage(j.message || ("HTTP " + r.status), true);
         }));
@@ -390,7 +401,7 @@
       data.histograms.forEach(addHist);
       data.events.forEach(function (m) {
         if (m.type === "status") {
-          setStatus(m.status, m.cursor);
+          setStatus(m.status, m.cursor, m.allowed_actions);
           logEvent(m.step, "status", m.status + (m.message ? " — " + m.message : ""));
         } else onEvent(m);
       });

@@ -288,14 +288,46 @@ def test_checkpoint_buttons(alice, bob, user, make_run):
     assert alice.post(f"/runs/{run.pk}/checkpoints/3", {"action": "resume"}).status_code == 404
     r = alice.post(f"/runs/{run.pk}/checkpoints/2", {"action": "resume"})
     assert r.status_code == 302 and Run.objects.get(pk=run.pk).status == "queued"
-    # a new run from a checkpoint: same config, the checkpoint's weights
-    r = bob.post(f"/runs/{run.pk}/checkpoints/2", {"action": "new"}, follow=True)
+    # a new run from a checkpoint: same config, the checkpoint's weights; the owner's (or staff's)
+    r = alice.post(f"/runs/{run.pk}/checkpoints/2", {"action": "new"}, follow=True)
     assert "model.path" in r.content.decode() and Run.objects.count() == 1
-    r = bob.post(f"/runs/{run.pk}/checkpoints/4", {"action": "new"})
+    r = alice.post(f"/runs/{run.pk}/checkpoints/4", {"action": "new"})
     new = Run.objects.exclude(pk=run.pk).get()
-    assert r["Location"] == f"/runs/{new.pk}/" and new.owner.username == "bob"
+    assert r["Location"] == f"/runs/{new.pk}/" and new.owner.username == "alice"
     assert new.config["model"]["path"].endswith("step_000004/model")
     assert new.config["optim"] == run.config["optim"]
+
+
+def test_only_the_owner_or_staff_may_start_a_run_from_a_checkpoint(alice, bob, user, staff_user,
+                                                                   make_run, tiny):
+    run = fill(make_run(user, "stopped"))
+    model = actions.run_dir(run.pk) / "checkpoints" / "step_000004" / "model"
+    shutil.copytree(builtin_dir(), model, dirs_exist_ok=True)  # (run ids recur across tests)
+    (model.parent / "state.json").write_text("{}")
+    html = bob.get(f"/runs/{run.pk}/report/").content.decode()
+    assert 'data-step="4"' in html and "New run from here" not in html
+    assert "Only the run's owner or staff" in html
+    # the form, and the API with the checkpoint's folder as model.path, both refuse bob
+    r = bob.post(f"/runs/{run.pk}/checkpoints/4", {"action": "new"}, follow=True)
+    assert f"the checkpoints of run {run.pk} belong to its owner" in r.content.decode()
+    r = bob.post("/api/runs", {"name": "copy", "overrides": {**tiny, "model.path": str(model)}},
+                 content_type="application/json")
+    assert r.status_code == 400 and "belong to its owner" in r.json()["errors"]["model.path"]
+    assert Run.objects.count() == 1
+    # a loadable folder of the runs directory that names no run is no way around it
+    orphan = model.parents[3] / "run-999999" / "model"
+    shutil.copytree(builtin_dir(), orphan, dirs_exist_ok=True)
+    r = bob.post("/api/runs", {"name": "copy", "overrides": {**tiny, "model.path": str(orphan)}},
+                 content_type="application/json")
+    assert r.status_code == 400 and "names no run" in r.json()["errors"]["model.path"]
+    # staff may
+    from django.test import Client
+
+    carol = Client()
+    carol.force_login(staff_user)
+    r = carol.post(f"/runs/{run.pk}/checkpoints/4", {"action": "new"})
+    new = Run.objects.exclude(pk=run.pk).get()
+    assert r["Location"] == f"/runs/{new.pk}/" and new.owner == staff_user
 
 
 def test_drop_checkpoints_after(tmp_path):

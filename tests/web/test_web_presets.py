@@ -4,6 +4,10 @@ real Celery worker (prefork, this setup's broker and database):
     launch (form POST) -> a few steps -> pause -> resume -> tune optim.lr -> stop (checkpoint)
     -> resume from the checkpoint -> kill
 
+driven once per preset by a module fixture, and judged by one test per stage, so a failed check
+names its behaviour and hides none after it (a failed wait ends the story: the later stages
+fail as not reached).
+
 with, at each stage, the run's status, its step, its rows (at most one point per (key, step),
 steps contiguous, the rows up to the checkpoint kept as they were) and the worker's process
 tree: whatever a run starts (the async presets' engine child) is gone within seconds of a stop
@@ -18,6 +22,7 @@ import json
 import os
 import re
 import time
+import traceback
 
 import psutil
 import pytest
@@ -28,7 +33,9 @@ from trainer import config as config_mod
 from webapp.dashboard import actions, tasks
 from webapp.dashboard.models import ACTIVE, HistogramSnapshot, KnobChange, MetricPoint, Run, RunEvent
 
-pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
+# the module fixture writes committed rows (the worker reads them); the tests only judge what it
+# recorded (their mark makes pytest-django create the test database)
+pytestmark = [pytest.mark.django_db, pytest.mark.slow]
 
 PRESETS = config_mod.preset_names()
 
@@ -274,166 +281,271 @@ class Lifecycle:
                                  f"{self.describe()}") from None
 
 
-# --- fixtures -------------------------------------------------------------------------------------
+# --- one preset's story, driven once, judged stage by stage -----------------------------------------
 
-@pytest.fixture
-def browser(transactional_db, user):
-    """A logged-in browser-like client that enforces CSRF, with the token from the runs page."""
-    c = Client(enforce_csrf_checks=True)
-    c.force_login(user)
-    return c
+STAGES = ("launch", "pause", "resume", "tune", "stop", "resume_from_checkpoint", "kill")
 
 
-@pytest.fixture
-def lifecycle(transactional_db, celery_worker, browser, user):
-    tree = WorkerTree(celery_worker)
-    # a previous test's killed pool child is replaced before this one starts
-    deadline = time.monotonic() + 30
-    while not tree.pool_children() and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert tree.pool_children(), f"the Celery worker has no pool child:\n{tree.describe()}"
-    assert not tree.extras(), f"processes left from an earlier test:\n{tree.describe()}"
-    page = browser.get("/")
-    assert page.status_code == 200
-    lc = Lifecycle(browser, browser.cookies["csrftoken"].value, celery_worker, tree)
-    lc.page = page.content.decode()
-    yield lc
-    # a failed test must not leave its run on the (single) worker for the next one
-    if lc.rid is not None:
-        run = Run.objects.filter(pk=lc.rid).first()
-        if run is not None and run.status in ACTIVE:
+class Story:
+    """One preset's lifecycle, driven once by the module fixture; each stage's failures are kept
+    for the test named after it. A failed wait (or a check the next stages need) ends the story:
+    the later stages fail as not reached. Any other failed check is recorded and the story goes
+    on, so it hides nothing after it."""
+
+    def __init__(self, preset: str):
+        self.preset = preset
+        self.failures: dict[str, list[str]] = {s: [] for s in STAGES}
+        self.current = ""
+        self.broken = ""   # the stage that ended the story
+        self.ran: set[str] = set()
+
+    def drive(self, stages) -> None:
+        for name, fn in stages:
+            if self.broken:
+                self.failures[name].append(f"not reached: the {self.broken!r} stage failed")
+                continue
+            self.current = name
+            self.ran.add(name)
             try:
-                actions.control(run, user, "kill")
-            except actions.ActionError:
-                pass
-            deadline = time.monotonic() + 20
-            while tree.extras() and time.monotonic() < deadline:
-                time.sleep(0.2)
-    timings = ", ".join(f"{w}: {s:.1f}s" for w, s in lc.timings)
-    print(f"\n[{lc.preset}] {time.monotonic() - lc.t0:.1f} s; {timings}")
+                fn()
+            except (AssertionError, pytest.fail.Exception) as e:
+                self.failures[name].append(str(e))
+                self.broken = name
+            except Exception:
+                self.failures[name].append(traceback.format_exc())
+                self.broken = name
+
+    def expect(self, ok: bool, message: str) -> None:
+        """A check the later stages do not depend on: recorded, not raised."""
+        if not ok:
+            self.failures[self.current].append(message)
+
+    def soft(self, check, *args, **kwargs):
+        try:
+            return check(*args, **kwargs)
+        except AssertionError as e:
+            self.failures[self.current].append(str(e))
+            return None
+
+    def verdict(self, stage: str) -> None:
+        assert stage in self.ran or self.failures[stage], f"the {stage!r} stage was never driven"
+        if self.failures[stage]:
+            pytest.fail(f"[{self.preset}] {stage}:\n" + "\n\n".join(self.failures[stage]), pytrace=False)
 
 
-# --- the test -------------------------------------------------------------------------------------
+def drive_lifecycle(lc: Lifecycle, story: Story, setup_name: str) -> None:
+    """launch -> a few steps -> pause -> resume -> tune optim.lr -> stop -> resume from the
+    checkpoint -> kill, on the real worker."""
+    preset, st = story.preset, {}
+    expect, soft = story.expect, story.soft
 
-@pytest.mark.parametrize("preset", preset_test_ids())
-def test_preset_lifecycle_on_the_worker(preset, lifecycle, setup_name):
-    lc = lifecycle
-    lc.preset = preset
+    def launch():
+        # launch from the form (the real view, CSRF and all), the preset picked from its list
+        assert f'<option value="{preset}"' in lc.page, f"the launch form does not offer preset {preset!r}"
+        form = {"csrfmiddlewaretoken": lc.csrf, "name": f"preset-{preset}-{setup_name}", "preset": preset,
+                "toml": "", "queue": ""}
+        form.update({f"cfg:{k}": v for k, v in SHRINK.items()})
+        r = lc.client.post("/", form)
+        assert r.status_code == 302, f"launch refused ({r.status_code}): {r.content.decode()[-3000:]}"
+        m = re.match(r"^/runs/(\d+)/$", r["Location"])
+        assert m, r["Location"]
+        lc.rid = int(m.group(1))
+        run = lc.run()
+        st["config"] = run.config
+        expect(run.preset == preset and run.config["rollout"]["rollout_batch_size"] == 2,
+               f"the run's preset / shrink: {run.preset} {run.config['rollout']}")
+        base = config_mod.from_dict(config_mod.preset_dict(preset))
+        for section, part in (("april", base.april), ("greso", base.greso), ("async", base.async_)):
+            expect(run.config[section]["enabled"] == part.enabled, f"{section}.enabled changed by the shrink")
+        st["child"] = child_expected = expects_engine_child(run.config)
+        # it runs a few steps on the worker
+        run = lc.wait_status("running", 120, "the run to reach step 3", min_step=3)
+        st["pool"] = pool = pool_pid(run)
+        assert pool in {p.pid for p in lc.tree.pool_children()}, \
+            f"worker_host pid {pool} is not a pool child of the Celery worker\n{lc.describe()}"
+        children = lc.engine_children(pool)
+        if child_expected:
+            expect(bool(children), f"{preset}: async.worker=process but no engine child under pool pid "
+                                   f"{pool}\n{lc.describe()}")
+            expect({p.pid for p in children} <= {p.pid for p in lc.tree.extras()},
+                   "the engine child is not in the worker's session")
+        else:
+            expect(not lc.tree.extras(), f"{preset}: unexpected processes during the run\n{lc.describe()}")
+        soft(lc.check_rows)
 
-    # launch from the form (the real view, CSRF and all), the preset picked from its list
-    assert f'<option value="{preset}"' in lc.page, f"the launch form does not offer preset {preset!r}"
-    form = {"csrfmiddlewaretoken": lc.csrf, "name": f"preset-{preset}-{setup_name}", "preset": preset,
-            "toml": "", "queue": ""}
-    form.update({f"cfg:{k}": v for k, v in SHRINK.items()})
-    r = lc.client.post("/", form)
-    assert r.status_code == 302, f"launch refused ({r.status_code}): {r.content.decode()[-3000:]}"
-    m = re.match(r"^/runs/(\d+)/$", r["Location"])
-    assert m, r["Location"]
-    lc.rid = int(m.group(1))
-    run = lc.run()
-    assert run.preset == preset and run.config["rollout"]["rollout_batch_size"] == 2
-    base = config_mod.from_dict(config_mod.preset_dict(preset))
-    for section, part in (("april", base.april), ("greso", base.greso), ("async", base.async_)):
-        assert run.config[section]["enabled"] == part.enabled, f"{section}.enabled changed by the shrink"
-    child_expected = expects_engine_child(run.config)
+    def pause():
+        # held at a step boundary, the step stops advancing
+        lc.control("pause")
+        run = lc.wait_status("paused", 60, "status paused")
+        paused_step, paused_rows = run.step, lc.max_point_step()
+        st["paused_step"] = paused_step
+        expect(bool(lc.event("paused")), f"no paused event\n{lc.describe()}")
+        time.sleep(1.5)
+        run = lc.run()
+        expect(run.status == "paused" and run.step == paused_step and lc.max_point_step() == paused_rows,
+               f"the paused run advanced: step {paused_step} -> {run.step}\n{lc.describe()}")
+        if st["child"]:
+            expect(bool(lc.engine_children(st["pool"])), "the engine child went away during a pause")
 
-    # it runs a few steps on the worker
-    run = lc.wait_status("running", 120, "the run to reach step 3", min_step=3)
-    pool = pool_pid(run)
-    assert pool in {p.pid for p in lc.tree.pool_children()}, \
-        f"worker_host pid {pool} is not a pool child of the Celery worker\n{lc.describe()}"
-    children = lc.engine_children(pool)
-    if child_expected:
-        assert children, f"{preset}: async.worker=process but no engine child under pool pid {pool}\n" \
-                         + lc.describe()
-        assert {p.pid for p in children} <= {p.pid for p in lc.tree.extras()}
-    else:
-        assert not lc.tree.extras(), f"{preset}: unexpected processes during the run\n{lc.describe()}"
-    lc.check_rows()
+    def resume():
+        lc.control("resume")
+        lc.wait_status("running", 60, "running again after the pause", min_step=st["paused_step"] + 1)
+        expect(bool(lc.event("resumed")), f"no resumed event\n{lc.describe()}")
 
-    # pause: held at a step boundary, the step stops advancing
-    lc.control("pause")
-    run = lc.wait_status("paused", 60, "status paused")
-    paused_step, paused_rows = run.step, lc.max_point_step()
-    assert lc.event("paused"), lc.describe()
-    time.sleep(1.5)
-    run = lc.run()
-    assert run.status == "paused" and run.step == paused_step and lc.max_point_step() == paused_rows, \
-        f"the paused run advanced: step {paused_step} -> {run.step}\n{lc.describe()}"
-    if child_expected:
-        assert lc.engine_children(pool), "the engine child went away during a pause"
+    def tune():
+        # applied at a step boundary, recorded with its step, in effect from the next step
+        asked_at = lc.run().step
+        r = lc.post(f"/api/runs/{lc.rid}/knobs", {"optim.lr": NEW_LR})
+        assert r.status_code == 202, r.content
+        change_id = r.json()["change_ids"][0] if "change_ids" in r.json() else r.json()["change_id"]
+        applied = lc.wait(lambda: lc.event("knob_applied", change_id=change_id), 60, f"knob_applied {change_id}")
+        st["applied_step"] = applied.step
+        expect(applied.step >= asked_at, f"applied at step {applied.step}, asked at {asked_at}")
+        expect(applied.data["changes"]["optim.lr"] == {"old": st["config"]["optim"]["lr"], "new": NEW_LR},
+               f"recorded change {applied.data['changes']}")
+        kc = KnobChange.objects.get(run_id=lc.rid, change_id=change_id)
+        expect(kc.status == KnobChange.APPLIED and kc.applied_step == applied.step,
+               f"the change's row: {kc.status} at {kc.applied_step}")
+        expect(lc.run().knobs["optim.lr"] == NEW_LR, f"Run.knobs: {lc.run().knobs.get('optim.lr')}")
+        lr_next = lc.wait(lambda: MetricPoint.objects.filter(run_id=lc.rid, key="actor/lr",
+                                                             step=applied.step + 1).first(),
+                          60, f"actor/lr at step {applied.step + 1} (after the knob_applied step)")
+        expect(lr_next.value == pytest.approx(NEW_LR), f"actor/lr {lr_next.value} after the change to {NEW_LR}")
 
-    # resume: it continues
-    lc.control("resume")
-    lc.wait_status("running", 60, "running again after the pause", min_step=paused_step + 1)
-    assert lc.event("resumed"), lc.describe()
+    def stop():
+        # cooperative; the trainer checkpoints and the task ends; its processes go
+        lc.control("stop")
+        run = lc.wait_status("stopped", 90, "status stopped")
+        st["stopped_at"] = stopped_at = run.step
+        expect(stopped_at >= st["applied_step"] + 1, f"stopped at {stopped_at}, before the change's next step")
+        ckpt = tasks.latest_checkpoint_step(actions.run_dir(lc.rid))
+        assert ckpt == stopped_at, f"no checkpoint at the stop step {stopped_at}: " \
+            f"{[p.name for p in (actions.run_dir(lc.rid) / 'checkpoints').glob('*')]}"
+        expect(bool(lc.event("stop_requested") and lc.event("run_stopped")), "no stop_requested / run_stopped")
+        expect(RunEvent.objects.filter(run_id=lc.rid, kind="checkpoint", step=stopped_at).exists(),
+               f"no checkpoint event at step {stopped_at}")
+        lc.wait_no_leftovers("a stop")
+        expect(_alive(psutil.Process(st["pool"])), "a cooperative stop took the pool child down")
+        expect(soft(lc.check_rows, upto=stopped_at, settled=True) in (stopped_at, None),
+               f"the rows do not end at the stop step {stopped_at}")
+        st["rows_before"] = dict(MetricPoint.objects.filter(run_id=lc.rid).values_list("id", "seq"))
+        st["seq_at_stop"] = lc.last_seq()
 
-    # tune a knob: applied at a step boundary, recorded with its step
-    asked_at = lc.run().step
-    r = lc.post(f"/api/runs/{lc.rid}/knobs", {"optim.lr": NEW_LR})
-    assert r.status_code == 202, r.content
-    change_id = r.json()["change_ids"][0] if "change_ids" in r.json() else r.json()["change_id"]
-    applied = lc.wait(lambda: lc.event("knob_applied", change_id=change_id), 60, f"knob_applied {change_id}")
-    assert applied.step >= asked_at, (applied.step, asked_at)
-    assert applied.data["changes"]["optim.lr"]["new"] == NEW_LR
-    assert applied.data["changes"]["optim.lr"]["old"] == run.config["optim"]["lr"]
-    kc = KnobChange.objects.get(run_id=lc.rid, change_id=change_id)
-    assert kc.status == KnobChange.APPLIED and kc.applied_step == applied.step, (kc.status, kc.applied_step)
-    assert lc.run().knobs["optim.lr"] == NEW_LR
-    lr_next = lc.wait(lambda: MetricPoint.objects.filter(run_id=lc.rid, key="actor/lr",
-                                                         step=applied.step + 1).first(),
-                      60, f"actor/lr at step {applied.step + 1} (after the knob_applied step)")
-    assert lr_next.value == pytest.approx(NEW_LR), f"actor/lr {lr_next.value} after the change to {NEW_LR}"
+    def resume_from_checkpoint():
+        stopped_at, seq_at_stop = st["stopped_at"], st["seq_at_stop"]
+        lc.control("resume")
+        run = lc.wait_status("running", 120, f"running again from the checkpoint (step {stopped_at})",
+                             min_step=stopped_at + 2)
+        rewound = lc.event("rewound", after_seq=seq_at_stop)
+        expect(bool(rewound) and rewound.data == {"step": stopped_at, "from_checkpoint": True},
+               f"rewound: {rewound and rewound.data}\n{lc.describe()}")
+        resumed = lc.event("run_resumed", after_seq=seq_at_stop)
+        expect(bool(resumed) and resumed.step == stopped_at, f"run_resumed: {resumed and resumed.step}")
+        expect(run.attempts == 2, f"attempts {run.attempts}")
+        # the rows up to the checkpoint are the ones written before the stop, not rewritten
+        expect(not MetricPoint.objects.filter(run_id=lc.rid, step__lte=stopped_at, seq__gt=seq_at_stop).exists(),
+               "rows up to the checkpoint were rewritten")
+        expect(not MetricPoint.objects.filter(run_id=lc.rid, step__gt=stopped_at, seq__lte=seq_at_stop).exists(),
+               "rows past the checkpoint from before the stop survived")
+        expect(dict(MetricPoint.objects.filter(run_id=lc.rid, step__lte=stopped_at).values_list("id", "seq"))
+               == st["rows_before"], "the rows up to the checkpoint changed")
+        soft(lc.check_rows, upto=stopped_at + 2)
+        expect(lc.run().knobs["optim.lr"] == NEW_LR, "the tuned lr was lost on resume")
+        st["pool"] = pool = pool_pid(run)
+        st["pool_proc"] = psutil.Process(pool)
+        if st["child"]:
+            expect(bool(lc.engine_children(pool)), f"the resumed run has no engine child\n{lc.describe()}")
+        else:
+            expect(not lc.tree.extras(), lc.describe())
 
-    # stop: cooperative; the trainer checkpoints and the task ends; its processes go
-    lc.control("stop")
-    run = lc.wait_status("stopped", 90, "status stopped")
-    stopped_at = run.step
-    assert stopped_at >= applied.step + 1
-    assert tasks.latest_checkpoint_step(actions.run_dir(lc.rid)) == stopped_at, \
-        f"no checkpoint at the stop step {stopped_at}: " \
-        f"{[p.name for p in (actions.run_dir(lc.rid) / 'checkpoints').glob('*')]}"
-    assert lc.event("stop_requested") and lc.event("run_stopped")
-    assert RunEvent.objects.filter(run_id=lc.rid, kind="checkpoint", step=stopped_at).exists()
-    lc.wait_no_leftovers("a stop")
-    assert _alive(psutil.Process(pool)), "a cooperative stop took the pool child down"
-    assert lc.check_rows(upto=stopped_at, settled=True) == stopped_at
-    rows_before = dict(MetricPoint.objects.filter(run_id=lc.rid).values_list("id", "seq"))
-    seq_at_stop = lc.last_seq()
+    def kill():
+        # SIGKILL of the pool child; the status says so at once, nothing survives
+        lc.control("kill")
+        run = lc.run()
+        assert run.status == "stopped" and run.desired == "stop", (run.status, run.desired)
+        killed = lc.event("killed")
+        assert killed, lc.describe()
+        lc.wait_no_leftovers("a kill", old_pool=st["pool_proc"])
+        last = lc.last_seq()
+        time.sleep(1.0)
+        expect(lc.last_seq() == last, "the killed run is still writing")
+        expect(not lc.event("run_stopped", after_seq=killed.seq), "the run stopped cooperatively, not killed")
+        expect(lc.run().status == "stopped", f"status {lc.run().status} after the kill")
+        soft(lc.check_rows, settled=True)
 
-    # resume from the checkpoint: running again, continuing from the checkpoint step
-    lc.control("resume")
-    run = lc.wait_status("running", 120, f"running again from the checkpoint (step {stopped_at})",
-                         min_step=stopped_at + 2)
-    rewound = lc.event("rewound", after_seq=seq_at_stop)
-    assert rewound and rewound.data == {"step": stopped_at, "from_checkpoint": True}, lc.describe()
-    resumed = lc.event("run_resumed", after_seq=seq_at_stop)
-    assert resumed and resumed.step == stopped_at, lc.describe()
-    assert run.attempts == 2
-    # the rows up to the checkpoint are the ones written before the stop, not rewritten
-    assert not MetricPoint.objects.filter(run_id=lc.rid, step__lte=stopped_at, seq__gt=seq_at_stop).exists()
-    assert not MetricPoint.objects.filter(run_id=lc.rid, step__gt=stopped_at, seq__lte=seq_at_stop).exists()
-    assert dict(MetricPoint.objects.filter(run_id=lc.rid, step__lte=stopped_at)
-                .values_list("id", "seq")) == rows_before
-    lc.check_rows(upto=stopped_at + 2)
-    assert lc.run().knobs["optim.lr"] == NEW_LR
-    pool = pool_pid(run)
-    pool_proc = psutil.Process(pool)
-    if child_expected:
-        assert lc.engine_children(pool), f"the resumed run has no engine child\n{lc.describe()}"
-    else:
-        assert not lc.tree.extras(), lc.describe()
+    story.drive([("launch", launch), ("pause", pause), ("resume", resume), ("tune", tune), ("stop", stop),
+                 ("resume_from_checkpoint", resume_from_checkpoint), ("kill", kill)])
 
-    # kill: SIGKILL of the pool child; the status says so at once, nothing survives
-    lc.control("kill")
-    run = lc.run()
-    assert run.status == "stopped" and run.desired == "stop"
-    killed = lc.event("killed")
-    assert killed, lc.describe()
-    lc.wait_no_leftovers("a kill", old_pool=pool_proc)
-    last = lc.last_seq()
-    time.sleep(1.0)
-    assert lc.last_seq() == last, "the killed run is still writing"
-    assert not lc.event("run_stopped", after_seq=killed.seq), "the run stopped cooperatively, not killed"
-    assert lc.run().status == "stopped"
-    lc.check_rows(settled=True)
+
+@pytest.fixture(scope="module", params=preset_test_ids())
+def story(request, django_db_setup, django_db_blocker, celery_worker, setup_name):
+    """One preset's lifecycle on the worker, driven once for all the tests of that preset. The
+    rows are committed (the worker and the server read them), so the run and its owner are
+    deleted at the end."""
+    from django.contrib.auth import get_user_model
+
+    preset = request.param
+    with django_db_blocker.unblock():
+        owner = get_user_model().objects.create_user(f"presets-{preset}")
+        browser = Client(enforce_csrf_checks=True)   # browser-like: enforces CSRF
+        browser.force_login(owner)
+        tree = WorkerTree(celery_worker)
+        # a previous preset's killed pool child is replaced before this one starts
+        deadline = time.monotonic() + 30
+        while not tree.pool_children() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert tree.pool_children(), f"the Celery worker has no pool child:\n{tree.describe()}"
+        assert not tree.extras(), f"processes left from an earlier test:\n{tree.describe()}"
+        page = browser.get("/")
+        assert page.status_code == 200
+        lc = Lifecycle(browser, browser.cookies["csrftoken"].value, celery_worker, tree)
+        lc.page, lc.preset = page.content.decode(), preset
+        st = Story(preset)
+        try:
+            drive_lifecycle(lc, st, setup_name)
+            yield st
+        finally:
+            # a failed story must not leave its run on the (single) worker for the next one
+            run = Run.objects.filter(pk=lc.rid).first() if lc.rid is not None else None
+            if run is not None and run.status in ACTIVE:
+                try:
+                    actions.control(run, owner, "kill")
+                except actions.ActionError:
+                    pass
+                deadline = time.monotonic() + 20
+                while tree.extras() and time.monotonic() < deadline:
+                    time.sleep(0.2)
+            Run.objects.filter(owner=owner).delete()
+            owner.delete()
+            timings = ", ".join(f"{w}: {s:.1f}s" for w, s in lc.timings)
+            print(f"\n[{preset}] {time.monotonic() - lc.t0:.1f} s; {timings}")
+
+
+# --- the tests: one per stage, for every preset -----------------------------------------------------
+
+def test_launch_from_the_form_runs_on_the_worker(story):
+    story.verdict("launch")
+
+
+def test_pause_holds_the_run_at_a_step_boundary(story):
+    story.verdict("pause")
+
+
+def test_resume_continues_a_paused_run(story):
+    story.verdict("resume")
+
+
+def test_a_knob_change_applies_at_the_next_step_boundary(story):
+    story.verdict("tune")
+
+
+def test_stop_checkpoints_and_leaves_no_process(story):
+    story.verdict("stop")
+
+
+def test_resume_from_the_checkpoint_keeps_the_rows_before_it(story):
+    story.verdict("resume_from_checkpoint")
+
+
+def test_kill_ends_the_run_at_once_and_leaves_no_process(story):
+    story.verdict("kill")

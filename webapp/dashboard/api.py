@@ -122,6 +122,7 @@ def run_json(run: Run, user, detail: bool = False) -> dict:
     }
     if detail:
         d.update({"config": run.config, "knobs": run.knobs, "desired": run.desired,
+                  "allowed_actions": run.allowed_actions,
                   "celery_task_id": run.celery_task_id, "worker_host": run.worker_host,
                   "note": run.note, "alerts": (run.alerts or {}).get("active") or {},
                   "pending_knob_changes": [
@@ -306,7 +307,7 @@ def make_control(action: str):
         # `seq`: the status is as of this sequence number; the page ignores it when the stream
         # has already brought a newer one (the worker may pause before this reply arrives)
         return JsonResponse({"id": run.pk, "status": run.status, "desired": run.desired,
-                             "seq": run.last_seq}, status=202)
+                             "allowed_actions": run.allowed_actions, "seq": run.last_seq}, status=202)
     view.__name__ = f"run_{action}"
     return view
 

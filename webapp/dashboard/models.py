@@ -14,27 +14,28 @@ import secrets
 from django.conf import settings
 from django.db import models
 
+from webapp.dashboard import lifecycle
+
 
 class Status(models.TextChoices):
-    QUEUED = "queued"
-    RUNNING = "running"
-    PAUSED = "paused"
-    STOPPING = "stopping"
-    STOPPED = "stopped"
-    FINISHED = "finished"
-    FAILED = "failed"
-    INTERRUPTED = "interrupted"
+    QUEUED = lifecycle.QUEUED
+    RUNNING = lifecycle.RUNNING
+    PAUSED = lifecycle.PAUSED
+    STOPPING = lifecycle.STOPPING
+    STOPPED = lifecycle.STOPPED
+    FINISHED = lifecycle.FINISHED
+    FAILED = lifecycle.FAILED
+    INTERRUPTED = lifecycle.INTERRUPTED
 
 
-ACTIVE = (Status.QUEUED, Status.RUNNING, Status.PAUSED, Status.STOPPING)
-LIVE = (Status.RUNNING, Status.PAUSED, Status.STOPPING)   # a worker should be heartbeating
-RESUMABLE = (Status.STOPPED, Status.FAILED, Status.INTERRUPTED)
+# the lifecycle's groups of statuses (webapp/dashboard/lifecycle.py), named here for the queries
+ACTIVE, LIVE, RESUMABLE = lifecycle.ACTIVE, lifecycle.LIVE, lifecycle.RESUMABLE
 
 
 class Desired(models.TextChoices):
-    RUN = "run"
-    PAUSE = "pause"
-    STOP = "stop"
+    RUN = lifecycle.RUN
+    PAUSE = lifecycle.PAUSE
+    STOP = lifecycle.STOP
 
 
 class Run(models.Model):
@@ -74,6 +75,11 @@ class Run(models.Model):
     @property
     def is_active(self) -> bool:
         return self.status in ACTIVE
+
+    @property
+    def allowed_actions(self) -> list[str]:
+        """What the run accepts now (lifecycle.allowed_actions): the pages' buttons follow it."""
+        return lifecycle.allowed_actions(self.status, self.desired)
 
     def can_control(self, user) -> bool:
         return bool(user and user.is_authenticated and (user.is_staff or user.pk == self.owner_id))

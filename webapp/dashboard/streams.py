@@ -5,19 +5,30 @@ from typing import Any, Iterable
 
 from django.db.models import ExpressionWrapper, F, IntegerField, Max, Min
 
-from webapp.dashboard import inspector
+from webapp.dashboard import inspector, lifecycle
 from webapp.dashboard.models import HistogramSnapshot, MetricPoint, Run, RunEvent
 
 BATCH = 500   # sequence numbers per backlog chunk
 
 
 def event_message(e: RunEvent) -> dict[str, Any]:
+    """A status event, or an event that records a run's new (status, desired) without changing
+    its status (a pending pause or resume), carries the actions the run then allows
+    (lifecycle.allowed_actions): the page's buttons follow them."""
     if e.kind == "status":
         return {"type": "status", "status": e.data.get("status"), "previous": e.data.get("previous"),
                 "message": e.data.get("message", ""), "step": e.step, "time": e.time.timestamp(),
-                "cursor": e.seq}
-    return {"type": "event", "kind": e.kind, "step": e.step, "time": e.time.timestamp(),
-            "data": e.data, "cursor": e.seq}
+                "cursor": e.seq, "allowed_actions": _allowed(e.data)}
+    msg = {"type": "event", "kind": e.kind, "step": e.step, "time": e.time.timestamp(),
+           "data": e.data, "cursor": e.seq}
+    if isinstance(e.data, dict) and e.data.get("status") in lifecycle.STATUSES and "desired" in e.data:
+        msg["allowed_actions"] = _allowed(e.data)
+    return msg
+
+
+def _allowed(data: Any) -> list[str]:
+    data = data if isinstance(data, dict) else {}
+    return lifecycle.allowed_actions(str(data.get("status")), data.get("desired"))
 
 
 def messages_after(run_id: int, cursor: int, upto: int | None = None,

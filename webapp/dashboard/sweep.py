@@ -10,8 +10,8 @@ becomes `interrupted`, with a `heartbeat` alert (the user resumes it from its la
   - and lazily, at most every few seconds per process, when a page, the API or a WebSocket
     consumer reads runs (so a page never shows a dead run as running for long).
 
-It decides which runs are stale; the write is `actions.interrupt_lost_run`, given the heartbeat
-rule of alerts.py.
+It decides which runs are stale (lifecycle.END_FROM: live runs; they become lifecycle.LOST); the
+write is `actions.interrupt_lost_run`, given the heartbeat rule of alerts.py.
 """
 from __future__ import annotations
 
@@ -24,8 +24,8 @@ from django.conf import settings
 from django.db import close_old_connections, connection
 from django.utils import timezone
 
-from webapp.dashboard import actions, alerts
-from webapp.dashboard.models import LIVE, Run
+from webapp.dashboard import actions, alerts, lifecycle
+from webapp.dashboard.models import Run
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +46,8 @@ def mark_stale_runs(force: bool = False) -> int:
     _last_check = now
     cutoff = timezone.now() - timedelta(seconds=settings.HEARTBEAT_TIMEOUT_S)
     n = 0
-    stale = list(Run.objects.filter(status__in=LIVE, heartbeat_at__lt=cutoff).values_list("id", flat=True))
+    stale = list(Run.objects.filter(status__in=lifecycle.END_FROM, heartbeat_at__lt=cutoff)
+                 .values_list("id", flat=True))
     for run_id in stale:
         if actions.interrupt_lost_run(run_id, cutoff, LOST,
                                       alert=lambda run: alerts.heartbeat_alert(run, run.step)):

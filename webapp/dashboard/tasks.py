@@ -2,8 +2,8 @@
 process) and `sweep_stale_runs` is Celery beat's periodic stale-run sweep (RLPILOT_SWEEP_QUEUE,
 consumed by a small worker on the web machine, never by a training worker).
 
-Every write goes through the actions layer. actions.py sends `train` by name (TRAIN_TASK) and
-never imports this module.
+Every write goes through the actions layer, which sends `train` by name (TRAIN_TASK) and never
+imports this module.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from django.utils import timezone
 from trainer import checkpoint
 from trainer import config as config_mod
 from trainer.runner import Runner  # imported in the worker's parent: forked children start fast
-from webapp.dashboard import actions, sweep, validation
+from webapp.dashboard import actions, lifecycle, sweep, validation
 from webapp.dashboard.actions import run_dir
 from webapp.dashboard.models import Desired, Run, Status
 from webapp.dashboard.telemetry import DbControlSource, DbSink, Heartbeat
@@ -72,7 +72,7 @@ def execute(run: Run, resume: bool = False, resume_step: int | None = None,
     rid = run.pk
     refused = validation.config_problems(config_mod.from_dict(run.config))  # this worker's settings
     if refused:
-        actions.set_status(rid, Status.FAILED, only_from=[Status.QUEUED],
+        actions.set_status(rid, Status.FAILED, only_from=lifecycle.START_FROM,
                            error=validation.clip("refused by this worker's settings: " + "; ".join(
                                f"{k}: {v}" for k, v in refused.items()), 2000))
         return Status.FAILED
@@ -87,7 +87,7 @@ def execute(run: Run, resume: bool = False, resume_step: int | None = None,
         # rows past the checkpoint belong to steps that will be trained again
         actions.rewind(rid, ck_step or 0, from_checkpoint=resume_from_ckpt)
     now = timezone.now()
-    if not actions.set_status(rid, Status.RUNNING, only_from=[Status.QUEUED],
+    if not actions.set_status(rid, Status.RUNNING, only_from=lifecycle.START_FROM,
                               worker_host=f"{worker or socket.gethostname()}:{os.getpid()}"[:200], heartbeat_at=now,
                               started_at=run.started_at or now, attempts=attempt,
                               step=ck_step or 0, desired=Desired.RUN):

@@ -6,10 +6,10 @@ inserts them in one transaction (bulk, sequence-numbered) and then rings the run
 trainer never waits for the database.
 
 DbControlSource turns pending KnobChange rows and the run's `desired` field into trainer
-Commands, and records each knob change's outcome.
+Commands (which command, lifecycle.trainer_command says).
 
 Heartbeat beats for the run and evaluates the `stalled` alert. Every write here goes through the
-actions layer (webapp/dashboard/actions.py); the doorbell is webapp/dashboard/doorbell.py.
+actions layer (webapp/dashboard/actions/); the doorbell is webapp/dashboard/doorbell.py.
 """
 from __future__ import annotations
 
@@ -24,17 +24,14 @@ from typing import Any, Callable
 from django.conf import settings
 from django.db import close_old_connections, connection
 
-from trainer.controls import PAUSE, RESUME, SET_KNOBS, STOP, Command, ControlSource
+from trainer.controls import SET_KNOBS, STOP, Command, ControlSource
 from trainer.metrics import MetricsSink
-from webapp.dashboard import actions, alerts
+from webapp.dashboard import actions, alerts, lifecycle
 from webapp.dashboard.actions import Record
 from webapp.dashboard.doorbell import Doorbell
-from webapp.dashboard.models import LIVE, Desired, KnobChange, Run, Status
+from webapp.dashboard.models import KnobChange, Run
 
 log = logging.getLogger(__name__)
-
-# events that change the run's status
-_EVENT_STATUS = {"paused": Status.PAUSED, "resumed": Status.RUNNING, "stop_requested": Status.STOPPING}
 
 
 class DbSink(MetricsSink):
@@ -161,11 +158,9 @@ class DbSink(MetricsSink):
             updates["alerts"] = self.monitor.as_json()
         elif any(r.kind == "points" for r in records) and self.monitor.mem:
             updates["alerts"] = self.monitor.as_json()   # streak counters survive a resume
+        # a trainer's paused / resumed / stop_requested moves the run's status in this same
+        # write (actions.rows, lifecycle.EVENT_STATUS)
         seq = actions.append(self.run_id, records, updates, ring_bell=False)
-        for r in records:
-            status = _EVENT_STATUS.get(r.name) if r.kind == "event" else None
-            if status:
-                actions.set_status(self.run_id, status, only_from=LIVE, step=r.step)
         self.doorbell.ring(self.run_id, seq)
         self.write_seconds += time.perf_counter() - t0
 
@@ -232,18 +227,17 @@ class DbControlSource(ControlSource):
             return [] if self.stop_sent else self._stop()
         now = time.monotonic()
         # a run marked stopped/killed while this process still trains it (the kill signal got
-        # lost): stop cooperatively after a grace period that lets a kill land first
-        if row["status"] not in LIVE:
+        # lost) is orphaned: lifecycle.trainer_command stops it after a grace period
+        if row["status"] not in lifecycle.LIVE:
             self.orphaned_since = self.orphaned_since or now
-        orphaned = self.orphaned_since is not None and now - self.orphaned_since > 5.0
-        if (row["desired"] == Desired.STOP and row["status"] in LIVE or orphaned) and not self.stop_sent:
+        kind = lifecycle.trainer_command(
+            row["status"], row["desired"], paused=self.paused, stop_sent=self.stop_sent,
+            orphaned_s=None if self.orphaned_since is None else now - self.orphaned_since)
+        if kind == STOP:
             cmds += self._stop()
-        elif row["desired"] == Desired.PAUSE and not self.paused:
-            self.paused = True
-            cmds.append(Command(PAUSE, requested_by="web"))
-        elif row["desired"] == Desired.RUN and self.paused:
-            self.paused = False
-            cmds.append(Command(RESUME, requested_by="web"))
+        elif kind is not None:
+            self.paused = kind == lifecycle.CMD_PAUSE
+            cmds.append(Command(kind, requested_by="web"))
         return cmds
 
     def _stop(self) -> list[Command]:

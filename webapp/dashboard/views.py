@@ -99,7 +99,7 @@ def run_page(request, run_id: int):
             "max_steps": run.max_steps, "knobs": run.knobs, "config": run.config,
             "can_control": run.can_control(request.user), "knob_schema": knobs,
             "owner": run.owner.get_username(), "user": request.user.get_username(),
-            "active_statuses": list(ACTIVE)}
+            "active_statuses": list(ACTIVE), "allowed_actions": run.allowed_actions}
     return render(request, "dashboard/run.html", {"run": run, "page": page, "active_alerts": active_alerts(run),
                                                   "config_toml": config_mod.to_toml(config_mod.from_dict(run.config))})
 

@@ -1,0 +1,50 @@
+"""Every write that clients must hear about lives here (zulip-style "actions").
+
+A write appends sequence-numbered rows for the run in one transaction that holds the run's row
+lock, then rings the run's doorbell on the channel layer (rows.py). Views, the API, the WebSocket
+consumer, the Celery tasks, the trainer's database sink and heartbeat, the alert rules, the
+stale-run sweep and the management commands all go through these functions, by noun:
+
+  rows.py         append (one handler per record kind), ring, event, set_status
+  launch.py       a run's configuration, its row and its training task
+  runs.py         stop / pause / resume / kill (lifecycle.py's table), notes, delete, and the
+                  worker's side: rewind, heartbeat, end
+  knobs.py        validating and queueing a person's knob change
+  alert_state.py  a run's active alerts; a run whose worker was lost
+
+The package sits low in the import graph: it imports the models, lifecycle.py, errors.py,
+validation.py and policy.py (which never import it), inspector.py, doorbell.py and the Celery app, and
+none of the modules that call it; alerts.py and sweep.py hand it what it needs as arguments.
+Callers use `from webapp.dashboard import actions; actions.launch_run(...)`.
+"""
+from webapp.dashboard.actions.alert_state import change_alerts, clear_alert, interrupt_lost_run
+from webapp.dashboard.actions.knobs import request_knobs, validate_knobs
+from webapp.dashboard.actions.launch import (
+    TRAIN_TASK,
+    build_config,
+    launch_run,
+    run_dir,
+    shipped_preset,
+    validate_queue,
+)
+from webapp.dashboard.actions.rows import (
+    KEY_FIGURES,
+    Record,
+    append,
+    clean_json,
+    event,
+    ring,
+    set_status,
+    status_record,
+)
+from webapp.dashboard.actions.runs import annotate_run, control, delete_run, end_run, heartbeat, rewind
+from webapp.dashboard.doorbell import group_name
+from webapp.dashboard.errors import ActionError, Conflict, Forbidden, Invalid
+
+__all__ = [
+    "ActionError", "Conflict", "Forbidden", "Invalid", "KEY_FIGURES", "Record", "TRAIN_TASK",
+    "annotate_run", "append", "build_config", "change_alerts", "clean_json", "clear_alert",
+    "control", "delete_run", "end_run", "event", "group_name", "heartbeat", "interrupt_lost_run",
+    "launch_run", "request_knobs", "rewind", "ring", "run_dir", "set_status", "shipped_preset",
+    "status_record", "validate_knobs", "validate_queue",
+]

@@ -1,0 +1,60 @@
+"""Knob changes a person asks for: validated against the schema and the run's current config,
+queued as a pending change the control source hands the trainer at its next step boundary
+(where the trainer validates the whole change again and records `knob_applied` or
+`knob_rejected`; actions.rows turns the change's row with that event)."""
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from django.db import transaction
+from django.db.models import F
+
+from trainer import config as config_mod
+from webapp.dashboard import lifecycle, validation
+from webapp.dashboard.actions.rows import Record, append
+from webapp.dashboard.errors import Conflict, Forbidden, Invalid
+from webapp.dashboard.models import KnobChange, Run
+
+
+def validate_knobs(run: Run, knobs: Any) -> dict[str, Any]:
+    """Coerce a {dotted key: value} change against the schema and the run's current config."""
+    if not isinstance(knobs, dict) or not knobs:
+        raise Invalid("expected an object of knob names to values", {"knobs": "expected a non-empty "
+                      'object of dotted keys to values, e.g. {"optim.lr": 5e-5}'})
+    errors, out = {}, {}
+    for key, value in knobs.items():
+        try:
+            spec = config_mod.param_spec(key)
+            if not spec.tunable:
+                raise config_mod.ConfigError({key: "cannot change during a run (not a knob)"})
+            out[key] = spec.coerce(value)
+        except config_mod.ConfigError as e:
+            errors.update(e.errors)
+    if not errors:
+        try:
+            cfg = config_mod.from_dict(run.config)
+            cfg = config_mod.apply_overrides(cfg, {**(run.knobs or {}), **out})
+        except config_mod.ConfigError as e:
+            errors.update(e.errors)
+    if errors:
+        raise Invalid("knob change refused", validation.clip_errors(errors))
+    return out
+
+
+def request_knobs(run: Run, user, knobs: Any) -> KnobChange:
+    """Queue a knob change: its row, the run's knob_version (what the control source watches)
+    and the `knob_requested` event, in one transaction."""
+    if not run.can_control(user):
+        raise Forbidden("only the run's owner or staff can change its knobs")
+    if run.status not in lifecycle.TUNABLE:
+        raise Conflict(f"the run is {run.status}; knobs can change only while it is queued, "
+                       "running or paused")
+    values = validate_knobs(run, knobs)
+    with transaction.atomic():
+        change = KnobChange.objects.create(run=run, change_id=uuid.uuid4().hex[:12], knobs=values,
+                                           requested_by=user)
+        append(run.pk, [Record("event", run.step, "knob_requested", {
+            "change_id": change.change_id, "knobs": values, "requested_by": user.get_username()})],
+            {"knob_version": F("knob_version") + 1})
+    return change
