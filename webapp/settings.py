@@ -245,6 +245,13 @@ RLPILOT_TRUSTED_PROXIES = env_int("RLPILOT_TRUSTED_PROXIES", 0)
 AUTHENTICATION_BACKENDS = ["webapp.dashboard.throttle.ThrottledModelBackend"]
 # Runs one (non-staff) user may have queued, running, paused or stopping at once. 0 = no limit.
 RLPILOT_MAX_ACTIVE_RUNS_PER_USER = env_int("RLPILOT_MAX_ACTIVE_RUNS_PER_USER", 8)
+# Floods (0 = no limit): knob changes waiting for one run's next step boundary, knob changes one
+# user may ask for a minute, exports one user may have in progress at once, WebSockets one user
+# may hold open on one web process.
+RLPILOT_MAX_PENDING_KNOB_CHANGES = env_int("RLPILOT_MAX_PENDING_KNOB_CHANGES", 10)
+RLPILOT_KNOB_CHANGES_PER_MINUTE = env_int("RLPILOT_KNOB_CHANGES_PER_MINUTE", 60)
+RLPILOT_MAX_EXPORTS_PER_USER = env_int("RLPILOT_MAX_EXPORTS_PER_USER", 2)
+RLPILOT_MAX_SOCKETS_PER_USER = env_int("RLPILOT_MAX_SOCKETS_PER_USER", 20)
 # The cache holds the login failure counts: Redis when there is one (shared by every web
 # process; short timeouts, and the throttle lets logins through while it is down), else memory.
 if REDIS_URL:

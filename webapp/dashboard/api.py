@@ -17,7 +17,7 @@ from django.utils import timezone
 from django.views.decorators.csrf import csrf_exempt
 
 from trainer import config as config_mod
-from webapp.dashboard import actions, inspector, reports, streams, sweep, validation
+from webapp.dashboard import actions, inspector, policy, reports, streams, sweep, validation
 from webapp.dashboard.models import ApiToken, KnobChange, Run, Status
 
 log = logging.getLogger(__name__)
@@ -261,22 +261,43 @@ EXPORTS = {"csv": "text/csv; charset=utf-8", "json": "application/json",
            "samples_csv": "text/csv; charset=utf-8"}
 
 
-def export_response(run, fmt: str) -> HttpResponse:
+def export_response(run, fmt: str, user) -> HttpResponse:
+    """The export, made while holding one of the user's export slots (policy.take_export_slot):
+    a streamed one until its stream is closed."""
+    give_back = policy.take_export_slot(user)
     if fmt == "samples_csv":   # streamed: per-token arrays of 20,000 samples can be large
-        resp = StreamingHttpResponse(reports.iter_samples_csv(run), content_type=EXPORTS[fmt])
+        resp = StreamingHttpResponse(_SlotStream(reports.iter_samples_csv(run), give_back),
+                                     content_type=EXPORTS[fmt])
         resp["Content-Disposition"] = f'attachment; filename="rlpilot-run-{run.pk}-samples.csv"'
         return resp
-    if fmt == "csv":
-        body = reports.export_csv(run)
-    elif fmt == "json":
-        body = json.dumps(reports.export_json(run), default=str)
-    elif fmt == "toml":
-        body = reports.export_toml(run)
-    else:
-        body = reports.export_html(run)
+    try:
+        if fmt == "csv":
+            body = reports.export_csv(run)
+        elif fmt == "json":
+            body = json.dumps(reports.export_json(run), default=str)
+        elif fmt == "toml":
+            body = reports.export_toml(run)
+        else:
+            body = reports.export_html(run)
+    finally:
+        give_back()
     resp = HttpResponse(body, content_type=EXPORTS[fmt])
     resp["Content-Disposition"] = f'attachment; filename="rlpilot-run-{run.pk}.{fmt}"'
     return resp
+
+
+class _SlotStream:
+    """A streamed export's chunks; Django calls close() when the response ends (also when the
+    client went away before the first chunk), which gives the export slot back."""
+
+    def __init__(self, chunks, give_back):
+        self.chunks, self.give_back = chunks, give_back
+
+    def __iter__(self):
+        return iter(self.chunks)
+
+    def close(self):
+        self.give_back()
 
 
 @api("GET")
@@ -288,7 +309,7 @@ def run_export(request, body, run_id: int):
     fmt = request.GET.get("format", "json")
     if fmt not in EXPORTS:
         return error(400, "bad format", {"format": "one of " + ", ".join(EXPORTS)})
-    return export_response(run, fmt)
+    return export_response(run, fmt, request.user)
 
 
 @api("POST")

@@ -12,6 +12,9 @@ polls the database every RLPILOT_WS_FALLBACK_POLL_S and tells the client
 `{"type": "stream", "mode": "polling", "message": ...}`; it retries the group every
 RLPILOT_CHANNEL_LAYER_RETRY_S and, once back, sends `{"type": "stream", "mode": "live", ...}`.
 Those frames carry no cursor (they are not rows).
+
+One user may hold at most RLPILOT_MAX_SOCKETS_PER_USER sockets open on one web process (counted
+in the process: each holds a database poller); one more is closed with code 4429.
 """
 from __future__ import annotations
 
@@ -34,6 +37,8 @@ from webapp.dashboard.doorbell import group_name
 from webapp.dashboard.models import Run
 
 log = logging.getLogger(__name__)
+
+OPEN_SOCKETS: dict[int, int] = {}   # user id -> sockets open on this process (one event loop)
 
 
 class RunFeed:
@@ -148,6 +153,7 @@ class RunConsumer(AsyncWebsocketConsumer):
         self.mode = "live"                    # what the client was last told
         self.pump_task = self.keeper_task = None
         self.feed = None
+        self.counted_user: int | None = None  # whose OPEN_SOCKETS count this socket holds
 
     async def connect(self):
         self.user = self.scope.get("user")
@@ -163,6 +169,12 @@ class RunConsumer(AsyncWebsocketConsumer):
         if not exists:
             await self.close(code=4404)
             return
+        limit = settings.RLPILOT_MAX_SOCKETS_PER_USER
+        if limit > 0 and OPEN_SOCKETS.get(self.user.pk, 0) >= limit:
+            await self.close(code=4429)   # RLPILOT_MAX_SOCKETS_PER_USER reached
+            return
+        self.counted_user = self.user.pk
+        OPEN_SOCKETS[self.user.pk] = OPEN_SOCKETS.get(self.user.pk, 0) + 1
         qs = parse_qs(self.scope.get("query_string", b"").decode("latin-1"))
         try:
             self.cursor = max(0, int(qs.get("after", ["0"])[-1] or 0))
@@ -177,6 +189,13 @@ class RunConsumer(AsyncWebsocketConsumer):
             self.keeper_task = asyncio.ensure_future(self.keep_joined())
 
     async def disconnect(self, code):
+        if self.counted_user is not None:
+            left = OPEN_SOCKETS.get(self.counted_user, 1) - 1
+            if left > 0:
+                OPEN_SOCKETS[self.counted_user] = left
+            else:
+                OPEN_SOCKETS.pop(self.counted_user, None)
+            self.counted_user = None
         for task in (self.pump_task, self.keeper_task):
             if task is not None:
                 task.cancel()

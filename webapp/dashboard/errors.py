@@ -28,3 +28,8 @@ class Conflict(ActionError):
 class TooManyRuns(Invalid):
     """An Invalid (the launch form shows it) answered 429 by the API."""
     status = 429
+
+
+class Throttled(ActionError):
+    """Too much at once from one user or on one run (knob changes, exports): try again later."""
+    status = 429

@@ -5,19 +5,35 @@ on the shape of the request (validation.py checks that).
   user cannot fill the workers' queue. The actions layer calls it inside the launch's and the
   resume's transaction.
 
+- Floods: knob changes waiting for one run's step boundary (RLPILOT_MAX_PENDING_KNOB_CHANGES)
+  and asked for by one user in a minute (RLPILOT_KNOB_CHANGES_PER_MINUTE), from the page, the
+  API or the socket alike; exports one user has in progress at once (RLPILOT_MAX_EXPORTS_PER_USER),
+  since a large HTML export costs the server seconds that other users' pages wait for.
+- A run's checkpoints seed a new run only for its owner or staff (`model_source_problem`).
+
 Who may control a run (its owner or staff) is `Run.can_control` in models.py, beside the run,
 since the pages ask it too.
 """
 from __future__ import annotations
 
+import contextlib
+import logging
+import uuid
+from datetime import timedelta
 from pathlib import Path
+from typing import Callable
 
 from django.conf import settings
 from django.contrib.auth import get_user_model
+from django.core.cache import cache
 from django.db import transaction
+from django.utils import timezone
 
-from webapp.dashboard.errors import TooManyRuns
-from webapp.dashboard.models import ACTIVE, Run
+from webapp.dashboard.errors import Throttled, TooManyRuns
+from webapp.dashboard.models import ACTIVE, KnobChange, Run
+
+log = logging.getLogger(__name__)
+EXPORT_SLOT_TTL_S = 600  # a slot whose process died frees itself after this long
 
 
 def check_active_runs(user) -> None:
@@ -56,3 +72,55 @@ def model_source_problem(user, model_path: str) -> str | None:
         return (f"the checkpoints of run {run.pk} belong to its owner: only they or staff may "
                 "start a run from them")
     return None
+
+
+def check_knob_rate(run: Run, user) -> None:
+    """Raise Throttled when `run` already has RLPILOT_MAX_PENDING_KNOB_CHANGES changes waiting for
+    its next step boundary, or `user` asked for RLPILOT_KNOB_CHANGES_PER_MINUTE changes in the
+    last minute. Call it inside the change's transaction, after locking the run's row."""
+    pending_max = settings.RLPILOT_MAX_PENDING_KNOB_CHANGES
+    if pending_max > 0:
+        pending = KnobChange.objects.filter(run=run, status=KnobChange.PENDING).count()
+        if pending >= pending_max:
+            raise Throttled("too many knob changes waiting", {"knobs": (
+                f"{pending} changes are waiting for run {run.pk}'s next step boundary (at most "
+                f"{pending_max}, RLPILOT_MAX_PENDING_KNOB_CHANGES): wait for them to be applied")})
+    per_minute = settings.RLPILOT_KNOB_CHANGES_PER_MINUTE
+    if per_minute > 0:
+        since = timezone.now() - timedelta(minutes=1)
+        recent = KnobChange.objects.filter(requested_by=user, requested_at__gte=since).count()
+        if recent >= per_minute:
+            raise Throttled("too many knob changes", {"knobs": (
+                f"{recent} knob changes in the last minute (at most {per_minute}, "
+                "RLPILOT_KNOB_CHANGES_PER_MINUTE): wait a little")})
+
+
+def take_export_slot(user) -> Callable[[], None]:
+    """Take one of `user`'s RLPILOT_MAX_EXPORTS_PER_USER export slots and return what gives it
+    back (Throttled when every slot is taken). Slots live in the cache, shared by the web
+    processes, and expire after EXPORT_SLOT_TTL_S should a process die holding one; a cache that
+    is down lets exports through rather than refusing everybody."""
+    limit = settings.RLPILOT_MAX_EXPORTS_PER_USER
+    if limit <= 0:
+        return _nothing
+    token = uuid.uuid4().hex
+    try:
+        for i in range(limit):
+            key = f"rlpilot:export-slot:{user.pk}:{i}"
+            if cache.add(key, token, timeout=EXPORT_SLOT_TTL_S):
+                return lambda: _give_back(key)
+    except Exception:
+        log.warning("export slots: cache unavailable", exc_info=True)
+        return _nothing
+    raise Throttled("too many exports at once", {"format": (
+        f"{limit} of your exports are still being prepared (at most {limit} at once, "
+        "RLPILOT_MAX_EXPORTS_PER_USER): wait for one to finish")})
+
+
+def _give_back(key: str) -> None:
+    with contextlib.suppress(Exception):
+        cache.delete(key)
+
+
+def _nothing() -> None:
+    pass

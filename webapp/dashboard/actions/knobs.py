@@ -11,7 +11,7 @@ from django.db import transaction
 from django.db.models import F
 
 from trainer import config as config_mod
-from webapp.dashboard import lifecycle, validation
+from webapp.dashboard import lifecycle, policy, validation
 from webapp.dashboard.actions.rows import Record, append
 from webapp.dashboard.errors import Conflict, Forbidden, Invalid
 from webapp.dashboard.models import KnobChange, Run
@@ -52,6 +52,8 @@ def request_knobs(run: Run, user, knobs: Any) -> KnobChange:
                        "running or paused")
     values = validate_knobs(run, knobs)
     with transaction.atomic():
+        Run.objects.select_for_update().filter(pk=run.pk).first()  # one flood check at a time
+        policy.check_knob_rate(run, user)
         change = KnobChange.objects.create(run=run, change_id=uuid.uuid4().hex[:12], knobs=values,
                                            requested_by=user)
         append(run.pk, [Record("event", run.step, "knob_requested", {
