@@ -482,3 +482,182 @@ def test_a_step_served_wholly_from_the_queue_reports_no_reward_rather_than_zero(
                                              counts=StepCounts()), EngineStats())
     assert scored["reward/mean"] == 0.5 and scored["reward/accuracy"] == 0.5
     assert scored["rollout/response_len/mean"] == 3.0 and scored["rollout/zero_var_ratio"] == 0.0
+
+
+# --- stop and pause reach a step waiting for groups ---------------------------------------------
+
+class Remote(ControlSource):
+    """Commands sent from another thread at any moment, as the dashboard sends them."""
+
+    def __init__(self):
+        self.inbox, self.lock = [], threading.Lock()
+
+    def send(self, kind, **kw):
+        with self.lock:
+            self.inbox.append(Command(kind, **kw))
+
+    def poll(self):
+        with self.lock:
+            out, self.inbox = self.inbox, []
+        return out
+
+
+def _wedge(monkeypatch, extra_groups=2):
+    """(eta 0) From version 1 on, admit nothing past B + `extra_groups` groups: step 2's collect
+    takes the extra groups and waits for groups that cannot come (no deadlock alarm, no
+    timeout within the test: only a stop or pause gets it out)."""
+    from trainer.rollout import asynchronous
+
+    real = asynchronous.admission_allowed
+    gate = {"open": False}
+
+    def admission(acc, running, v, eta, b):
+        if not gate["open"] and v >= 1 and acc + running + 1 > b + extra_groups:
+            return False
+        return real(acc, running, v, eta, b)
+
+    monkeypatch.setattr(asynchronous, "admission_allowed", admission)
+    monkeypatch.setattr(asynchronous, "_DEADLOCK_GRACE_S", 600.0)
+    return gate
+
+
+def _start(cfg, run_dir, controls):
+    """A runner running in a thread; returns (runner, thread, outcome list)."""
+    r = Runner(cfg, run_dir, sink=MemorySink(), controls=controls, system_telemetry=False)
+    out = []
+
+    def go():
+        try:
+            out.append(r.run())
+        except BaseException as e:  # surfaced by the test
+            out.append(e)
+    t = threading.Thread(target=go, name="test-runner")
+    t.start()
+    return r, t, out
+
+
+def _wait_wedged(r, seconds=1.5):
+    """Until step 1 is done and the trainer has waited `seconds` in step 2's collect."""
+    import time
+
+    deadline = time.monotonic() + 120
+    while r.step < 1 or r.rollout.queue or r.rollout.running:
+        assert time.monotonic() < deadline, "the run never reached the wedged collect"
+        time.sleep(0.05)
+    time.sleep(seconds)
+    assert r.step == 1  # guard: still waiting for groups
+
+
+def _checkpoint_groups(run_dir):
+    from trainer import checkpoint
+    from trainer.rollout.april import PartialBuffer
+
+    state, tensors = checkpoint.load(checkpoint.latest(run_dir))
+    buf = PartialBuffer()
+    buf.load_state_dict({"groups": tensors["rollout"]["groups"]})
+    return state, tensors["rollout"], buf.groups
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("worker", ["thread", "process"])
+def test_stop_reaches_a_step_waiting_for_groups_that_cannot_come(tmp_path, monkeypatch, worker):
+    import time
+
+    _wedge(monkeypatch)
+    extra = ["async.enabled=true", f"async.worker={worker}", "async.max_staleness=0",
+             "run.max_steps=50"]
+    remote = Remote()
+    r, t, out = _start(C.load("demo", BASE + extra), tmp_path, remote)
+    with r:
+        _wait_wedged(r)
+        t0 = time.monotonic()
+        remote.send(STOP)
+        t.join(timeout=30)
+        latency = time.monotonic() - t0
+        assert out == ["stopped"] and latency < 5, (out, latency)
+    assert r.step == 1
+    kinds = [e["kind"] for e in r.sink.events]
+    assert kinds[-3:] == ["stop_requested", "checkpoint", "run_stopped"]
+    # the two groups the waiting step had taken went back to the queue, and into the checkpoint
+    state, rollout, groups = _checkpoint_groups(tmp_path)
+    assert state["step"] == 1 and rollout["queued"] == 2
+    assert len([g for g in groups if g.complete]) == 2
+    assert not [x for x in threading.enumerate() if x.name == "rlpilot-generator"]
+    if worker == "process":
+        assert r.engine.proc.poll() is not None  # the engine child has exited
+
+    # resumed (nothing wedged now): the queued groups are trained first, at step 2
+    monkeypatch.undo()
+    trained = []
+    real = AsyncDriver.collect
+
+    def collect(self, cfg, version):
+        res = real(self, cfg, version)
+        trained.append([g.draw for g in res.groups])
+        return res
+
+    monkeypatch.setattr(AsyncDriver, "collect", collect)
+    again, sink, status = run(tmp_path, extra[:-1], steps=3, resume=True)
+    assert status == "finished" and again.step == 3
+    assert {g.draw for g in groups} <= set(trained[0])
+
+
+@pytest.mark.timeout(240)
+def test_pause_while_waiting_for_groups_then_resume_continues(tmp_path, monkeypatch):
+    import time
+
+    gate = _wedge(monkeypatch)
+    remote = Remote()
+    cfg = C.load("demo", BASE + ["async.enabled=true", "async.max_staleness=0", "run.max_steps=4"])
+    r, t, out = _start(cfg, tmp_path, remote)
+    with r:
+        _wait_wedged(r)
+        t0 = time.monotonic()
+        remote.send(PAUSE)
+        while "paused" not in [e["kind"] for e in r.sink.events]:
+            assert time.monotonic() - t0 < 5, "the pause did not reach the waiting step"
+            time.sleep(0.05)
+        assert r.rollout._paused.is_set() and r.step == 1
+        gate["open"] = True  # what a person might change while paused; then resume
+        remote.send(RESUME)
+        t.join(timeout=120)
+        assert out == ["finished"] and r.step == 4
+    paused = [e for e in r.sink.events if e["kind"] in ("paused", "resumed")]
+    assert [(e["kind"], e["step"]) for e in paused] == [("paused", 1), ("resumed", 1)]
+    assert sum(r.sink.series("rollout/trained_tokens")) > 0
+
+
+# --- the token ledger of an asynchronous run ------------------------------------------------------
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("worker", ["thread", "process"])
+def test_every_generated_token_is_trained_dropped_or_held_in_the_checkpoint(tmp_path, worker):
+    """Dynamic sampling drops zero-variance groups; eta lowered from 2 to 0 at step 3 makes the
+    queued groups stale (raised again at step 4, so the worker runs ahead). Stopped at step 6
+    (with groups in flight): the checkpoint's ledger
+    equals trained + dropped + the tokens of the groups it holds; at every step generated >=
+    trained + dropped."""
+    from trainer.controls import SET_KNOBS
+    from trainer.rollout.april import PartialBuffer
+
+    cfg = C.load("demo", BASE + ["async.enabled=true", f"async.worker={worker}",
+                                 "async.max_staleness=2", "rollout.dynamic_sampling=true",
+                                 "run.max_steps=50"])
+    ref, sink = [], MemorySink()
+    plan = {3: Command(SET_KNOBS, knobs={"async.max_staleness": 0}),
+            4: Command(SET_KNOBS, knobs={"async.max_staleness": 2}), 6: Command(STOP)}
+    with Runner(cfg, tmp_path, sink=sink, controls=AtStep(ref, plan),
+                system_telemetry=False) as r:
+        ref.append(r)
+        assert r.run() == "stopped" and r.step == 6
+    assert min(sink.series("rollout/tokens/waiting")) >= 0   # generated >= trained + dropped
+    state, rollout, groups = _checkpoint_groups(tmp_path)
+    ledger = state["ledger"]
+    assert ledger["dropped"]["stale"] > 0 and ledger["dropped"]["zero_variance"] > 0  # guards
+    assert any(not g.complete for g in groups)  # guard: groups were in flight at the stop
+    held = PartialBuffer()
+    for g in groups:
+        held.put(g)
+    assert ledger["generated"] == (ledger["trained"] + sum(ledger["dropped"].values())
+                                   + held.tokens())
+    assert ledger["trained"] == sum(sink.series("rollout/trained_tokens"))
