@@ -661,3 +661,52 @@ def test_every_generated_token_is_trained_dropped_or_held_in_the_checkpoint(tmp_
     assert ledger["generated"] == (ledger["trained"] + sum(ledger["dropped"].values())
                                    + held.tokens())
     assert ledger["trained"] == sum(sink.series("rollout/trained_tokens"))
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("state", ["waiting", "training", "evaluating", "checkpointing"])
+def test_stop_latency_in_each_state(tmp_path, monkeypatch, state):
+    """A stop sent while the run waits for groups, trains, evaluates or saves a checkpoint ends
+    it (checkpoint saved, engine process gone) within seconds: printed with -s."""
+    import time
+
+    from trainer import learner, run_state
+    from trainer import runner as runner_mod
+
+    remote, sent, ref = Remote(), [], []
+
+    def stop_on_entry(owner, name, at_step):
+        real = getattr(owner, name)
+
+        def wrapped(*a, **k):
+            if not sent and ref and ref[0].step >= at_step:
+                remote.send(STOP)
+                sent.append(time.monotonic())
+            return real(*a, **k)
+        monkeypatch.setattr(owner, name, wrapped)
+
+    extra = ["async.enabled=true", "async.worker=process", "async.max_staleness=0",
+             "run.max_steps=50", "run.eval_size=16"]
+    if state == "waiting":
+        _wedge(monkeypatch)
+    elif state == "training":
+        stop_on_entry(learner.Learner, "train", 1)
+    elif state == "evaluating":
+        extra.append("run.eval_every=2")
+        stop_on_entry(runner_mod, "evaluate", 1)
+    else:
+        extra.append("run.checkpoint_every=2")
+        stop_on_entry(run_state, "save", 1)
+    r, t, out = _start(C.load("demo", BASE + extra), tmp_path, remote)
+    ref.append(r)
+    with r:
+        if state == "waiting":
+            _wait_wedged(r)
+            remote.send(STOP)
+            sent.append(time.monotonic())
+        t.join(timeout=120)
+        assert sent, out
+        latency = time.monotonic() - sent[0]
+    print(f"\nstop latency while {state}: {latency:.2f} s (stopped at step {r.step})")
+    assert out == ["stopped"] and latency < 10
+    assert r.engine.proc.poll() is not None
