@@ -710,3 +710,24 @@ def test_stop_latency_in_each_state(tmp_path, monkeypatch, state):
     print(f"\nstop latency while {state}: {latency:.2f} s (stopped at step {r.step})")
     assert out == ["stopped"] and latency < 10
     assert r.engine.proc.poll() is not None
+
+
+def test_no_knob_value_puts_more_samples_in_flight_than_four_rounds_of_the_engines_slots(
+        tmp_path, monkeypatch):
+    # max_inflight 3889 with eta 64 (both inside their ranges) would admit (64 + 1) x B groups at
+    # once; the worker caps the samples generating at 4 x rollout.max_slots (16 x 4 / G 4 = 16
+    # groups), so a group never waits behind thousands of others
+    seen = _instrument(monkeypatch)
+    running = []
+    real = AsyncDriver._launch
+
+    def launch(self, g, samples):
+        real(self, g, samples)
+        running.append(len(self.running))
+
+    monkeypatch.setattr(AsyncDriver, "_launch", launch)
+    r, sink, status = run(tmp_path, ["async.enabled=true", "async.max_inflight=3889",
+                                     "async.max_staleness=64"], steps=3)
+    assert status == "finished" and r.step == 3
+    assert seen and max(running) == 16  # reached the cap (guard), never more
+    assert max(sink.series("async/running_groups")) <= 16
