@@ -104,9 +104,14 @@ class Scripted(ControlSource):
 
 
 def test_stop_reaches_the_worker_and_no_thread_is_left(tmp_path):
-    r, sink, status = run(tmp_path, ["async.enabled=true"], steps=50,
-                          controls=Scripted([[], [], [Command(STOP)]]))
-    assert status == "stopped" and 1 <= r.step <= 2  # the third poll may come mid-collect
+    ref = []
+    cfg = C.load("demo", BASE + ["async.enabled=true", "run.max_steps=50"])
+    with Runner(cfg, tmp_path, sink=MemorySink(), controls=AtStep(ref, {2: Command(STOP)}),
+                system_telemetry=False) as r:
+        ref.append(r)
+        status = r.run()
+    sink = r.sink
+    assert status == "stopped" and r.step == 2
     assert not [t for t in threading.enumerate() if t.name == "rlpilot-generator"]
     assert sink.events[-1]["kind"] == "run_stopped"
 
