@@ -104,8 +104,13 @@ class Scripted(ControlSource):
 
 
 def test_stop_reaches_the_worker_and_no_thread_is_left(tmp_path):
-    r, sink, status = run(tmp_path, ["async.enabled=true"], steps=50,
-                          controls=Scripted([[], [], [Command(STOP)]]))
+    ref = []
+    cfg = C.load("demo", BASE + ["async.enabled=true", "run.max_steps=50"])
+    with Runner(cfg, tmp_path, sink=MemorySink(), controls=AtStep(ref, {2: Command(STOP)}),
+                system_telemetry=False) as r:
+        ref.append(r)
+        status = r.run()
+    sink = r.sink
     assert status == "stopped" and r.step == 2
     assert not [t for t in threading.enumerate() if t.name == "rlpilot-generator"]
     assert sink.events[-1]["kind"] == "run_stopped"
@@ -329,10 +334,29 @@ def test_auto_staleness_cannot_deadlock(tmp_path, monkeypatch):
                                      "async.max_staleness=2", "async.prox_logp=loglinear"],
                           steps=7)
     assert status == "finished" and r.step == 7
-    changes = [e["changes"]["async.max_staleness"]["new"] for e in sink.events
-               if e["kind"] == "auto_staleness"]
-    assert changes == [1, 0]
+    # each change is a knob change from "auto", applied at the next step boundary with the
+    # evidence that caused it
+    applied = [e for e in sink.events if e["kind"] == "knob_applied"]
+    assert [e["changes"]["async.max_staleness"]["new"] for e in applied] == [1, 0]
+    assert {e["requested_by"] for e in applied} == {"auto"}
+    assert [e["step"] for e in applied] == [1, 2]
+    assert applied[0]["reason"] == {"rule": "auto_staleness", "behave_imp_weight": 1.5,
+                                    "capped_ratio": applied[0]["reason"]["capped_ratio"]}
     assert r.cfg.async_.max_staleness == 0
+    assert sink.series("async/max_staleness")[:3] == [2, 1, 0]  # step 2 trained under eta 1
+
+
+def test_an_automatic_knob_change_is_validated_like_a_persons(tmp_path):
+    # the trainer's own change goes through the boundary: out of range -> rejected, not applied
+    cfg = C.load("demo", BASE + ["async.enabled=true", "run.max_steps=2"])
+    sink = MemorySink()
+    with Runner(cfg, tmp_path, sink=sink, system_telemetry=False) as r:
+        r.boundary.request({"async.max_staleness": 99}, reason={"rule": "test"})
+        assert r.run() == "finished"
+    rejected = [e for e in sink.events if e["kind"] == "knob_rejected"]
+    assert len(rejected) == 1 and rejected[0]["requested_by"] == "auto"
+    assert "async.max_staleness" in rejected[0]["errors"]
+    assert r.cfg.async_.max_staleness == 2
 
 
 @pytest.mark.timeout(180)  # the bug this guards against hung the resumed run forever
@@ -463,3 +487,252 @@ def test_a_step_served_wholly_from_the_queue_reports_no_reward_rather_than_zero(
                                              counts=StepCounts()), EngineStats())
     assert scored["reward/mean"] == 0.5 and scored["reward/accuracy"] == 0.5
     assert scored["rollout/response_len/mean"] == 3.0 and scored["rollout/zero_var_ratio"] == 0.0
+
+
+# --- stop and pause reach a step waiting for groups ---------------------------------------------
+
+class Remote(ControlSource):
+    """Commands sent from another thread at any moment, as the dashboard sends them."""
+
+    def __init__(self):
+        self.inbox, self.lock = [], threading.Lock()
+
+    def send(self, kind, **kw):
+        with self.lock:
+            self.inbox.append(Command(kind, **kw))
+
+    def poll(self):
+        with self.lock:
+            out, self.inbox = self.inbox, []
+        return out
+
+
+def _wedge(monkeypatch, extra_groups=2):
+    """(eta 0) From version 1 on, admit nothing past B + `extra_groups` groups: step 2's collect
+    takes the extra groups and waits for groups that cannot come (no deadlock alarm, no
+    timeout within the test: only a stop or pause gets it out)."""
+    from trainer.rollout import asynchronous
+
+    real = asynchronous.admission_allowed
+    gate = {"open": False}
+
+    def admission(acc, running, v, eta, b):
+        if not gate["open"] and v >= 1 and acc + running + 1 > b + extra_groups:
+            return False
+        return real(acc, running, v, eta, b)
+
+    monkeypatch.setattr(asynchronous, "admission_allowed", admission)
+    monkeypatch.setattr(asynchronous, "_DEADLOCK_GRACE_S", 600.0)
+    return gate
+
+
+def _start(cfg, run_dir, controls):
+    """A runner running in a thread; returns (runner, thread, outcome list)."""
+    r = Runner(cfg, run_dir, sink=MemorySink(), controls=controls, system_telemetry=False)
+    out = []
+
+    def go():
+        try:
+            out.append(r.run())
+        except BaseException as e:  # surfaced by the test
+            out.append(e)
+    t = threading.Thread(target=go, name="test-runner")
+    t.start()
+    return r, t, out
+
+
+def _wait_wedged(r, seconds=1.5):
+    """Until step 1 is done and the trainer has waited `seconds` in step 2's collect."""
+    import time
+
+    deadline = time.monotonic() + 120
+    while r.step < 1 or r.rollout.queue or r.rollout.running:
+        assert time.monotonic() < deadline, "the run never reached the wedged collect"
+        time.sleep(0.05)
+    time.sleep(seconds)
+    assert r.step == 1  # guard: still waiting for groups
+
+
+def _checkpoint_groups(run_dir):
+    from trainer import checkpoint
+    from trainer.rollout.april import PartialBuffer
+
+    state, tensors = checkpoint.load(checkpoint.latest(run_dir))
+    buf = PartialBuffer()
+    buf.load_state_dict({"groups": tensors["rollout"]["groups"]})
+    return state, tensors["rollout"], buf.groups
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("worker", ["thread", "process"])
+def test_stop_reaches_a_step_waiting_for_groups_that_cannot_come(tmp_path, monkeypatch, worker):
+    import time
+
+    _wedge(monkeypatch)
+    extra = ["async.enabled=true", f"async.worker={worker}", "async.max_staleness=0",
+             "run.max_steps=50"]
+    remote = Remote()
+    r, t, out = _start(C.load("demo", BASE + extra), tmp_path, remote)
+    with r:
+        _wait_wedged(r)
+        t0 = time.monotonic()
+        remote.send(STOP)
+        t.join(timeout=30)
+        latency = time.monotonic() - t0
+        assert out == ["stopped"] and latency < 5, (out, latency)
+    assert r.step == 1
+    kinds = [e["kind"] for e in r.sink.events]
+    assert kinds[-3:] == ["stop_requested", "checkpoint", "run_stopped"]
+    # the two groups the waiting step had taken went back to the queue, and into the checkpoint
+    state, rollout, groups = _checkpoint_groups(tmp_path)
+    assert state["step"] == 1 and rollout["queued"] == 2
+    assert len([g for g in groups if g.complete]) == 2
+    assert not [x for x in threading.enumerate() if x.name == "rlpilot-generator"]
+    if worker == "process":
+        assert r.engine.proc.poll() is not None  # the engine child has exited
+
+    # resumed (nothing wedged now): the queued groups are trained first, at step 2
+    monkeypatch.undo()
+    trained = []
+    real = AsyncDriver.collect
+
+    def collect(self, cfg, version):
+        res = real(self, cfg, version)
+        trained.append([g.draw for g in res.groups])
+        return res
+
+    monkeypatch.setattr(AsyncDriver, "collect", collect)
+    again, sink, status = run(tmp_path, extra[:-1], steps=3, resume=True)
+    assert status == "finished" and again.step == 3
+    assert {g.draw for g in groups} <= set(trained[0])
+
+
+@pytest.mark.timeout(240)
+def test_pause_while_waiting_for_groups_then_resume_continues(tmp_path, monkeypatch):
+    import time
+
+    gate = _wedge(monkeypatch)
+    remote = Remote()
+    cfg = C.load("demo", BASE + ["async.enabled=true", "async.max_staleness=0", "run.max_steps=4"])
+    r, t, out = _start(cfg, tmp_path, remote)
+    with r:
+        _wait_wedged(r)
+        t0 = time.monotonic()
+        remote.send(PAUSE)
+        while "paused" not in [e["kind"] for e in r.sink.events]:
+            assert time.monotonic() - t0 < 5, "the pause did not reach the waiting step"
+            time.sleep(0.05)
+        assert r.rollout._paused.is_set() and r.step == 1
+        gate["open"] = True  # what a person might change while paused; then resume
+        remote.send(RESUME)
+        t.join(timeout=120)
+        assert out == ["finished"] and r.step == 4
+    paused = [e for e in r.sink.events if e["kind"] in ("paused", "resumed")]
+    assert [(e["kind"], e["step"]) for e in paused] == [("paused", 1), ("resumed", 1)]
+    assert sum(r.sink.series("rollout/trained_tokens")) > 0
+
+
+# --- the token ledger of an asynchronous run ------------------------------------------------------
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("worker", ["thread", "process"])
+def test_every_generated_token_is_trained_dropped_or_held_in_the_checkpoint(tmp_path, worker):
+    """Dynamic sampling drops zero-variance groups; eta lowered from 2 to 0 at step 3 makes the
+    queued groups stale (raised again at step 4, so the worker runs ahead). Stopped at step 6
+    (with groups in flight): the checkpoint's ledger
+    equals trained + dropped + the tokens of the groups it holds; at every step generated >=
+    trained + dropped."""
+    from trainer.controls import SET_KNOBS
+    from trainer.rollout.april import PartialBuffer
+
+    cfg = C.load("demo", BASE + ["async.enabled=true", f"async.worker={worker}",
+                                 "async.max_staleness=2", "rollout.dynamic_sampling=true",
+                                 "run.max_steps=50"])
+    ref, sink = [], MemorySink()
+    plan = {3: Command(SET_KNOBS, knobs={"async.max_staleness": 0}),
+            4: Command(SET_KNOBS, knobs={"async.max_staleness": 2}), 6: Command(STOP)}
+    with Runner(cfg, tmp_path, sink=sink, controls=AtStep(ref, plan),
+                system_telemetry=False) as r:
+        ref.append(r)
+        assert r.run() == "stopped" and r.step == 6
+    assert min(sink.series("rollout/tokens/waiting")) >= 0   # generated >= trained + dropped
+    state, rollout, groups = _checkpoint_groups(tmp_path)
+    ledger = state["ledger"]
+    assert ledger["dropped"]["stale"] > 0 and ledger["dropped"]["zero_variance"] > 0  # guards
+    assert any(not g.complete for g in groups)  # guard: groups were in flight at the stop
+    held = PartialBuffer()
+    for g in groups:
+        held.put(g)
+    assert ledger["generated"] == (ledger["trained"] + sum(ledger["dropped"].values())
+                                   + held.tokens())
+    assert ledger["trained"] == sum(sink.series("rollout/trained_tokens"))
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("state", ["waiting", "training", "evaluating", "checkpointing"])
+def test_stop_latency_in_each_state(tmp_path, monkeypatch, state):
+    """A stop sent while the run waits for groups, trains, evaluates or saves a checkpoint ends
+    it (checkpoint saved, engine process gone) within seconds: printed with -s."""
+    import time
+
+    from trainer import learner, run_state
+    from trainer import runner as runner_mod
+
+    remote, sent, ref = Remote(), [], []
+
+    def stop_on_entry(owner, name, at_step):
+        real = getattr(owner, name)
+
+        def wrapped(*a, **k):
+            if not sent and ref and ref[0].step >= at_step:
+                remote.send(STOP)
+                sent.append(time.monotonic())
+            return real(*a, **k)
+        monkeypatch.setattr(owner, name, wrapped)
+
+    extra = ["async.enabled=true", "async.worker=process", "async.max_staleness=0",
+             "run.max_steps=50", "run.eval_size=16"]
+    if state == "waiting":
+        _wedge(monkeypatch)
+    elif state == "training":
+        stop_on_entry(learner.Learner, "train", 1)
+    elif state == "evaluating":
+        extra.append("run.eval_every=2")
+        stop_on_entry(runner_mod, "evaluate", 1)
+    else:
+        extra.append("run.checkpoint_every=2")
+        stop_on_entry(run_state, "save", 1)
+    r, t, out = _start(C.load("demo", BASE + extra), tmp_path, remote)
+    ref.append(r)
+    with r:
+        if state == "waiting":
+            _wait_wedged(r)
+            remote.send(STOP)
+            sent.append(time.monotonic())
+        t.join(timeout=120)
+        assert sent, out
+        latency = time.monotonic() - sent[0]
+    print(f"\nstop latency while {state}: {latency:.2f} s (stopped at step {r.step})")
+    assert out == ["stopped"] and latency < 10
+    assert r.engine.proc.poll() is not None
+
+
+def test_no_knob_value_puts_more_samples_in_flight_than_four_rounds_of_the_engines_slots(
+        tmp_path, monkeypatch):
+    # max_inflight 3889 with eta 64 (both inside their ranges) would admit (64 + 1) x B groups at
+    # once; the worker caps the samples generating at 4 x rollout.max_slots (16 x 4 / G 4 = 16
+    # groups), so a group never waits behind thousands of others
+    seen = _instrument(monkeypatch)
+    running = []
+    real = AsyncDriver._launch
+
+    def launch(self, g, samples):
+        real(self, g, samples)
+        running.append(len(self.running))
+
+    monkeypatch.setattr(AsyncDriver, "_launch", launch)
+    r, sink, status = run(tmp_path, ["async.enabled=true", "async.max_inflight=3889",
+                                     "async.max_staleness=64"], steps=3)
+    assert status == "finished" and r.step == 3
+    assert seen and max(running) == 16  # reached the cap (guard), never more
+    assert max(sink.series("async/running_groups")) <= 16

@@ -45,6 +45,9 @@ def test_bench_async_reports_speedup_and_best_eta():
         assert v["admission"]["eta"] == eta and v["staleness_max"] <= eta
         assert v["admission"]["bound"] == (eta + v["admission"]["version"] + 1) * 4
         assert v["dropped_stale_groups"] >= 0 and "staleness_mean" in v
+        # where the generated tokens went: trained, still waiting, or wasted by reason
+        waste = sum(v[k] for k in v if k.startswith("waste_"))
+        assert v["trained_tokens"] + v["tokens_waiting_at_end"] + waste == v["tokens_generated"]
     assert "admission" not in out["sync"]
     # --sync-threads 1: the synchronous variant itself gives the one-thread phases
     phases = out["ratio"]["one_thread_step_s"]

@@ -1,10 +1,18 @@
 """The step boundary: where knob changes, pause, resume and stop take effect.
 
 Commands arrive from a `ControlSource` (trainer/controls.py) at any time but are applied only
-here, between two steps, so a change never lands in the middle of one. Under data parallelism
-rank 0 reads the commands and broadcasts them, so every rank applies the same ones at the same
-step. A knob change is validated as a whole (every key or none) and recorded as an event, as is
-every pause, resume and stop.
+here, between two steps, so a change never lands in the middle of one. Every knob change goes
+this one way, whoever asks: a person (dashboard, CLI) or the trainer itself (`request`, e.g.
+`async.auto_staleness` moving eta, `requested_by="auto"`). A change is validated as a whole
+(every key or none, the config's cross-field rules, data parallelism's limits) and recorded as
+a `knob_applied` or `knob_rejected` event with who asked, as is every pause, resume and stop.
+
+A step that waits for groups (asynchronous rollout) asks `interrupted()`: it reads the commands
+without applying them and says whether a stop or pause waits, so the step can give its groups
+back and come here at once instead of waiting for groups that may never come. Under data
+parallelism rank 0 reads the commands and broadcasts them at the boundary, so every rank applies
+the same ones at the same step (`interrupted()` is then always False: asynchronous rollout runs
+in one process).
 """
 from __future__ import annotations
 
@@ -12,23 +20,45 @@ import time
 
 from trainer import config as config_mod
 from trainer import distributed
-from trainer.controls import PAUSE, RESUME, SET_KNOBS, STOP, Command, ControlSource
+from trainer.controls import AUTO, PAUSE, RESUME, SET_KNOBS, STOP, Command, ControlSource
 from trainer.metrics import MetricsSink
 from trainer.rollout.base import Driver
 
-PAUSED_POLL_S = 0.2   # how often a paused run looks for resume/stop
+PAUSED_POLL_S = 0.2      # how often a paused run looks for resume/stop
+INTERRUPT_POLL_S = 0.25  # how often a waiting step reads the controls
 
 
 class StepBoundary:
     def __init__(self, controls: ControlSource, sink: MetricsSink, dist, driver: Driver):
         self.controls, self.sink, self.dist, self.driver = controls, sink, dist, driver
+        self.pending: list[Command] = []   # read (or requested by the trainer), not yet applied
+        self._polled_at = 0.0
+
+    def request(self, knobs: dict, reason: dict) -> Command:
+        """Queue the trainer's own knob change for the next boundary (`reason`: its rule and
+        the figures it saw, kept in the event)."""
+        cmd = Command(SET_KNOBS, knobs=dict(knobs), requested_by=AUTO, reason=dict(reason))
+        self.pending.append(cmd)
+        return cmd
+
+    def interrupted(self) -> bool:
+        """Is a stop or pause waiting? Reads the controls (at most every INTERRUPT_POLL_S) and
+        keeps what it read for `cross`. Cheap enough to call in a wait loop."""
+        if self.dist.size > 1:
+            return False
+        now = time.monotonic()
+        if now - self._polled_at >= INTERRUPT_POLL_S:
+            self._polled_at = now
+            self.pending += self.controls.poll()
+        return any(cmd.kind in (STOP, PAUSE) for cmd in self.pending)
 
     def cross(self, step: int, cfg: config_mod.Config) -> config_mod.Config | None:
         """Apply the pending commands at `step`; hold here while paused. Returns the config to
         go on with (knob changes applied), or None when the run must stop."""
         paused = False
         while True:
-            for cmd in self.dist.broadcast_object(self.controls.poll()):  # rank 0's commands
+            commands, self.pending = self.pending + self.controls.poll(), []
+            for cmd in self.dist.broadcast_object(commands):  # rank 0's commands
                 if cmd.kind == SET_KNOBS:
                     cfg = self.apply_knobs(step, cfg, cmd)
                 elif cmd.kind == PAUSE and not paused:
@@ -43,8 +73,6 @@ class StepBoundary:
                     self.driver.resume()  # a paused generation worker must reach the checkpoint
                     self._record(step, cmd, "stop_requested")
                     return None
-                else:
-                    self.controls.acknowledge(cmd, step, True, "no effect in this state")
             if not paused:
                 return cfg
             self.sink.flush()
@@ -52,21 +80,19 @@ class StepBoundary:
 
     def apply_knobs(self, step: int, cfg: config_mod.Config, cmd: Command) -> config_mod.Config:
         """The config with `cmd`'s knob values, or `cfg` unchanged when any of them is refused."""
+        who = {"change_id": cmd.id, "requested_by": cmd.requested_by,
+               **({"reason": cmd.reason} if cmd.reason else {})}
         try:
             new_cfg, changes = config_mod.apply_knob_change(cfg, cmd.knobs)
             distributed.check_config(new_cfg, self.dist.size)
         except config_mod.ConfigError as e:
-            self.sink.event(step, "knob_rejected", {"change_id": cmd.id, "errors": e.errors,
-                                                    "requested_by": cmd.requested_by})
-            self.controls.acknowledge(cmd, step, False, "; ".join(e.errors.values()))
+            self.sink.event(step, "knob_rejected", {**who, "errors": e.errors})
             return cfg
         self.driver.set_config(new_cfg)
         self.sink.event(step, "knob_applied", {
-            "change_id": cmd.id, "changes": changes, "requested_by": cmd.requested_by,
-            "requested_at": cmd.requested_at, "applied_at": time.time()})
-        self.controls.acknowledge(cmd, step, True)
+            **who, "changes": changes, "requested_at": cmd.requested_at,
+            "applied_at": time.time()})
         return new_cfg
 
     def _record(self, step: int, cmd: Command, kind: str) -> None:
         self.sink.event(step, kind, {"requested_by": cmd.requested_by})
-        self.controls.acknowledge(cmd, step, True)

@@ -208,7 +208,8 @@ class AsyncConfig:
                                help="eta: a trained token may come from a policy at most this many "
                                "versions old (0 = the synchronous loop)")
     max_inflight: int = param(0, min=0, max=65536, tunable=True,
-                              help="most groups generating at once (0 = 2 x rollout_batch_size)")
+                              help="most groups generating at once (0 = 2 x rollout_batch_size); "
+                              "never more than 4 x rollout.max_slots samples, whatever this says")
     prox_logp: str = param("recompute", choices=["recompute", "loglinear"],
                            help="proximal logprobs: a forward pass with the pre-update weights, or "
                            "the log-linear interpolation from per-token versions")

@@ -1,9 +1,11 @@
 """Control sources: how knob changes, pause, resume and stop reach a running trainer.
 
-The trainer polls its `ControlSource` at every step boundary (and while paused) and applies
-what it gets there, so a change never lands in the middle of a step. The web app supplies a
-database-backed source; the CLI uses `FileControlSource`, a folder of JSON command files that
-`python -m trainer control RUN_DIR ...` writes.
+The trainer polls its `ControlSource` at every step boundary (and while paused, and while an
+asynchronous step waits for groups, so a stop or pause is seen within a second) and applies
+what it gets at the boundary, so a change never lands in the middle of a step. The web app
+supplies a database-backed source; the CLI uses `FileControlSource`, a folder of JSON command
+files that `python -m trainer control RUN_DIR ...` writes. The trainer's own knob changes
+(`async.auto_staleness`) are commands too, from `requested_by="auto"`, queued at the boundary.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from typing import Any
 
 SET_KNOBS, PAUSE, RESUME, STOP = "set_knobs", "pause", "resume", "stop"
 COMMANDS = (SET_KNOBS, PAUSE, RESUME, STOP)
+AUTO = "auto"  # requested_by of the trainer's own knob changes
 
 
 @dataclass
@@ -26,10 +29,13 @@ class Command:
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
     requested_by: str = "cli"
     requested_at: float = field(default_factory=time.time)
+    # why an automatic change was asked for (the rule and the figures it saw); kept in the event
+    reason: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return {"kind": self.kind, "knobs": self.knobs, "id": self.id,
-                "requested_by": self.requested_by, "requested_at": self.requested_at}
+                "requested_by": self.requested_by, "requested_at": self.requested_at,
+                **({"reason": self.reason} if self.reason else {})}
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "Command":
@@ -40,16 +46,14 @@ class Command:
             raise ValueError("'knobs' must be an object of dotted keys to values")
         return cls(kind=d["kind"], knobs=knobs, id=str(d.get("id") or uuid.uuid4().hex[:12]),
                    requested_by=str(d.get("requested_by", "cli")),
-                   requested_at=float(d.get("requested_at", time.time())))
+                   requested_at=float(d.get("requested_at", time.time())),
+                   reason=d["reason"] if isinstance(d.get("reason"), dict) else {})
 
 
 class ControlSource:
     def poll(self) -> list[Command]:
         """Commands received since the last poll, oldest first."""
         return []
-
-    def acknowledge(self, command: Command, step: int, ok: bool, message: str = "") -> None:
-        """Called once a command has been applied (or rejected) at `step`."""
 
 
 class FileControlSource(ControlSource):

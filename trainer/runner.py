@@ -33,7 +33,7 @@ from trainer.metrics import MetricsSink, histogram, length_edges
 from trainer.model import load_model, load_tokenizer, resolve_device, resolve_dtype
 from trainer.rewards.pool import RewardService
 from trainer.rollout import build_driver
-from trainer.rollout.asynchronous import AsyncStall
+from trainer.rollout.asynchronous import AsyncStall, CollectInterrupted
 from trainer.rollout.base import step_metrics
 from trainer.rollout.selection import PromptSelector
 from trainer.scoring import Scorer
@@ -105,6 +105,8 @@ class Runner:
                                     self.scorer, self.lock)
         self.samples = InspectorRecorder(self.tokenizer, self.cfg.run.seed)  # the rollout inspector's
         self.boundary = StepBoundary(self.controls, self.sink, self.dist, self.rollout)
+        # a step waiting for asynchronous groups gives way to a stop or pause within a second
+        self.rollout.interrupted = self.boundary.interrupted
         self.system = (SystemSampler(use_gpu=self.device.type == "cuda")
                        if system_telemetry and self.dist.is_main else None)
 
@@ -135,7 +137,10 @@ class Runner:
                     status = STOPPED
                     break
                 self.cfg = cfg
-                self.train_step()
+                try:
+                    self.train_step()
+                except CollectInterrupted:
+                    continue  # a stop or pause came while the step waited: the boundary takes it
                 if self.cfg.run.eval_every and self.step % self.cfg.run.eval_every == 0:
                     self.evaluate()
                 if self.cfg.run.checkpoint_every and self.step % self.cfg.run.checkpoint_every == 0:
@@ -250,12 +255,11 @@ class Runner:
             self.dist.sync_totals(totals0, self.totals)  # the counters count every rank's work
             m.update({f"train/{k}_total": v for k, v in self.totals.items()
                       if k in ("samples", "gen_tokens", "trained_tokens")})
-        retuned = self.rollout.retune(self.cfg, train_metrics)
-        if retuned:  # e.g. async.auto_staleness moved eta
-            self.sink.event(self.step, retuned.pop("kind"), retuned)
-            for key, change in retuned["changes"].items():
-                self.cfg.set(key, change["new"])
-            self.rollout.set_config(self.cfg)
+        proposal = self.rollout.retune(self.cfg, train_metrics)
+        if proposal:  # e.g. async.auto_staleness moves eta: a knob change like a person's
+            changes = proposal.pop("changes")
+            self.boundary.request({k: ch["new"] for k, ch in changes.items()},
+                                  reason={"rule": proposal.pop("kind"), **proposal})
         if self.system is not None:
             m.update(self.system.summary())
         m = self.dist.reduce_metrics(m, [len(s.response_ids) for g in result.scored
@@ -317,7 +321,9 @@ class Runner:
 
     # --- checkpoints --------------------------------------------------------------------------------
     def save_checkpoint(self) -> Path:
-        with self._between_steps("saving a checkpoint"):
+        with self._between_steps("saving a checkpoint"), self.rollout.suspended():
+            # generation held: the ledger's count and the groups saved describe one moment
+            self._observe_generation()
             path = run_state.save(self)
         self.sink.event(self.step, "checkpoint", {"path": str(path)})
         return path

@@ -77,6 +77,10 @@ def train_variant(name: str, preset: str, overrides: list[str], *, steps: int, e
         "zero_var_ratio_mean": round(_mean(s("rollout/zero_var_ratio")), 4),
         "heldout_accuracy": accuracy,
     }
+    # where the generated tokens went (trainer/rollout/ledger.py): still waiting, or dropped by why
+    ledger = runner.rollout.ledger
+    out["tokens_waiting_at_end"] = ledger.waiting
+    out.update({f"waste_{reason}_tokens": n for reason, n in ledger.dropped.items()})
     if cfg.april.enabled:  # generated but never trained: its rollout time counts against APRIL
         out["buffer_tokens_at_end"] = int(runner.rollout.buffer.tokens())
     if curve_every:

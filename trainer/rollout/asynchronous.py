@@ -14,7 +14,8 @@ Staleness bound eta (`async.max_staleness`): a new group is admitted only while
     accepted + running <= (eta + v + 1) * B        (v = current policy version, B = N groups/step)
 
 where `accepted` counts every group queued and not dropped (trained or waiting) and `running`
-those still generating; the number generating at once is also capped (`async.max_inflight`). A
+those still generating; the number generating at once is also capped (`async.max_inflight`,
+and at most 4 x `rollout.max_slots` samples, whatever the knob says: see `_cap`). A
 group whose oldest token is still more than eta versions old when the trainer takes it is
 dropped and gives its admission back (as AReaL counts a rejected rollout as not accepted: a
 drop that kept its slot would narrow the window for good). eta = 0 is the synchronous loop: B
@@ -41,6 +42,7 @@ import contextlib
 import threading
 import time
 from collections import deque
+from typing import Callable
 
 from trainer.engine.base import SEGMENT, Sample, SamplingParams
 from trainer.rollout import april as april_mod
@@ -60,6 +62,13 @@ def admission_bound(version: int, eta: int, batch: int) -> int:
 class AsyncStall(RuntimeError):
     """The trainer waited for groups that cannot come (or did not come in time)."""
 
+
+class CollectInterrupted(Exception):
+    """A stop or pause waits at the step boundary: the step gave its groups back, unstarted."""
+
+
+# at most this many times the engine's slots (rollout.max_slots) in samples generating at once
+ENGINE_ROUNDS = 4
 
 # a state that admits nothing with nothing queued or running must hold this long before it is
 # called a deadlock (a knob change or a new version may be on its way)
@@ -96,6 +105,9 @@ class AsyncDriver(Driver):
         self._stable_steps = 0               # auto staleness: consecutive steps with weights near 1
         self._busy_reported = 0.0            # busy_s at the last report
         self.ledger = TokenLedger()
+        self._filtered_tokens = 0            # dropped by dynamic sampling, not yet in the ledger
+        # set by the runner: True when a stop or pause waits at the step boundary
+        self.interrupted: Callable[[], bool] = lambda: False
 
     def held_tokens(self) -> int:
         with self.cond:
@@ -156,6 +168,8 @@ class AsyncDriver(Driver):
             left = self.engine.step() if self.engine.num_pending else []
         partial += [s for s in left if s.finish_reason == SEGMENT]
         self._handle([s for s in left if s.finish_reason != SEGMENT])
+        with self.cond:  # nothing moves now: the ledger and the groups describe one moment
+            self._settle_ledger()
         try:
             yield partial
         finally:
@@ -190,46 +204,37 @@ class AsyncDriver(Driver):
 
     def collect(self, cfg, version: int) -> RolloutResult:
         """Block until B groups are queued; return the oldest B whose staleness is within eta.
-        Raises AsyncStall when no group can come (see the module docstring)."""
+        Raises AsyncStall when no group can come (see the module docstring), and
+        CollectInterrupted as soon as `interrupted()` says a stop or pause waits at the step
+        boundary: the groups taken so far go back to the queue, so a checkpoint keeps them."""
         B = cfg.rollout.rollout_batch_size
         t0 = time.monotonic()
         taken: list[Group] = []
         stuck_since = None
-        with self.cond:
-            self.cfg = cfg
-            while len(taken) < B:
-                self._raise_worker_error()
-                if self.queue:
-                    g, oldest = self._take_oldest(version)
-                    if version - oldest > cfg.async_.max_staleness:
-                        self.dropped_stale += 1
-                        self.accepted -= 1  # a dropped group gives its admission back
-                        self.counts.discarded_tokens += g.tokens()
-                        self.cond.notify_all()
-                        continue
-                    taken.append(g)
-                    continue
-                if self._thread is None:
-                    raise RuntimeError("the generation worker is not running")
-                now = time.monotonic()
-                if self._deadlocked():
-                    stuck_since = stuck_since or now
-                    if now - stuck_since >= _DEADLOCK_GRACE_S:
-                        raise AsyncStall("asynchronous rollout deadlocked: nothing is queued or "
-                                         "generating and the staleness rule admits no new group; "
-                                         + self.counters_text(len(taken)))
-                else:
-                    stuck_since = None
-                limit = cfg.async_.collect_timeout_s
-                if now - max(t0, self.progress_at) > limit:
-                    raise AsyncStall(f"no generation progress for {limit:.0f} s "
-                                     f"(async.collect_timeout_s); " + self.counters_text(len(taken)))
+        while True:
+            with self.cond:
+                self.cfg = cfg
+                try:
+                    self._take(taken, B, cfg, version)
+                    if len(taken) >= B:
+                        break
+                    stuck_since = self._check_progress(cfg, t0, stuck_since, len(taken))
+                except BaseException:
+                    self._give_back(taken)
+                    raise
                 self.cond.wait(timeout=0.2)
+            # outside the lock: reading the controls must never hold up the worker
+            if self.interrupted():
+                with self.cond:
+                    self._give_back(taken)
+                raise CollectInterrupted("a stop or pause is waiting at the step boundary")
+        with self.cond:
             waited = time.monotonic() - t0
             counts, self.counts = self.counts, StepCounts()
             scored, self.scored = self.scored, []
             queue_len = len(self.queue)
             counters = self.counters()
+            self._settle_ledger()
         taken.sort(key=lambda g: g.draw)
         staleness = [version - min(s.versions) for g in taken for s in g.samples if s.versions]
         result = RolloutResult(groups=taken, scored=scored, gen_seconds=waited, counts=counts,
@@ -243,6 +248,53 @@ class AsyncDriver(Driver):
                           "rollout/effective_groups": len(taken),
                           "rollout/groups_started": counts.groups_started}
         return result
+
+    def _take(self, taken: list[Group], B: int, cfg, version: int) -> None:
+        """Move queued groups to `taken` (oldest first) until it holds B; a group older than eta
+        is dropped (called under cond)."""
+        while self.queue and len(taken) < B:
+            g, oldest = self._take_oldest(version)
+            if version - oldest > cfg.async_.max_staleness:
+                self.dropped_stale += 1
+                self.accepted -= 1  # a dropped group gives its admission back
+                self.counts.discarded_tokens += g.tokens()
+                self.ledger.drop("stale", g.tokens())
+                self.cond.notify_all()
+                continue
+            taken.append(g)
+
+    def _give_back(self, taken: list[Group]) -> None:
+        """Return groups a collect took but will not train to the queue (called under cond)."""
+        self.queue.extendleft(reversed(taken))
+        taken.clear()
+        self.cond.notify_all()
+
+    def _check_progress(self, cfg, t0: float, stuck_since: float | None, taken: int):
+        """Raise AsyncStall when no group can come; returns when the deadlock began (or None)."""
+        self._raise_worker_error()
+        if self._thread is None:
+            raise RuntimeError("the generation worker is not running")
+        now = time.monotonic()
+        if self._deadlocked():
+            stuck_since = stuck_since or now
+            if now - stuck_since >= _DEADLOCK_GRACE_S:
+                raise AsyncStall("asynchronous rollout deadlocked: nothing is queued or "
+                                 "generating and the staleness rule admits no new group; "
+                                 + self.counters_text(taken))
+        else:
+            stuck_since = None
+        limit = cfg.async_.collect_timeout_s
+        if now - max(t0, self.progress_at) > limit:
+            raise AsyncStall(f"no generation progress for {limit:.0f} s "
+                             f"(async.collect_timeout_s); " + self.counters_text(taken))
+        return stuck_since
+
+    def _settle_ledger(self) -> None:
+        """Hand the ledger the tokens the worker dropped since the last call (the ledger is the
+        trainer thread's; called under cond, on the trainer thread)."""
+        if self._filtered_tokens:
+            self.ledger.drop("zero_variance", self._filtered_tokens)
+            self._filtered_tokens = 0
 
     def counters(self) -> dict[str, int]:
         """The admission counters (for metrics, benchmarks and stall messages)."""
@@ -329,8 +381,14 @@ class AsyncDriver(Driver):
                 self.cond.notify_all()
 
     def _cap(self) -> int:
+        """Groups generating at once: `async.max_inflight` (0 = 2B), but never more samples than
+        fill the engine's slots ENGINE_ROUNDS times. Past that, samples wait in the engine's
+        queue, and a sample parked at APRIL's segment limit rejoins behind all of them: with a
+        large eta nearly every group then waits for all the others, and no step completes."""
         cfg = self.cfg
-        return cfg.async_.max_inflight or 2 * cfg.rollout.rollout_batch_size
+        wanted = cfg.async_.max_inflight or 2 * cfg.rollout.rollout_batch_size
+        fits = ENGINE_ROUNDS * cfg.rollout.max_slots // cfg.rollout.n_samples_per_prompt
+        return max(1, min(wanted, fits))
 
     def _can_admit(self) -> bool:
         cfg = self.cfg
@@ -390,6 +448,7 @@ class AsyncDriver(Driver):
                 if dynamic and g.zero_variance:
                     self.counts.filtered_groups += 1
                     self.counts.discarded_tokens += g.tokens()
+                    self._filtered_tokens += g.tokens()
                     continue
                 self.queue.append(g)
                 self.accepted += 1

@@ -266,9 +266,6 @@ class _TimedControls:
     def poll(self):
         return self.sink._timed(self.inner.poll)
 
-    def acknowledge(self, *a, **k):
-        return self.sink._timed(self.inner.acknowledge, *a, **k)
-
 
 _WS_TIMEOUT_S = 120.0   # handshake, and the longest wait for a message
 
