@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds .venv-sglang: a virtualenv of its own for a real SGLang server (SGLang pins its own
 # torch and transformers, so never the project's .venv). Run by `make sglang`; see
-# tools/sglang/README.md.
+# docs/engines.md.
 #   - a machine with an NVIDIA GPU (nvidia-smi answers): SGLang as published, with its own deps;
 #   - a CPU-only machine: the local CPU torch, then SGLang with --no-deps and its non-CUDA
 #     requirements from tools/sglang/requirements-cpu.txt (pinned), and the launcher adds

@@ -40,11 +40,17 @@ bare request id: SGLang's `/abort_request` aborts every request whose rid *start
 given one, so rids must be prefix-free ("1" would also abort "10", "11", ...), and a resumed
 sample must not reuse the rid of a call the server may still be finishing.
 
-Per-token versions: `meta_info.weight_version` when it parses as a version this engine has
-published (or the version the call was sent under), else the version at dispatch.
+Per-token versions are the server's: `meta_info.weight_versions` spans ([{version, start, end}]
+over the reply's tokens), else `meta_info.weight_version`, when it parses as a version this
+engine has published (or the version the call was sent under); else the version at dispatch.
 
-Only the test suite's stand-in server (`tests/fakes/sglang_standin.py`, not SGLang) has exercised
-this client; see docs/engines.md for what was and was not verified against a real SGLang server.
+Several servers: requests go to the least loaded. A server whose /generate or weight-update
+call fails every retry is taken out of service while another is left (a warning, which the
+runner records as an event): its samples are resent to the others from their last returned
+token, and later updates skip it.
+
+Tested against SGLang 0.5.23 (tests/test_sglang_real.py) and a stand-in for the faults a real
+server cannot be made to produce on demand (tests/test_sglang_engine.py); see docs/engines.md.
 """
 from __future__ import annotations
 

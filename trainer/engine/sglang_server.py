@@ -20,6 +20,7 @@ import os
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -63,8 +64,8 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 class SGLangServer:
     """One SGLang server process group for `model_path`. Use as a context manager, or
-    `start()` ... `stop()`. Its output goes to `log_path` (default: a file next to nothing,
-    under the system's temporary folder)."""
+    `start()` ... `stop()`. Its output goes to `log_path` (default: rlpilot-sglang-PORT.log in
+    the system's temporary folder)."""
 
     def __init__(self, model_path: str | os.PathLike, *, port: int | None = None,
                  host: str = "127.0.0.1", threads: int = 1, venv: Path = VENV,
@@ -77,7 +78,7 @@ class SGLangServer:
         self.venv = Path(venv)
         self.flavour = flavour(self.venv)
         self.log_path = Path(log_path) if log_path else Path(
-            os.environ.get("TMPDIR", "/tmp")) / f"rlpilot-sglang-{self.port}.log"
+            tempfile.gettempdir()) / f"rlpilot-sglang-{self.port}.log"
         self.extra_args = list(extra_args or [])
         self.proc: subprocess.Popen | None = None
 
@@ -190,7 +191,8 @@ def add_parser(sub) -> None:
     p.add_argument("--model", required=True, help="a local Hugging Face model directory")
     p.add_argument("--port", type=int, default=0, help="default: a free port")
     p.add_argument("--threads", type=int, default=1, help="OMP threads of a CPU server")
-    p.add_argument("--log", help="the server's log file (default: TMPDIR/rlpilot-sglang-PORT.log)")
+    p.add_argument("--log", help="the server's log file (default: rlpilot-sglang-PORT.log in the "
+                   "temporary folder)")
     p.set_defaults(func=_cmd_sglang_server)
 
 

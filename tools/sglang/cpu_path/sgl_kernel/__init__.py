@@ -1,7 +1,7 @@
 """A STAND-IN for `sgl_kernel`, SGLang's compiled kernel package, for running SGLang on a CPU
 without it. It is not sgl_kernel and it is not part of rlpilot's product: only the SGLang server
 that `make sglang` builds for CPU-only machines imports it (it is first on that server's
-PYTHONPATH, see tools/sglang/README.md).
+PYTHONPATH, see docs/engines.md).
 
 Why: with SGLANG_USE_CPU_ENGINE=1, SGLang imports a few CPU kernels from `sgl_kernel` at start-up,
 but the CPU build of sgl_kernel is not published on PyPI (the package there is CUDA-only and
@@ -42,7 +42,7 @@ def _missing(name: str):
         raise NotImplementedError(
             f"sgl_kernel.{name} is not available: this is rlpilot's CPU stand-in for sgl_kernel "
             "(tools/sglang/cpu_path/sgl_kernel), which provides assign_req_to_token_pool_cpu only. "
-            "Launch the server with the flags of tools/sglang/launch.py, or install the real "
+            "Launch the server with the flags of trainer/engine/sglang_server.py, or install the real "
             "sgl_kernel (a CUDA machine: make sglang installs it there).")
     kernel.__name__ = name
     return kernel
