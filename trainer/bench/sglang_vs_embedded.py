@@ -11,9 +11,9 @@ interleaved `--reps` times (medians, and every run); the server's start-up is re
 `outputs_agree`: the share of prompts whose greedy answers are the same token for token.
 
 Training: `--train-steps` steps (default 2) of the smollm2-math preset shrunk to 2 prompts x 2
-samples of at most 32 tokens, with each engine; the median `timing/step_s` after the first step
-(which pays for warm-ups). `--model auto` = var/models/smollm2-135m-instruct (`python -m trainer
-import-gguf smollm2`).
+samples of at most 32 tokens, with each engine; the medians of `timing/step_s`, `timing/gen_s`
+and `timing/weight_sync_s` after the first step (which pays for warm-ups). `--model auto` =
+var/models/smollm2-135m-instruct (`python -m trainer import-gguf smollm2`).
 """
 from __future__ import annotations
 
@@ -70,9 +70,13 @@ def _train_step_seconds(model_dir: Path, engine_overrides: list[str], args, log)
     steps = sink.series("timing/step_s")
     later = steps[1:] or steps
     log(f"  training: {', '.join(f'{x:.1f}' for x in steps)} s per step")
+    def median_after_first(key):
+        xs = sink.series(key)
+        return round(statistics.median(xs[1:] or xs or [0.0]), 2)
+
     return {"step_s": round(statistics.median(later), 2), "runs": [round(x, 2) for x in steps],
-            "gen_s": round(statistics.median(sink.series("timing/gen_s")[1:]
-                                              or sink.series("timing/gen_s") or [0.0]), 2)}
+            "gen_s": median_after_first("timing/gen_s"),
+            "weight_sync_s": median_after_first("timing/weight_sync_s")}
 
 
 def run(args, log=print) -> dict:
