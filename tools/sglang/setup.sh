@@ -6,7 +6,7 @@
 #   - a CPU-only machine: the local CPU torch, then SGLang with --no-deps and its non-CUDA
 #     requirements from tools/sglang/requirements-cpu.txt (pinned), and the launcher adds
 #     tools/sglang/cpu_path (a stand-in for sgl_kernel's unpublished CPU build) at start-up.
-# Idempotent: the stamp file says what was installed; a changed pin list rebuilds.
+# Idempotent: the stamp file says what was installed; a changed version or pin list rebuilds.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PY=${PY:-python3}
@@ -19,7 +19,7 @@ if [ -n "${SGLANG_FLAVOUR:-}" ]; then flavour=$SGLANG_FLAVOUR
 elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then flavour=cuda
 else flavour=cpu; fi
 
-want="sglang==$SGLANG_VERSION $flavour $(sha256sum "$REQS" "$0" | sha256sum | cut -c1-16)"
+want="sglang==$SGLANG_VERSION torch==$TORCH_CPU_VERSION $flavour $(sha256sum < "$REQS" | cut -c1-16)"
 if [ -f "$VENV/.installed" ] && [ "$(cat "$VENV/.installed")" = "$want" ]; then
   echo "$VENV: up to date ($want)"; exit 0
 fi
