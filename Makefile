@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test bootstrap demo bench-learn clean chromium
+.PHONY: run test bootstrap demo bench-learn clean chromium sglang sglang-model
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -24,7 +24,7 @@ run: $(STAMP)
 
 # The linter, then every test; then the web tests again on PostgreSQL + Redis (DATABASE_URL / REDIS_URL, defaults
 # on 127.0.0.1; they fail loudly if the servers are down).
-test: $(STAMP) chromium
+test: $(STAMP) chromium sglang sglang-model
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest
 	RLPILOT_TEST_SETUP=redis $(BIN)/python -m pytest tests/web
@@ -37,8 +37,19 @@ chromium:
 	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; \
 	  else echo "$(CHROMIUM) is missing: run 'sudo apt-get install -y chromium'" >&2; exit 1; fi; }
 
+# A real SGLang server in its own virtualenv (.venv-sglang): SGLang as published where an NVIDIA
+# GPU answers, else SGLang's CPU engine with pinned non-CUDA requirements (tools/sglang/).
+# The real-server tests (tests/test_sglang_real.py) run when it exists; they serve SmolLM2.
+sglang:
+	PY=$(PY) tools/sglang/setup.sh
+
+SMOLLM2 := var/models/smollm2-135m-instruct
+sglang-model: $(SMOLLM2)/config.json
+$(SMOLLM2)/config.json: | $(STAMP)
+	$(BIN)/python -m trainer import-gguf smollm2
+
 bench-learn: $(STAMP)
 	$(BIN)/python -m trainer bench learn --json
 
 clean:
-	rm -rf $(VENV) runs var .pytest_cache
+	rm -rf $(VENV) .venv-sglang runs var .pytest_cache

@@ -306,6 +306,36 @@ def test_two_servers_share_the_load(builtin, server, engines):
         assert s.response_ids == greedy_alone(model, tok, s.prompt_ids, 60).response_ids
 
 
+def test_a_failing_server_is_taken_out_and_its_samples_go_to_the_other(builtin, server, engines,
+                                                                        tmp_path):
+    model, tok = builtin
+    a, b = server(), server(step_delay_s=0.01)
+    eng = engines(f"{a.url},{b.url}", tok, model, weights_dir=tmp_path)
+    samples = [Sample(ids(tok, LONG), SamplingParams(temperature=0.0, max_new_tokens=200))
+               for _ in range(4)]
+    eng.submit(samples)
+    wait_until(lambda: b.requests)
+    b.fail_next(100, 503)   # every retry of what b was running fails from now on
+    with b.cv:
+        b._abort(None)      # its running calls come back aborted and are resent: to b, failing
+    while eng.num_pending:
+        eng.step()
+    ref = greedy_alone(model, tok, samples[0].prompt_ids)
+    for s in samples:
+        s.check()
+        assert s.response_ids == ref.response_ids   # the partial answers continued on a
+    assert eng.servers[1].down and not eng.servers[0].down
+    warnings = eng.take_warnings()
+    assert len(warnings) == 1 and b.url in warnings[0] and "out of service" in warnings[0]
+    assert eng.take_warnings() == []
+    calls = a.generate_calls
+    eng.generate([Sample(ids(tok, "[1,2]="), SamplingParams(max_new_tokens=20))])
+    assert a.generate_calls == calls + 1   # b gets nothing more
+    b.close()
+    eng.update_weights(model.state_dict(), version=1)   # skips the server out of service
+    assert a.weight_version == "1"
+
+
 def test_standin_cli_listens_on_localhost_only():
     script = Path(__file__).parent / "fakes" / "sglang_standin.py"
     proc = subprocess.Popen([sys.executable, str(script), "--port", "0", "--threads", "1"],

@@ -10,6 +10,7 @@
   docs config [--write | --check]                                  docs/configuration.md
   samples RUN_DIR [--step N] [--worst | --longest]                 what the model wrote
   import-gguf FILE [OUT_DIR]                                       a GGUF model -> a local HF directory
+  sglang-server --model DIR [--port P]                             a real SGLang server (make sglang)
 """
 from __future__ import annotations
 
@@ -184,6 +185,8 @@ def build_parser() -> argparse.ArgumentParser:
     inspector_cli.add_parser(sub)
     bench.add_parser(sub)
     docs.add_parser(sub)
+    from trainer.engine import sglang_server
+    sglang_server.add_parser(sub)
     return p
 
 

@@ -193,6 +193,8 @@ class Runner:
         self.scorer.new_step()
         result = self.rollout.collect(self.dist.local_config(cfg), self.version)  # N/K groups
         engine_stats = self.engine.stats.minus(stats0)
+        for message in getattr(self.engine, "take_warnings", list)():  # e.g. a server lost
+            self.sink.event(self.step + 1, "warning", {"message": message})
         groups = result.groups
         self.rollout.after_step(cfg, engine_stats.idle_slot_frac())
 

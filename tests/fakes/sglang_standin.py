@@ -6,16 +6,19 @@ the product: it lives with the tests (`tests/fakes/`). From the repository root:
 (`trainer` must be importable, as it is after `make`'s editable install; in tests:
 `from fakes.sglang_standin import StandinServer`).
 
-SGLang cannot run on CPU-only machines, so rlpilot's SGLang client (`trainer/engine/sglang.py`)
-is tested against this small HTTP server instead. It follows the request and response shapes
-of SGLang's documented native API for exactly the endpoints the client uses, and generates
-with rlpilot's embedded engine (so log-probabilities are real):
+rlpilot's SGLang client (`trainer/engine/sglang.py`) is tested against a real SGLang server
+(`tests/test_sglang_real.py`, after `make sglang`). This small HTTP server stays for what a real
+server cannot be made to do on demand (HTTP 500s, slow or dying servers) and for quick runs
+without `.venv-sglang`. It follows the request and response shapes SGLang 0.5.23 answered with,
+for exactly the endpoints the client uses, and generates with rlpilot's embedded engine (so
+log-probabilities are real):
 
   POST /generate                  {input_ids, sampling_params{temperature, top_p,
                                    max_new_tokens, stop_token_ids}, return_logprob, rid}
                                   -> {text, output_ids, meta_info{id, finish_reason{type: stop |
                                    length | abort, ...}, prompt_tokens, completion_tokens,
-                                   cached_tokens, weight_version, output_token_logprobs
+                                   cached_tokens, weight_version, weight_versions [{version,
+                                   start, end}], output_token_logprobs
                                    [[logprob, token_id, null], ...]}}
   POST /abort_request             {rid} (every request whose rid starts with it, as SGLang does)
                                   or {abort_all: true}; the aborted /generate calls return what
@@ -28,8 +31,10 @@ with rlpilot's embedded engine (so log-probabilities are real):
   GET|POST /flush_cache, GET /health, GET /get_model_info
 
 Differences from SGLang worth knowing: one model on CPU (or whatever device you give it), no
-radix/prefix cache, `stop_token_ids` beyond the model's eos are ignored, logprobs are those of
-the temperature-scaled distribution (what the embedded engine reports). It listens on
+radix/prefix cache, `stop_token_ids` beyond the model's eos are ignored; an in_place pause does
+not refuse /flush_cache and a weight update re-prefills the paused requests (SGLang keeps their
+old KV cache and splits `weight_versions`). Log-probabilities are those of the temperature-scaled
+distribution, as SGLang's are. It listens on
 127.0.0.1 only. Test hooks: `fail_next(n, status)` makes the next n /generate calls fail with
 that HTTP status; `step_delay_s` slows decoding down.
 """
@@ -189,6 +194,10 @@ class StandinServer:
         meta = {"id": rid, "finish_reason": fr, "prompt_tokens": len(ids),
                 "completion_tokens": len(out_ids), "cached_tokens": 0,
                 "weight_version": r.weight_version,
+                # one span: the stand-in answers with the version at reply time (SGLang splits
+                # the spans where the weights changed under a running request)
+                "weight_versions": [{"version": r.weight_version, "start": 0,
+                                     "end": len(out_ids)}],
                 "e2e_latency": time.monotonic() - r.started}
         if body.get("return_logprob"):
             meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(s.logprobs, out_ids)]

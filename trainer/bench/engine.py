@@ -1,5 +1,6 @@
 """bench engine: the embedded engine (continuous batching) against Hugging Face `generate` with
 a static batch, on the long-tailed sum workload, same model, same prompts, one process.
+(`--engine sglang`: against a real SGLang server instead, trainer/bench/sglang_vs_embedded.py.)
 
 Static batching runs consecutive batches of `--slots` prompts; every row of a batch runs until
 the batch's longest row ends (finished rows are padded). The engine gets the same number of
@@ -89,6 +90,12 @@ def add_arguments(p) -> None:
                    help="decode_step: cached tokens of the one long row (default 300)")
     p.add_argument("--step-steps", type=int, default=12,
                    help="decode_step: timed decode steps per run (default 12)")
+    p.add_argument("--engine", default="static", choices=["static", "sglang"],
+                   help="what the embedded engine is compared with: static-batch HF generate "
+                   "(default) or a real SGLang server from `make sglang` (--engine sglang: see "
+                   "trainer/bench/sglang_vs_embedded.py)")
+    p.add_argument("--train-steps", type=int, default=2,
+                   help="--engine sglang: training steps timed with each engine (0 = none)")
     p.add_argument("--cost-batches", default="8,32,128",
                    help="decode_cost: the batch sizes, comma-separated (empty: skip)")
 
@@ -357,6 +364,11 @@ def heavy_tail_lengths(n: int, args) -> list[int]:
 def run(args, log=print) -> dict:
     from trainer.model import resolve_device, resolve_dtype
     from trainer.system import SystemSampler
+
+    if args.engine == "sglang":
+        from trainer.bench import sglang_vs_embedded
+
+        return sglang_vs_embedded.run(args, log)
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -40,11 +40,17 @@ bare request id: SGLang's `/abort_request` aborts every request whose rid *start
 given one, so rids must be prefix-free ("1" would also abort "10", "11", ...), and a resumed
 sample must not reuse the rid of a call the server may still be finishing.
 
-Per-token versions: `meta_info.weight_version` when it parses as a version this engine has
-published (or the version the call was sent under), else the version at dispatch.
+Per-token versions are the server's: `meta_info.weight_versions` spans ([{version, start, end}]
+over the reply's tokens), else `meta_info.weight_version`, when it parses as a version this
+engine has published (or the version the call was sent under); else the version at dispatch.
 
-Only the test suite's stand-in server (`tests/fakes/sglang_standin.py`, not SGLang) has exercised
-this client; see docs/engines.md for what was and was not verified against a real SGLang server.
+Several servers: requests go to the least loaded. A server whose /generate or weight-update
+call fails every retry is taken out of service while another is left (a warning, which the
+runner records as an event): its samples are resent to the others from their last returned
+token, and later updates skip it.
+
+Tested against SGLang 0.5.23 (tests/test_sglang_real.py) and a stand-in for the faults a real
+server cannot be made to produce on demand (tests/test_sglang_engine.py); see docs/engines.md.
 """
 from __future__ import annotations
 
@@ -77,6 +83,7 @@ __all__ = ["SGLangEngine", "EngineError", "parse_urls"]
 
 log = logging.getLogger(__name__)
 WEIGHTS_MARKER = ".rlpilot-weights"   # in every weights folder this engine wrote
+_DOWN = object()   # what a control call returns when its server was taken out of service
 _BACKOFF_MAX_S = 10.0
 
 
@@ -103,6 +110,7 @@ class _Server:
         # requests are sent to scheme://host:port/path only: no user:password@, no ?query
         self.base = f"{parts.scheme}://{host}:{port}{parts.path.rstrip('/')}"
         self.inflight = 0
+        self.down = False   # failed every retry: no new requests, skipped by weight updates
 
 
 # --- HTTP ---------------------------------------------------------------------------------------
@@ -211,6 +219,11 @@ class _HTTPStatusError(Exception):
     def __init__(self, status: int, body: bytes):
         self.status, self.body = status, body
         super().__init__(f"HTTP {status}")
+
+
+class _ServerFailed(EngineError):
+    """A /generate call failed every attempt (connection errors, timeouts, 5xx): the server
+    is taken out of service when another one is left, else the run fails with this error."""
 
 
 def _snippet(body: bytes, n: int = 300) -> str:
@@ -378,13 +391,13 @@ class SGLangEngine(RolloutEngine):
             paused: list[_Server] = []
             ok = False
             try:
-                for srv in self.servers:
-                    self._call(srv, "POST", "/pause_generation", {"mode": "abort"})
-                    paused.append(srv)
-                for srv in self.servers:
-                    res = self._call(srv, "POST", "/update_weights_from_disk",
-                                     {"model_path": str(path), "weight_version": str(version),
-                                      "flush_cache": True})
+                for srv in self._live_servers():
+                    if self._control(srv, "POST", "/pause_generation", {"mode": "abort"}) is not _DOWN:
+                        paused.append(srv)
+                for srv in self._live_servers():
+                    res = self._control(srv, "POST", "/update_weights_from_disk",
+                                        {"model_path": str(path), "weight_version": str(version),
+                                         "flush_cache": True})
                     if isinstance(res, dict) and res.get("success") is False:
                         log.warning("SGLang server %s refused /update_weights_from_disk: %s",
                                     srv.url, _snippet(json.dumps(res).encode()))
@@ -393,17 +406,18 @@ class SGLangEngine(RolloutEngine):
                                           "(its reply is in the worker's log)")
                 self._published.add(int(version))
                 self.version = version
-                for srv in self.servers:
+                for srv in self._live_servers():
                     try:
                         self._call(srv, "POST", "/flush_cache", retry=False)
                     except EngineError as e:  # busy servers may refuse; the update flushed anyway
-                        self.warnings.append(str(e))
+                        self._warn(str(e))
                 ok = True
             finally:
                 errors = []
                 for srv in paused:  # never leave a server paused, even when the update failed
                     try:
-                        self._call(srv, "POST", "/continue_generation", {})
+                        if not srv.down:
+                            self._control(srv, "POST", "/continue_generation", {})
                     except EngineError as e:
                         errors.append(e)
                 if ok and errors:
@@ -433,9 +447,17 @@ class SGLangEngine(RolloutEngine):
         if self._closed.is_set():
             raise EngineError("the SGLang engine is closed")
 
+    def _live_servers(self) -> list[_Server]:
+        live = [srv for srv in self.servers if not srv.down]
+        if not live:
+            raise EngineError("every SGLang server failed: "
+                              + ", ".join(srv.url for srv in self.servers))
+        return live
+
     def _pick_server(self) -> _Server:
-        start = next(self._rr) % len(self.servers)
-        order = self.servers[start:] + self.servers[:start]
+        live = self._live_servers()
+        start = next(self._rr) % len(live)
+        order = live[start:] + live[:start]
         return min(order, key=lambda s: s.inflight)  # least loaded, round-robin among equals
 
     def _dispatch(self) -> None:
@@ -491,8 +513,8 @@ class SGLangEngine(RolloutEngine):
                     if _timed_out(e):  # the server may still be working on it
                         self._abort_quietly(t.server, t.rid)
                 if attempt == self.retries:
-                    raise EngineError(f"SGLang server {t.server.url}: POST /generate failed after "
-                                      f"{attempt + 1} attempts: {_describe(err)}") from None
+                    raise _ServerFailed(f"SGLang server {t.server.url}: POST /generate failed "
+                                        f"after {attempt + 1} attempts: {_describe(err)}") from None
                 self._sleep_backoff(attempt)
             self._results.put((t, res, None))
         except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
@@ -518,16 +540,17 @@ class SGLangEngine(RolloutEngine):
             return  # orphaned by an abort that gave up waiting: the sample moved on
         del self._tickets[s.request_id]
         if err is not None:
+            if isinstance(err, _ServerFailed) and not t.user_abort and self._fail_over(t, err):
+                return
             if not (t.user_abort or t.update_abort):
                 raise err if isinstance(err, EngineError) else EngineError(
                     f"SGLang server {t.server.url}: POST /generate: {_describe(err)}") from err
             res = None
-        ids, lps, ftype, fmsg, wv = self._parse(t, res)
-        version = self._token_version(wv, t.version)
-        for tok, lp in zip(ids, lps):
+        ids, lps, ftype, fmsg, versions = self._parse(t, res)
+        for tok, lp, v in zip(ids, lps, versions):
             s.response_ids.append(tok)
             s.logprobs.append(lp)
-            s.versions.append(version)
+            s.versions.append(v)
         s.segment_tokens += len(ids)
         self.stats.generated_tokens += len(ids)
         seg = s.params.segment_max_tokens
@@ -568,13 +591,55 @@ class SGLangEngine(RolloutEngine):
         else:
             self._finished.append(s)
 
+    def _fail_over(self, t: _Ticket, err: EngineError) -> bool:
+        """Take t's server out of service and resend its sample to the others, from the tokens
+        it had before this call (the failed call returned none). False when no server is left."""
+        if not self._take_down(t.server, err):
+            return False
+        self.requeued += 1
+        self._queue.appendleft(t.sample)
+        return True
+
+    def _take_down(self, srv: _Server, err: EngineError) -> bool:
+        """Mark srv out of service after it failed every retry (a warning); False when it is
+        the last server left: it stays in service and the caller raises the error."""
+        if srv.down:
+            return any(not x.down for x in self.servers)
+        left = [x.url for x in self.servers if not x.down and x is not srv]
+        if not left:
+            return False
+        srv.down = True
+        self._warn(f"{err}; taken out of service, its requests go to {', '.join(left)}")
+        return True
+
+    def _control(self, srv: _Server, method: str, path: str, body: dict | None = None):
+        """A control call of a weight update; a server that fails it every retry is taken out
+        of service (returns _DOWN) while another is left."""
+        try:
+            return self._call(srv, method, path, body)
+        except _ServerFailed as e:
+            if not self._take_down(srv, e):
+                raise
+            return _DOWN
+
+    def _warn(self, message: str) -> None:
+        log.warning("%s", message)
+        self.warnings.append(message)
+
+    def take_warnings(self) -> list[str]:
+        """The non-fatal problems since the last call (a server taken out of service, a refused
+        /flush_cache): the runner records each as a warning event."""
+        with self.lock:
+            out, self.warnings = self.warnings, []
+            return out
+
     def _parse(self, t: _Ticket, res: dict | None):
         """-> token ids, logprobs, finish type, finish message, weight_version."""
         if res is None:
-            return [], [], "abort", "aborted", None
+            return [], [], "abort", "aborted", []
         if not isinstance(res, dict) or "meta_info" not in res:
             if t.user_abort or t.update_abort:
-                return [], [], "abort", "aborted", None
+                return [], [], "abort", "aborted", []
             log.warning("SGLang server %s: /generate reply without meta_info: %s",
                         t.server.url, _snippet(json.dumps(res).encode()))
             raise EngineError(f"SGLang server {t.server.url}: POST /generate returned no "
@@ -597,7 +662,23 @@ class SGLangEngine(RolloutEngine):
             raise EngineError(f"SGLang server {t.server.url}: POST /generate: output_ids and "
                               f"output_token_logprobs disagree ({len(out_ids)} vs {len(ids)} "
                               "tokens)")
-        return ids, lps, ftype, fmsg, meta.get("weight_version")
+        return ids, lps, ftype, fmsg, self._token_versions(meta, len(ids), t.version)
+
+    def _token_versions(self, meta: dict, n: int, dispatch_version: int) -> list[int]:
+        """The policy version of each of the n tokens, as the server reports it:
+        `meta_info.weight_versions` spans ([{version, start, end}], SGLang >= 0.5.2x, present
+        when the weights changed under a running request), else `meta_info.weight_version` for
+        all of them. A version this engine never published (e.g. the server's "default" before
+        the first update) reads as the version the call was sent under."""
+        out = [self._token_version(meta.get("weight_version"), dispatch_version)] * n
+        spans = meta.get("weight_versions")
+        if isinstance(spans, list):
+            for span in spans:
+                if isinstance(span, dict):
+                    v = self._token_version(span.get("version"), dispatch_version)
+                    start, end = int(span.get("start", 0)), int(span.get("end", n))
+                    out[max(start, 0):min(end, n)] = [v] * max(0, min(end, n) - max(start, 0))
+        return out
 
     def _token_version(self, wv, dispatch_version: int) -> int:
         try:
@@ -641,9 +722,9 @@ class SGLangEngine(RolloutEngine):
             err: BaseException = e   # a 5xx after the last retry
         except requests.RequestException as e:
             err = e
-        raise EngineError(f"SGLang server {srv.url}: {method} {path} failed after "
-                          f"{attempts} attempt{'s' if attempts > 1 else ''}: "
-                          f"{_describe(err)}") from None
+        raise _ServerFailed(f"SGLang server {srv.url}: {method} {path} failed after "
+                            f"{attempts} attempt{'s' if attempts > 1 else ''}: "
+                            f"{_describe(err)}") from None
 
     def _sleep_backoff(self, attempt: int) -> None:
         self._closed.wait(_backoff_delay(self.backoff_s, attempt))

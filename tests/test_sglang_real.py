@@ -1,0 +1,368 @@
+"""rlpilot's SGLang engine against a REAL SGLang server (the one `make sglang` installs in
+.venv-sglang; on a CPU, SGLang's CPU engine) serving SmolLM2-135M-Instruct in float32:
+log-probabilities equal the trainer's forward pass, greedy outputs equal Hugging Face's, abort +
+resume loses and repeats nothing, weight updates tag tokens with the server's own versions,
+an APRIL run and an asynchronous run, two servers and one killed mid-run.
+
+One server for the module (it takes about a minute to start); the two-server test starts a
+second one and kills it. Skipped only when .venv-sglang is absent (`make sglang`; `make test`
+builds it). Servers run with OMP_NUM_THREADS=1 and are stopped when the module ends.
+"""
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import full_forward_logprobs
+
+from trainer import config as C
+from trainer import gguf_import
+from trainer.engine.base import ABORT, LENGTH, STOP, Sample, SamplingParams
+from trainer.engine.sglang import SGLangEngine
+from trainer.engine.sglang_server import VENV, SGLangServer
+from trainer.metrics import MemorySink
+from trainer.model import load_model, load_tokenizer, stop_token_ids
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(not (VENV / "bin" / "python").is_file(),
+                                 reason=f"no SGLang virtualenv at {VENV}: run `make sglang`")]
+
+QUESTIONS = ["What is 12 + 7?", "Name three colours.", "Write a haiku about the sea.",
+             "Count from one to ten in words."]
+RUN = ["rollout.rollout_batch_size=2", "rollout.n_samples_per_prompt=2",
+       "rollout.max_response_len=24", "rollout.max_slots=8", "algo.skip_zero_adv=false",
+       "run.reward_workers=0", "model.threads=1", "run.eval_every=0", "run.checkpoint_every=0",
+       "data.system_prompt=Solve it.", "rollout.engine=sglang"]
+
+
+@pytest.fixture(scope="module")
+def model_dir():
+    out = Path(__file__).resolve().parents[1] / "var" / "models" / gguf_import.SMOLLM2_DIR_NAME
+    if not (out / "config.json").is_file():  # `make sglang-model` writes it (make test does)
+        gguf_import.import_gguf(gguf_import.smollm2_gguf(download=True), out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):
+    srv = SGLangServer(model_dir, log_path=tmp_path_factory.mktemp("sglang") / "server.log")
+    srv.start()
+    yield srv
+    srv.stop()
+    assert not srv.running
+
+
+@pytest.fixture(scope="module")
+def policy(model_dir):
+    torch.set_num_threads(1)
+    model = load_model(str(model_dir), torch.device("cpu"), torch.float32).eval()
+    return model, load_tokenizer(str(model_dir))
+
+
+@pytest.fixture
+def original_weights_after(server, model_dir):
+    """Put the model's own weights back on the server after a test that changed them."""
+    yield
+    eng = SGLangEngine(server.url)
+    try:
+        eng._call(eng.servers[0], "POST", "/update_weights_from_disk",
+                  {"model_path": str(model_dir), "weight_version": "0"})
+    finally:
+        eng.close()
+
+
+@pytest.fixture
+def engines(policy):
+    made = []
+
+    def make(urls, **kw):
+        model, tok = policy
+        eng = SGLangEngine(urls, eos_token_ids=stop_token_ids(model, tok),
+                           model_config=model.config, **kw)
+        made.append(eng)
+        return eng
+
+    yield make
+    for eng in made:
+        eng.close()
+
+
+def prompt(tok, question):
+    return tok.apply_chat_template([{"role": "user", "content": question}],
+                                   add_generation_prompt=True, tokenize=True, return_dict=False)
+
+
+def perturbed(model, seed):
+    """The model's weights plus noise; tied tensors (SmolLM2's embedding and head) stay tied."""
+    g = torch.Generator().manual_seed(seed)
+    out, by_storage = {}, {}
+    for k, v in model.state_dict().items():
+        ptr = v.untyped_storage().data_ptr()
+        if ptr not in by_storage:
+            by_storage[ptr] = v + 0.01 * torch.randn(v.shape, generator=g) \
+                if v.is_floating_point() else v.clone()
+        out[k] = by_storage[ptr]
+    return out
+
+
+def test_logprobs_equal_the_trainers_forward_pass_at_each_temperature(policy, server, engines):
+    model, tok = policy
+    eng = engines(server.url)
+    samples = [Sample(prompt(tok, q), SamplingParams(temperature=t, max_new_tokens=24))
+               for q in QUESTIONS for t in (1.0, 0.7)]
+    eng.generate(samples)
+    assert sum(len(s.response_ids) for s in samples) >= 4 * len(samples)  # it said something
+    for s in samples:
+        s.check()
+        assert s.finish_reason in (STOP, LENGTH) and set(s.versions) == {0}
+        # the server reports the temperature-scaled distribution, as the trainer computes it
+        ref = full_forward_logprobs(model, s, s.params.temperature)
+        assert torch.allclose(torch.tensor(s.logprobs), ref, atol=1e-4), s.params.temperature
+    hot = [s for s in samples if s.params.temperature == 0.7]
+    assert not all(torch.allclose(torch.tensor(s.logprobs), full_forward_logprobs(model, s, 1.0),
+                                  atol=1e-4) for s in hot)  # the temperature made a difference
+
+
+def test_greedy_outputs_equal_hugging_faces_generate(policy, server, engines):
+    model, tok = policy
+    eng = engines(server.url)
+    samples = [Sample(prompt(tok, q), SamplingParams(temperature=0.0, max_new_tokens=32))
+               for q in QUESTIONS]
+    eng.generate(samples)
+    eos = stop_token_ids(model, tok)
+    for s in samples:
+        with torch.no_grad():
+            out = model.generate(torch.tensor([s.prompt_ids]), do_sample=False, max_new_tokens=32,
+                                 eos_token_id=eos, pad_token_id=tok.pad_token_id or eos[0])
+        ref = out[0, len(s.prompt_ids):].tolist()
+        assert s.response_ids == ref
+    assert max(len(s.response_ids) for s in samples) >= 16
+
+
+def test_abort_returns_partials_and_resubmitting_continues_them(policy, server, engines):
+    model, tok = policy
+    eng = engines(server.url)
+    params = SamplingParams(temperature=0.0, max_new_tokens=80)
+    whole = [Sample(prompt(tok, q), params) for q in QUESTIONS[2:]]
+    eng.generate(whole)                       # uninterrupted
+    cut = [Sample(list(s.prompt_ids), params) for s in whole]
+    eng.submit(cut)
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 1.5:        # let the server generate part of each answer
+        assert not eng.step()
+    parts = eng.abort()
+    assert {s.request_id for s in parts} == {s.request_id for s in cut} and eng.num_pending == 0
+    assert all(s.finish_reason == ABORT for s in parts)
+    partial = {s.request_id: list(s.response_ids) for s in cut}
+    assert any(0 < len(p) < len(w.response_ids) for p, w in zip(partial.values(), whole)), \
+        "nothing was cut mid-answer: the test proves nothing"
+    eng.generate(cut)                          # continue from the last token
+    for s, w in zip(cut, whole):
+        s.check()
+        assert s.response_ids[:len(partial[s.request_id])] == partial[s.request_id]
+        assert s.response_ids == w.response_ids    # nothing lost, nothing repeated
+        assert torch.allclose(torch.tensor(s.logprobs), full_forward_logprobs(model, s), atol=1e-4)
+
+
+def test_weight_updates_load_and_tag_tokens_with_the_servers_version(
+        policy, server, engines, tmp_path, monkeypatch, original_weights_after):
+    model, tok = policy
+    reported = []   # (the server's weight_version spans, the version the call was sent under)
+    real = SGLangEngine._token_versions
+
+    def spy(self, meta, n, dispatch_version):
+        reported.append(([(x["version"], x["start"], x["end"]) for x in meta["weight_versions"]],
+                         dispatch_version))
+        return real(self, meta, n, dispatch_version)
+
+    monkeypatch.setattr(SGLangEngine, "_token_versions", spy)
+    eng = engines(server.url, weights_dir=tmp_path)
+    new = perturbed(model, seed=1)
+    eng.update_weights(new, version=1)
+    info = eng._call(eng.servers[0], "GET", "/get_model_info")
+    assert info["weight_version"] == "1"
+    s = Sample(prompt(tok, QUESTIONS[0]), SamplingParams(temperature=1.0, max_new_tokens=16))
+    eng.generate([s])
+    assert set(s.versions) == {1}
+    ref_old = full_forward_logprobs(model, s)
+    original = {k: v.clone() for k, v in model.state_dict().items()}
+    model.load_state_dict(new)
+    try:   # the server loaded the new weights: its log-probabilities are the new model's
+        assert torch.allclose(torch.tensor(s.logprobs), full_forward_logprobs(model, s), atol=1e-4)
+        assert not torch.allclose(torch.tensor(s.logprobs), ref_old, atol=1e-3)
+        # an update while answers are being generated: they come back, continue under the new
+        # weights, and each token carries the version of the weights that produced it
+        long = [Sample(prompt(tok, q), SamplingParams(temperature=0.0, max_new_tokens=80))
+                for q in QUESTIONS[2:]]
+        eng.submit(long)
+        time.sleep(1.5)
+        eng.update_weights(new, version=2)
+        while eng.num_pending:
+            eng.step()
+    finally:
+        model.load_state_dict(original)
+    switched = 0
+    for s in long:
+        s.check()
+        k = s.versions.index(2) if 2 in s.versions else len(s.versions)
+        assert s.versions == [1] * k + [2] * (len(s.versions) - k)
+        switched += 0 < k < len(s.versions)
+    assert switched, "no answer was running during the update: the test proves nothing"
+    assert eng.requeued >= switched
+    # every call's tokens: the server named the version the client had published
+    assert reported and all(spans[0][0] == str(v) for spans, v in reported if spans)
+
+
+# --- whole runs --------------------------------------------------------------------------------
+class _ServerVersions:
+    """Records, for every /generate reply, where its tokens start in the sample and the weight
+    versions the server reported for them (meta_info.weight_versions)."""
+
+    def __init__(self, monkeypatch):
+        self.replies = []   # (sample, offset, [(version, start, end)])
+        real = SGLangEngine._parse
+
+        def parse(engine, t, res):
+            if isinstance(res, dict) and res.get("meta_info"):
+                spans = [(x["version"], x["start"], x["end"])
+                         for x in res["meta_info"].get("weight_versions") or []]
+                self.replies.append((t.sample, len(t.sample.response_ids), spans))
+            return real(engine, t, res)
+
+        monkeypatch.setattr(SGLangEngine, "_parse", parse)
+
+    def check(self, samples) -> int:
+        """Every token's version is the one the server reported for it; returns how many
+        samples hold tokens of more than one version."""
+        covered = {id(s): [None] * len(s.response_ids) for s in samples}
+        for s, offset, spans in self.replies:
+            if id(s) not in covered:
+                continue
+            for version, start, end in spans:
+                v = 0 if version in ("default", "0") else int(version)
+                for i in range(offset + start, offset + end):
+                    covered[id(s)][i] = v
+        for s in samples:
+            assert covered[id(s)] == s.versions, (covered[id(s)], s.versions)
+        return sum(len(set(s.versions)) > 1 for s in samples)
+
+
+def _submitted(monkeypatch):
+    """Every sample submitted to an SGLang engine, with (tokens so far, engine version) at each
+    submission."""
+    seen = {}
+    real = SGLangEngine.submit
+
+    def submit(engine, samples):
+        samples = list(samples)
+        for s in samples:
+            seen.setdefault(id(s), (s, []))[1].append((len(s.response_ids), engine.version))
+        return real(engine, samples)
+
+    monkeypatch.setattr(SGLangEngine, "submit", submit)
+    return seen
+
+
+def run_config(model_dir, urls, *extra):
+    return C.load("smollm2-math", [f"model.path={model_dir}", *RUN,
+                                   f"rollout.sglang_urls={urls}", *extra])
+
+
+def test_april_parks_samples_and_resumes_them_across_weight_updates(
+        model_dir, server, tmp_path, monkeypatch, original_weights_after):
+    from trainer.runner import Runner
+
+    seen = _submitted(monkeypatch)
+    versions = _ServerVersions(monkeypatch)
+    cfg = run_config(model_dir, server.url, "run.max_steps=3", "april.enabled=true",
+                     "april.over_sampling_batch_size=4", "april.segment_max_tokens=8")
+    sink = MemorySink()
+    with Runner(cfg, tmp_path, sink=sink, system_telemetry=False) as r:
+        assert r.run() == "finished" and r.step == 3
+    assert sum(sink.series("april/parked")) > 0
+    resumed = 0
+    for s, submissions in seen.values():
+        s.check()
+        ends = [n for n, _ in submissions[1:]] + [len(s.response_ids)]
+        for (start, version), end in zip(submissions, ends):   # one segment per submission
+            assert s.versions[start:end] == [version] * (end - start)
+        resumed += len({v for n, v in submissions if n < len(s.response_ids)}) > 1
+    assert resumed, "no sample was parked and resumed under new weights: the test proves nothing"
+    assert versions.check([s for s, _ in seen.values()]) >= resumed
+
+
+def test_async_updates_weights_between_steps_with_the_servers_versions(
+        model_dir, server, tmp_path, monkeypatch, original_weights_after):
+    from trainer.runner import Runner
+
+    seen = _submitted(monkeypatch)
+    versions = _ServerVersions(monkeypatch)
+    # generation the bottleneck (eta 2: up to 3 batches of groups in flight, long answers), so
+    # answers are running whenever the trainer updates the weights
+    cfg = run_config(model_dir, server.url, "run.max_steps=3", "async.enabled=true",
+                     "async.worker=thread", "async.max_staleness=2",
+                     "rollout.n_samples_per_prompt=4", "rollout.max_response_len=96",
+                     "data.system_prompt=Explain every step in detail.")
+    sink = MemorySink()
+    with Runner(cfg, tmp_path, sink=sink, system_telemetry=False) as r:
+        assert r.run() == "finished" and r.step == 3
+        requeued = r.engine.requeued
+    assert max(sink.series("async/staleness/max")) <= 2
+    samples = [s for s, _ in seen.values()]
+    mixed = versions.check(samples)
+    assert mixed > 0 and requeued > 0, \
+        "no answer ran through a weight update: the test proves nothing"
+    assert max(v for s in samples for v in s.versions) >= 2
+
+
+def test_two_servers_share_requests_and_a_killed_one_hands_its_requests_over(
+        model_dir, server, tmp_path, monkeypatch, original_weights_after):
+    from trainer.runner import Runner
+
+    calls = []   # (the server a /generate call went to, was the second one out of service?)
+    killed = threading.Event()
+    real = SGLangEngine._pick_server
+
+    def pick(engine):
+        srv = real(engine)
+        calls.append((srv.url, engine.servers[1].down))
+        return srv
+
+    monkeypatch.setattr(SGLangEngine, "_pick_server", pick)
+    second = SGLangServer(model_dir, log_path=tmp_path / "second.log").start()
+    runner = None
+
+    class KillAfterFirstStep(MemorySink):
+        """Once step 1 is logged, kill the second server while it is generating."""
+
+        def scalars(self, step, values):
+            super().scalars(step, values)
+            if step == 1:
+                threading.Thread(target=kill_when_busy, daemon=True).start()
+
+    def kill_when_busy():
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not runner.engine.servers[1].inflight:
+            time.sleep(0.005)
+        second.kill()
+        killed.set()
+
+    try:
+        cfg = run_config(model_dir, f"{server.url},{second.url}", "run.max_steps=3")
+        sink = KillAfterFirstStep()
+        with Runner(cfg, tmp_path / "run", sink=sink, system_telemetry=False) as r:
+            runner = r
+            assert r.run() == "finished" and r.step == 3
+            assert r.engine.servers[1].down and not r.engine.servers[0].down
+            assert r.engine.requeued >= 1   # what ran on the killed server was sent again
+    finally:
+        second.stop()
+    assert killed.is_set()
+    before = [url for url, down in calls if not down]
+    assert before.count(server.url) > 0 and before.count(second.url) > 0   # spread over both
+    after = [url for url, down in calls if down]
+    assert after and set(after) == {server.url}   # then only the survivor
+    warnings = [e for e in sink.events if e["kind"] == "warning"]
+    assert any(second.url in e["message"] and "out of service" in e["message"]
+               for e in warnings), sink.events
