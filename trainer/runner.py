@@ -188,6 +188,8 @@ class Runner:
         self.scorer.new_step()
         result = self.rollout.collect(self.dist.local_config(cfg), self.version)  # N/K groups
         engine_stats = self.engine.stats.minus(stats0)
+        for kind, data in result.events:  # what the driver says about its step (e.g. too few groups)
+            self.sink.event(self.step + 1, kind, data)
         groups = result.groups
         self.rollout.after_step(cfg, engine_stats.idle_slot_frac())
 
