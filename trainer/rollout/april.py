@@ -97,7 +97,8 @@ def version_span(sample: Sample, version: int) -> int:
 
 
 def segment_limit(cfg) -> int:
-    """The per-step token limit of one sample (0 in the config = half the response limit)."""
+    """The most tokens one sample generates in a round (0 in the config = half the response
+    limit)."""
     return cfg.april.segment_max_tokens or max(1, cfg.rollout.max_response_len // 2)
 
 
@@ -181,7 +182,9 @@ class AprilRollout:
                 step.parked.append(g)
         c.parked = sum(len(g.unfinished) for g in step.parked)
         step.ready.sort(key=lambda g: g.draw)
-        return step.ready[:N], step.ready[N:] + step.parked
+        # oldest prompt first: the order the next step resumes them in, and shrinks them from
+        keep = sorted(step.ready[N:] + step.parked, key=lambda g: g.draw)
+        return step.ready[:N], keep
 
     def _held(self, step: StepRun, batch: int) -> int:
         """Groups held for later steps: buffered, in flight, and complete beyond the batch."""
