@@ -157,7 +157,10 @@ def test_the_buffer_is_fed_first_and_never_holds_more_than_n_prime(parts, monkey
 
 def test_a_lower_n_prime_drops_the_newest_buffered_groups_and_counts_them(parts):
     rollout, engine = make_rollout(parts)
-    rollout.collect(cfg_for("april.over_sampling_batch_size=24"), 0)
+    # one round of short segments, more groups asked than complete in it: each of the 24
+    # groups gets a turn in the engine's 12 slots, so the newest hold tokens too
+    rollout.collect(cfg_for("rollout.rollout_batch_size=12", "april.over_sampling_batch_size=24",
+                            "april.segment_max_tokens=4", "rollout.max_sampling_rounds=1"), 0)
     before = list(rollout.buffer.groups)
     assert len(before) > 6, "the buffer never exceeded the lower bound: nothing to shrink"
     held = rollout.held_tokens()
