@@ -172,9 +172,10 @@ class AprilRollout:
                 break
             c.rounds += 1
             step.resume_parked()
-        # early termination: park everything unfinished (its KV cache stays parked in the
-        # engine: resuming it next step needs no prefill)
-        for s in step.engine.abort(keep_cache=True):
+        # early termination: park everything unfinished in the buffer. Its KV cache is given up:
+        # computed by this version's weights, it would be stale under the next, and a run
+        # resumed from a checkpoint (which holds no cache) would continue differently
+        for s in step.engine.abort(keep_cache=False):
             c.aborted_tokens += s.segment_tokens
             g = step.owner[s.request_id]
             if id(g) in step.active:
