@@ -64,11 +64,51 @@ def test_every_step_accounts_for_every_sample_and_token(parts):
                 assert s.versions == sorted(s.versions) and max(s.versions) <= version
                 saw_resumed |= len(set(s.versions)) > 1
         trained_tokens += sum(g.tokens() for g in res.groups)
-        discarded += c.discarded_tokens
-        # every generated token is in a trained group, the buffer, or counted as discarded
-        assert engine.stats.generated_tokens == trained_tokens + rollout.buffer.tokens() + discarded
+        discarded += c.discarded_tokens   # the step's rollout/discarded_tokens
+        dropped = sum(rollout.ledger.dropped.values())
+        assert dropped == discarded
+        # every generated token is in a trained group, the buffer, or dropped under a reason
+        assert engine.stats.generated_tokens == trained_tokens + rollout.held_tokens() + dropped
     assert saw_resumed, "no sample continued across steps: the test workload is too easy"
     assert len(rollout.buffer) > 0
+
+
+# (extra overrides, the ledger's reasons that must have dropped tokens, whether tokens waited)
+MODES = {
+    "plain": (["april.enabled=false"], [], False),
+    "dynamic sampling": (["april.enabled=false", "rollout.dynamic_sampling=true"],
+                         ["zero_variance", "surplus"], False),
+    "april": ([], [], True),
+    "april + dynamic sampling": (["rollout.dynamic_sampling=true"], ["zero_variance"], True),
+    "april, tiny segments, version span": (
+        ["april.segment_max_tokens=4", "april.max_version_span=1", "rollout.max_sampling_rounds=3"],
+        ["version_span"], True),
+}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_ledger_closes_every_step_in_every_synchronous_mode(parts, mode):
+    """generated = trained + waiting + dropped, and waiting is exactly what the driver holds."""
+    extra, reasons, waits = MODES[mode]
+    rollout, engine = make_rollout(parts)
+    cfg, ledger = cfg_for(*extra), rollout.ledger
+    ledger.observe_engine(engine.stats.generated_tokens)
+    waited = False
+    for version in range(5):
+        engine.update_weights(parts[0].state_dict(), version)
+        res = rollout.collect(cfg, version)
+        ledger.observe_engine(engine.stats.generated_tokens)   # as the runner does
+        ledger.train(sum(g.tokens() for g in res.groups))
+        step = ledger.step_metrics()
+        assert step["rollout/tokens/generated"] > 0
+        assert ledger.generated == engine.stats.generated_tokens
+        assert ledger.generated == ledger.trained + ledger.waiting + sum(ledger.dropped.values())
+        assert ledger.waiting == rollout.held_tokens()
+        assert len(rollout.buffer) <= april.over_sampling(cfg)
+        waited |= ledger.waiting > 0
+    assert waited == waits
+    for reason in ledger.dropped:  # the reasons this mode must exercise did, and no others
+        assert (ledger.dropped[reason] > 0) == (reason in reasons), (reason, ledger.dropped)
 
 
 def test_early_termination_stops_once_n_groups_are_complete(parts):
@@ -80,26 +120,82 @@ def test_early_termination_stops_once_n_groups_are_complete(parts):
     assert all(len(s.response_ids) <= 24 for s in rollout.buffer.samples())
 
 
-def test_parked_groups_are_replaced_while_the_engine_still_generates(parts, monkeypatch):
-    """Groups parked at the segment limit leave the engine short of N' in hand: new prompts start
-    at once, not only when the engine has run dry, and the accounting still closes."""
+def test_the_buffer_is_fed_first_and_never_holds_more_than_n_prime(parts, monkeypatch):
+    """With a short segment limit most groups park: every step resumes the whole buffer before
+    it draws a new prompt, new prompts enter only while fewer than N' groups are held, and the
+    buffer never grows past N' (it ran away to several times N' when top-ups drew new prompts
+    past the parked ones)."""
     rollout, engine = make_rollout(parts)
-    cfg = cfg_for("april.segment_max_tokens=4")
-    busy_top_ups = []
+    cfg = cfg_for("april.segment_max_tokens=4", "april.max_version_span=100")
+    started, busy_top_ups = [], []   # (buffer size, new prompts) at each draw
     start_new = StepRun.start_new
 
     def spy(self, n, order=None):
+        started.append((len(rollout.buffer), n))
+        held = (len(self.active) + len(self.parked)
+                + max(len(self.ready) + len(self.waiting) - 6, 0))
+        assert held + n <= 12, "new prompts beyond N' groups held"
         if engine.num_pending:   # started while other samples were still generating
             busy_top_ups.append(n)
         return start_new(self, n, order)
 
     monkeypatch.setattr(StepRun, "start_new", spy)
-    res = rollout.collect(cfg, 0)
-    c = res.counts
-    assert c.top_ups > 0 and busy_top_ups and res.metrics["april/top_ups"] == c.top_ups
-    assert c.submitted == c.completed + c.parked + c.dropped
-    assert len(res.groups) == 6
-    assert c.groups_started <= cfg.rollout.max_sampling_rounds * 12
+    resumed_first = 0
+    for version in range(5):
+        engine.update_weights(parts[0].state_dict(), version)
+        buffered = len(rollout.buffer)
+        res = rollout.collect(cfg, version)
+        assert len(rollout.buffer) <= 12
+        resumed_first += buffered > 0 and res.counts.submitted > 0
+        c = res.counts
+        assert c.submitted == c.completed + c.parked + c.dropped
+        assert c.groups_started <= cfg.rollout.max_sampling_rounds * 12
+    assert all(buffer == 0 for buffer, _ in started), "a new prompt was drawn while groups waited"
+    assert resumed_first >= 3, "the buffer was rarely full at a step's start: nothing was proved"
+    assert busy_top_ups and res.metrics["april/top_ups"] == res.counts.top_ups
+
+
+def test_a_lower_n_prime_drops_the_newest_buffered_groups_and_counts_them(parts):
+    rollout, engine = make_rollout(parts)
+    # one round of short segments, more groups asked than complete in it: each of the 24
+    # groups gets a turn in the engine's 12 slots, so the newest hold tokens too
+    rollout.collect(cfg_for("rollout.rollout_batch_size=12", "april.over_sampling_batch_size=24",
+                            "april.segment_max_tokens=4", "rollout.max_sampling_rounds=1"), 0)
+    before = list(rollout.buffer.groups)
+    assert len(before) > 6, "the buffer never exceeded the lower bound: nothing to shrink"
+    held = rollout.held_tokens()
+    engine.update_weights(parts[0].state_dict(), 1)
+    res = rollout.collect(cfg_for("april.over_sampling_batch_size=6"), 1)
+    newest = before[6:]
+    assert rollout.ledger.dropped["surplus"] == sum(g.tokens() for g in newest) > 0
+    dropped_ids = {id(g) for g in newest}
+    carried = res.groups + list(rollout.buffer.groups)
+    assert not any(id(g) in dropped_ids for g in carried)
+    # the oldest six were resumed: trained, or kept for the next step
+    assert all(any(g is k for k in carried) for g in before[:6])
+    assert len(rollout.buffer) <= 6
+    assert rollout.ledger.dropped["surplus"] < held
+
+
+def test_a_short_step_trains_what_it_has_and_warns_once_until_the_knobs_change(parts):
+    rollout, engine = make_rollout(parts)
+    cfg = cfg_for("april.segment_max_tokens=1", "rollout.max_sampling_rounds=1",
+                  "april.max_version_span=100")
+    warned, short = [], []
+    for version in range(4):
+        if version == 2:
+            rollout.set_config(cfg)   # a knob change: the next short step is news again
+        engine.update_weights(parts[0].state_dict(), version)
+        res = rollout.collect(cfg, version)
+        short.append(len(res.groups) < 6)
+        # it trains every complete group it has (none is held back for a fuller step)
+        assert len(res.groups) == min(res.metrics["rollout/effective_groups"], 6)
+        warned += [(version, kind) for kind, _ in res.events]
+        if version == 0:
+            assert "segment limit of 1 tokens" in res.events[0][1]["message"]
+    assert short[0] and short[1] and any(short[2:]), "steps completed N groups: nothing proved"
+    first_after_change = 2 + short[2:].index(True)
+    assert warned == [(0, "warning"), (first_after_change, "warning")]
 
 
 def test_without_april_every_group_finishes_and_nothing_is_buffered(parts):

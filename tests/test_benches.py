@@ -3,6 +3,7 @@
 import argparse
 
 from trainer.bench import april, asynchronous, common, greso, learn
+from trainer.rollout.ledger import REASONS
 
 TINY = ["rollout.rollout_batch_size=4", "rollout.n_samples_per_prompt=4",
         "rollout.max_response_len=48", "rollout.max_slots=16", "run.reward_workers=0"]
@@ -13,11 +14,18 @@ def args(**kw):
     return argparse.Namespace(**{**base, **kw})
 
 
-def test_bench_april_reports_the_ratio():
+def test_bench_april_reports_the_ratio_and_where_the_tokens_went():
     out = april.run(args(preset="demo"), log=lambda *a: None)
-    assert set(out["ratio"]) >= {"rollout_throughput", "accuracy_delta"}
+    assert set(out["ratio"]) >= {"rollout_throughput", "accuracy_delta", "trained_token_share"}
     assert out["baseline"]["steps"] == out["april"]["steps"] == 2
     assert 0 <= out["april"]["heldout_accuracy"] <= 1
+    for v in (out["baseline"], out["april"]):   # the ledger's parts add up to what was generated
+        waste = sum(v[f"waste_{r}_tokens"] for r in REASONS)
+        assert v["ledger_generated_tokens"] == (v["ledger_trained_tokens"] + waste
+                                                + v["waiting_tokens_at_end"]) > 0
+        assert v["ledger_trained_tokens"] == v["trained_tokens"]
+    assert out["april"]["waiting_tokens_at_end"] == out["april"]["buffer_tokens_at_end"] > 0
+    assert out["baseline"]["waiting_tokens_at_end"] == 0
 
 
 def test_bench_greso_reports_samples_reduction():
@@ -46,8 +54,9 @@ def test_bench_async_reports_speedup_and_best_eta():
         assert v["admission"]["bound"] == (eta + v["admission"]["version"] + 1) * 4
         assert v["dropped_stale_groups"] >= 0 and "staleness_mean" in v
         # where the generated tokens went: trained, still waiting, or wasted by reason
-        waste = sum(v[k] for k in v if k.startswith("waste_"))
-        assert v["trained_tokens"] + v["tokens_waiting_at_end"] + waste == v["tokens_generated"]
+        waste = sum(v[f"waste_{r}_tokens"] for r in REASONS)
+        assert v["ledger_trained_tokens"] + v["waiting_tokens_at_end"] + waste == v["ledger_generated_tokens"]
+        assert v["ledger_trained_tokens"] == v["trained_tokens"]
     assert "admission" not in out["sync"]
     # --sync-threads 1: the synchronous variant itself gives the one-thread phases
     phases = out["ratio"]["one_thread_step_s"]

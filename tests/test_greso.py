@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from trainer.config import GresoConfig
-from trainer.greso import Decision, GresoFilter, classify, next_sampling_batch_size
+from trainer.greso import Decision, GresoFilter, classify
 
 CFG = GresoConfig()          # alpha 0.25, delta_p 0.01, min_p 0.05, max_p 0.95, p_floor 0.01
 
@@ -191,35 +191,6 @@ def test_adapted_p_feeds_the_keep_probability():
     f = filter_with(CORRECT, CORRECT)
     f.adapt(12, 2, 1, CFG)             # p_easy 0.49
     assert f.decide("q", CFG).keep_prob == pytest.approx(0.49 ** 2)
-
-
-# -- dynamic sampling batch size ----------------------------------------------------------------
-
-def test_next_sampling_batch_size_by_hand():
-    assert next_sampling_batch_size(32, 0.5, 1, 1024) == 80       # 32 / 0.5 * 1.25
-    assert next_sampling_batch_size(32, 0.0, 1, 1024) == 40       # 32 * 1.25
-    assert next_sampling_batch_size(10, 0.2, 1, 1024) == 16       # 15.625 rounded up
-    assert next_sampling_batch_size(2, 0.9, 1, 1024) == 25        # 25.000000000000004 in floats
-
-
-def test_next_sampling_batch_size_all_zero_variance_returns_hi():
-    assert next_sampling_batch_size(32, 1.0, 8, 256) == 256
-    assert next_sampling_batch_size(32, 1.0 - 1e-12, 8, 256) == 256
-
-
-def test_next_sampling_batch_size_clamps():
-    assert next_sampling_batch_size(1, 0.0, 8, 256) == 8          # 2 -> lo
-    assert next_sampling_batch_size(32, 0.9, 8, 256) == 256       # 400 -> hi
-    assert next_sampling_batch_size(32, -0.5, 8, 256) == 40       # negative ratio counts as 0
-    assert next_sampling_batch_size(32, float("nan"), 8, 256) == 40
-    with pytest.raises(ValueError):
-        next_sampling_batch_size(32, 0.5, 10, 5)
-
-
-def test_next_sampling_batch_size_nothing_needed():
-    assert next_sampling_batch_size(0, 0.5, 8, 256) == 0
-    assert next_sampling_batch_size(-3, 0.5, 8, 256) == 0
-    assert next_sampling_batch_size(0, 1.0, 8, 256) == 0
 
 
 # -- checkpointing ------------------------------------------------------------------------------

@@ -107,7 +107,8 @@ class RolloutConfig:
                                    "zero-variance groups and roll out more prompts until the step "
                                    "has rollout_batch_size effective groups")
     max_sampling_rounds: int = param(8, min=1, max=1000, tunable=True,
-                                     help="dynamic sampling: most generation rounds per step")
+                                     help="most generation rounds per step: dynamic sampling's "
+                                     "rounds, APRIL's segments per sample")
     stop: str = param("", help="extra stop strings, as a JSON list (e.g. '[\"</answer>\"]'); a "
                       "response ends with the token that completes one, which stays in it "
                       "(the model's eos tokens always stop)")
@@ -152,10 +153,10 @@ class AprilConfig:
     enabled: bool = param(False, tunable=True, help="active partial rollouts: over-sample, stop the "
                           "step once N groups are complete, continue the rest next step")
     over_sampling_batch_size: int = param(0, min=0, max=65536, tunable=True,
-                                          help="groups kept in flight (N' >= N); 0 = 2 x "
-                                          "rollout.rollout_batch_size")
+                                          help="most groups held for later steps, in flight and "
+                                          "buffered (N' >= N); 0 = 2 x rollout.rollout_batch_size")
     segment_max_tokens: int = param(0, min=0, max=32768, tunable=True,
-                                    help="most tokens a sample may generate in one step before it "
+                                    help="most tokens a sample generates in one round before it "
                                     "is parked as partial; 0 = half of rollout.max_response_len")
     segment_auto: bool = param(False, tunable=True, help="adjust segment_max_tokens from the "
                                "engine's idle-slot fraction")

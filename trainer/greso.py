@@ -24,8 +24,8 @@ such prompts tend to stay that way. GRESO skips them *before* generation, probab
    first-time prompts say nothing about whether it skips too much; counting them would drive p
    to min_p on a large dataset before any prompt recurs.
 
-`next_sampling_batch_size` sizes the next round of DAPO dynamic sampling from the zero-variance
-ratio seen so far: ceil(needed / (1 - ratio) * 1.25), clamped to [lo, hi].
+DAPO dynamic sampling, which drops zero-variance groups after generation instead, is
+`trainer/rollout/dynamic.py`.
 
 This module is pure logic: no model, no config object of its own (`cfg` is the `greso` config
 section), no metrics. Whether GRESO is enabled is the caller's business. Unit tests with
@@ -46,7 +46,6 @@ _KINDS = (ALL_CORRECT, ALL_WRONG, MIXED)
 _SKIP_KIND = {ALL_CORRECT: "easy", ALL_WRONG: "hard"}
 _TOL = 1e-9            # reward equality / "reward >= 1" tolerance
 _RATIO_TOL = 1e-12     # float slack when comparing a share with alpha/3 or 2*alpha/3
-_OVERSAMPLE = 1.25     # safety margin of the dynamic-sampling batch estimate
 
 
 @dataclass
@@ -186,19 +185,3 @@ class GresoFilter:
         version, internal, gauss_next = state["rng"]
         self._rng.setstate((version, tuple(internal), gauss_next))
 
-
-def next_sampling_batch_size(needed: int, zero_var_ratio: float, lo: int, hi: int) -> int:
-    """Prompts to sample next so that about `needed` of them have reward variance.
-
-    ceil(needed / (1 - ratio) * 1.25), clamped to [lo, hi]. needed <= 0 -> 0; a ratio of 1
-    (>= 1 - 1e-9: nothing had variance) -> hi; a negative or NaN ratio counts as 0.
-    """
-    if lo > hi:
-        raise ValueError(f"lo ({lo}) must not exceed hi ({hi})")
-    if needed <= 0:
-        return 0
-    ratio = zero_var_ratio if zero_var_ratio > 0.0 else 0.0     # NaN compares False -> 0
-    if ratio >= 1.0 - _TOL:
-        return hi
-    estimate = math.ceil(needed / (1.0 - ratio) * _OVERSAMPLE - _TOL)
-    return min(hi, max(lo, estimate))

@@ -195,6 +195,8 @@ class Runner:
         engine_stats = self.engine.stats.minus(stats0)
         for message in getattr(self.engine, "take_warnings", list)():  # e.g. a server lost
             self.sink.event(self.step + 1, "warning", {"message": message})
+        for kind, data in result.events:  # what the driver says about its step (e.g. too few groups)
+            self.sink.event(self.step + 1, kind, data)
         groups = result.groups
         self.rollout.after_step(cfg, engine_stats.idle_slot_frac())
 

@@ -5,7 +5,9 @@ in one process, interleaved over `--reps` rounds (baseline, APRIL, baseline, APR
 on seed + r). Reported for each, as medians with their spread: trained tokens per second of
 rollout time, time per step, idle decode slots, held-out accuracy after training, and for APRIL
 the tokens left untrained in its buffer at the end (their rollout time is in its denominator,
-so they count against it); `ratio.rollout_throughput` is APRIL / baseline (medians) and
+so they count against it), and for both where every generated token went (`trained_token_share`,
+`waiting_tokens_at_end`, `waste_<reason>_tokens`: version span, zero variance, surplus, ...);
+`ratio.rollout_throughput` is APRIL / baseline (medians), `ratio.trained_token_share` likewise, and
 `ratio.accuracy_delta` APRIL - baseline (a fraction). With --curve-every, also the training
 seconds each needed to reach the baseline's final accuracy.
 
@@ -38,4 +40,5 @@ def run(args, log=print) -> dict:
         "end_to_end_trained_tokens_per_s": ratio(apr["trained_tokens_per_s"],
                                                  base["trained_tokens_per_s"]),
         "decode_cost_per_token": ratio(base["decode_ms_per_token"], apr["decode_ms_per_token"]),
+        "trained_token_share": ratio(apr["trained_token_share"], base["trained_token_share"]),
         "accuracy_delta": accuracy_delta(apr, base)}}

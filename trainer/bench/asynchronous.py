@@ -5,7 +5,7 @@ one process, interleaved over `--reps` rounds (sync, eta 1, eta 2, eta 4, sync, 
 seed + r). Reported for each, as medians with their spread: wall time, trained tokens per second
 (end to end), held-out accuracy, staleness and stale drops, and where the generated tokens went
 (`waste_<reason>_tokens`: `stale` for groups too old when taken, `zero_variance` for those
-dynamic sampling filters; `tokens_waiting_at_end`: queued or generating). Every eta is reported
+dynamic sampling filters; `waiting_tokens_at_end`: queued or generating). Every eta is reported
 (`ratio.speedup_eta_K`); `ratio.speedup` is the best one's, picked on the same rounds it is
 reported from (so it is optimistic: read every eta), `ratio.best_eta` that setting and
 `ratio.accuracy_delta` its accuracy minus the synchronous loop's (a fraction).

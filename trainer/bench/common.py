@@ -1,7 +1,9 @@
 """What the side-by-side benchmarks share: train one variant for a fixed number of steps from
 the same starting model and seed, then measure held-out accuracy on the same problems; and run
 several variants interleaved (A B A B A B, `--reps` rounds, round r on seed + r) so that a
-noisy machine slows every variant alike, reporting each figure's median and spread."""
+noisy machine slows every variant alike, reporting each figure's median and spread. Each
+variant also says where its generated rollout tokens went (the token ledger's totals: trained,
+waiting at the end, dropped by reason; `waste_breakdown`)."""
 from __future__ import annotations
 
 import statistics
@@ -54,6 +56,7 @@ def train_variant(name: str, preset: str, overrides: list[str], *, steps: int, e
             runner.run()
             wall = time.monotonic() - t0
             engine = runner.engine.stats  # before the evaluation below adds its own decoding
+            ledger = runner.rollout.ledger
             accuracy = runner.evaluate() if eval_size else None
     s = sink.series
     gen_s = sum(s("timing/gen_s"))
@@ -77,10 +80,7 @@ def train_variant(name: str, preset: str, overrides: list[str], *, steps: int, e
         "zero_var_ratio_mean": round(_mean(s("rollout/zero_var_ratio")), 4),
         "heldout_accuracy": accuracy,
     }
-    # where the generated tokens went (trainer/rollout/ledger.py): still waiting, or dropped by why
-    ledger = runner.rollout.ledger
-    out["tokens_waiting_at_end"] = ledger.waiting
-    out.update({f"waste_{reason}_tokens": n for reason, n in ledger.dropped.items()})
+    out.update(waste_breakdown(ledger))
     if cfg.april.enabled:  # generated but never trained: its rollout time counts against APRIL
         out["buffer_tokens_at_end"] = int(runner.rollout.buffer.tokens())
     if curve_every:
@@ -94,6 +94,16 @@ def train_variant(name: str, preset: str, overrides: list[str], *, steps: int, e
                     "dropped_stale_groups": int(runner.rollout.dropped_stale),
                     "admission": runner.rollout.counters()})
     log(f"{name}: " + ", ".join(f"{k}={v}" for k, v in out.items() if k != "variant"))
+    return out
+
+
+def waste_breakdown(ledger) -> dict:
+    """Where the variant's generated rollout tokens went (the token ledger's totals): trained,
+    still waiting at the end, dropped by reason, and the share trained."""
+    out = {"ledger_generated_tokens": ledger.generated, "ledger_trained_tokens": ledger.trained,
+           "waiting_tokens_at_end": ledger.waiting,
+           "trained_token_share": round(ledger.trained / max(ledger.generated, 1), 4)}
+    out.update({f"waste_{reason}_tokens": n for reason, n in ledger.dropped.items()})
     return out
 
 

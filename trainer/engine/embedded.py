@@ -13,8 +13,8 @@ new samples and partial ones resumed after an abort take the same path.
 Slots 0..n-1 hold the n active sequences (compact, so a decode step reads a plain slice).
 `abort(keep_cache=True)` parks an aborted sequence's KV cache in a slot above them, and so does
 a stop at the segment limit (`SamplingParams.segment_max_tokens`): when the same sample is
-submitted again it continues without a new prefill (APRIL resumes a partial sample every step;
-re-prefilling it cost more than generating). Parked caches are given up, oldest first, when a
+submitted again it continues without a new prefill (APRIL resumes a parked sample in the step's
+next round; re-prefilling it cost more than generating). Parked caches are given up, oldest first, when a
 new sequence needs the slot, and dropped when the weights change with `recompute_kv` (their
 keys and values would be stale; the sample is prefilled again under the new weights).
 
@@ -130,9 +130,13 @@ class EmbeddedEngine(RolloutEngine):
     def abort(self, request_ids: Iterable[int] | None = None,
               keep_cache: bool = False) -> list[Sample]:
         """Stop samples (default: all). With `keep_cache`, running ones keep their KV cache
-        parked so that submitting them again continues without a prefill."""
+        parked so that submitting them again continues without a prefill; without it, caches
+        parked earlier (a segment stop) for these samples are given up too."""
         with self.lock:
             wanted = None if request_ids is None else set(request_ids)
+            if not keep_cache:
+                for rid in [r for r in self.parked if wanted is None or r in wanted]:
+                    del self.parked[rid]
             out = []
             keep_q: deque[Sample] = deque()
             for s in self.queue:

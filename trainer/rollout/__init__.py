@@ -3,6 +3,8 @@
 
 - `synchronous.py`: the synchronous step, with DAPO dynamic sampling;
 - `april.py`: APRIL active partial rollouts (the synchronous driver's step while enabled);
+- `dynamic.py`: DAPO dynamic sampling's filter and round sizing;
+- `ledger.py`: where every generated token went (trained, waiting, dropped by reason);
 - `selection.py`: which prompts are rolled out (the data cursor and GRESO's pre-filter);
 - `asynchronous.py`: AReaL asynchronous rollout with a staleness bound.
 

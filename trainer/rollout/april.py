@@ -1,35 +1,41 @@
 """APRIL: active partial rollouts, top to bottom.
 
 A synchronous step waits for its longest answer. APRIL (as in THUDM/slime's
-`--over-sampling-batch-size` / `--partial-rollout`) removes that wait:
+`--over-sampling-batch-size` / `--partial-rollout`) removes that wait. One step
+(`AprilRollout.collect`):
 
-1. Over-sample: keep N' >= N groups in flight, resumed partial groups first (oldest first),
-   then new prompts.
-2. Early termination: as soon as N groups are complete, abort every unfinished request. Each
-   unfinished sample goes to the `PartialBuffer` with its tokens, logprobs and per-token policy
-   versions, and continues (not restarts) in a later step. Groups that completed beyond N are
-   kept whole for the next step.
-3. Segments: a sample may generate at most `segment_max_tokens` per step before it is parked,
-   so one very long answer cannot hold a step (`segment_auto` adapts the limit).
-4. Version span: a buffered sample whose oldest token is more than `max_version_span` versions
-   old is dropped (its prompt starts afresh) or kept with off-policy handling.
-5. Off-policy tokens are weighted in the objective (`trainer/algo/objective.py`).
+1. The buffer first: every group left in the `PartialBuffer` is resumed (oldest first) before
+   any new prompt is drawn; complete ones (finished beyond N earlier) keep their rewards.
+2. Over-sample: new prompts enter only while the groups held for later steps — the buffer, the
+   groups in flight (generating, or parked at the segment limit) and the complete groups beyond
+   N — number fewer than N'. When a group completes (or dynamic sampling filters it) its place
+   is topped up at once, buffer first. So the buffer never holds more than N' groups.
+3. Segments and rounds: a sample generates at most `segment_max_tokens` before it parks and
+   yields its slot. When the engine runs dry with fewer than N complete groups, the next round
+   gives every parked group another segment, at most `max_sampling_rounds` rounds a step.
+4. Early termination: as soon as N groups are complete, every unfinished request is aborted;
+   its samples keep their tokens, logprobs and per-token policy versions and continue (never
+   restart) next step. A step whose rounds end with fewer than N trains what it has.
+5. Version span: a buffered group whose oldest token is more than `max_version_span` versions
+   old is dropped (its prompt starts afresh) or kept with off-policy handling (weights in
+   `trainer/algo/objective.py`).
+6. A lower N' (a knob change) leaves the buffer over its bound: the step drops the newest
+   groups beyond N' before resuming the rest.
 
-Invariants checked by tests, per step: submitted = completed + parked + dropped samples, and
-every generated token ends up exactly once in a returned group, the buffer, or the discarded
-count. The synchronous driver (`synchronous.py`) hands its step here while `april.enabled`.
+`collect` returns what to train and what to keep; the synchronous driver (`synchronous.py`)
+puts the kept groups in the buffer and finishes the step. Every generated token ends up in a
+trained group, the buffer, or the token ledger's dropped count under its reason
+(`ledger.py`); tests check that and submitted = completed + parked + dropped samples, per step.
 """
 from __future__ import annotations
 
 import math
-import time
 from collections import deque
 from dataclasses import asdict
-from typing import Iterable
+from typing import Callable, Iterable
 
 from trainer.engine.base import Sample, SamplingParams, reserve_request_ids
-from trainer.greso import next_sampling_batch_size
-from trainer.rollout.base import Group, RolloutResult, StepRun, new_group, sampling_params
+from trainer.rollout.base import Group, RolloutResult, StepCounts, StepRun, new_group, sampling_params
 from trainer.tasks.base import Problem
 
 
@@ -91,7 +97,8 @@ def version_span(sample: Sample, version: int) -> int:
 
 
 def segment_limit(cfg) -> int:
-    """The per-step token limit of one sample (0 in the config = half the response limit)."""
+    """The most tokens one sample generates in a round (0 in the config = half the response
+    limit)."""
     return cfg.april.segment_max_tokens or max(1, cfg.rollout.max_response_len // 2)
 
 
@@ -109,6 +116,13 @@ def adjust_segment(current: int, idle_slot_frac: float, max_len: int) -> int:
     return current
 
 
+def admission_order(cfg, length_history: dict[str, float]) -> Callable | None:
+    """short_first: new prompts shortest historical response first; else the data order."""
+    if cfg.april.admission != "short_first":
+        return None
+    return lambda g: length_history.get(g.problem.id, 0.0)
+
+
 class AprilRollout:
     """APRIL's state across steps (the buffer and the segment limit) and its step."""
 
@@ -121,97 +135,108 @@ class AprilRollout:
             self.segment_tokens = segment_limit(cfg)
         return sampling_params(cfg, self.segment_tokens)
 
-    def collect(self, driver, cfg, version: int) -> RolloutResult:
-        """One step: buffer first, over-sample, stop at N complete groups, park the rest."""
-        N, G = cfg.rollout.rollout_batch_size, cfg.rollout.n_samples_per_prompt
-        step = StepRun(driver.engine, driver.tokenizer, driver.select, driver.scorer, cfg,
-                       self.params(cfg))
-        c = step.counts
-        t0 = time.monotonic()
-        # 1. the buffer first, oldest first
-        budget = over_sampling(cfg)
-        while self.buffer and step.in_hand() < budget:
-            g = self.buffer.take()
-            todo = g.unfinished
-            span = max(version_span(s, version) for s in g.samples)
-            if span > cfg.april.max_version_span and cfg.april.span_policy == "drop":
-                c.submitted += len(todo)
-                c.dropped += len(todo)
-                c.span_dropped_groups += 1
-                c.discarded_tokens += g.tokens()
-                fresh = new_group(g.draw, g.problem, driver.tokenizer, G, step.params)
-                c.groups_started += 1
-                step.start(fresh, fresh.samples)
-                continue
-            if g.complete:  # finished beyond N in an earlier step; it keeps its rewards
-                step.ready.append(g) if g.scored else step.waiting.append(g)
-                continue
-            step.start(g, todo)
-        # 2. new prompts up to N' in flight
-        order = None
-        if cfg.april.admission == "short_first":
-            order = lambda g: driver.length_history.get(g.problem.id, 0.0)  # noqa: E731
-        step.start_new(max(budget - step.in_hand(), 0), order)
+    def collect(self, step: StepRun, version: int) -> tuple[list[Group], list[Group]]:
+        """One step: (at most N complete groups to train, oldest draw first; the groups to keep
+        for the next step, at most N'). The buffer is empty afterwards: the caller keeps."""
+        cfg, c = step.cfg, step.counts
+        N, budget = cfg.rollout.rollout_batch_size, over_sampling(cfg)
+        self._shrink(step, budget)
+        order = admission_order(cfg, step.length_history)
+        # new prompts a step may start, so that a step whose groups are all filtered still ends
+        new_limit = cfg.rollout.max_sampling_rounds * budget
+
+        def top_up(mid_step: bool = True) -> None:
+            while self.buffer:  # the buffer first, oldest first
+                self._resume(step, self.buffer.take(), version)
+            room = min(budget - self._held(step, N), new_limit - c.groups_started)
+            if room > 0:
+                c.top_ups += mid_step
+                step.start_new(room, order)
+
         c.rounds = 1
-        # 3. generate until N groups are ready. Groups parked at their segment limit leave the
-        # engine short of N' in hand: top up at once (as slime does), not only once it runs dry;
-        # at most max_sampling_rounds x N' new groups a step, so a step whose every answer hits
-        # the segment limit still ends
-        top_up_limit = cfg.rollout.max_sampling_rounds * budget
+        top_up(mid_step=False)
         while True:
-            if len(step.ready) + len(step.waiting) >= N:
-                step.score_waiting()
-                if len(step.ready) >= N:
-                    break
-            step.advance()
-            short = budget - step.in_hand()
-            if short > 0 and not step.dynamic and c.groups_started + short <= top_up_limit:
-                step.start_new(short, order)
-                c.top_ups += 1
-            if driver.engine.num_pending:
-                continue
+            if step.engine.num_pending:
+                step.advance()
+                top_up()
+                if step.complete() < N:
+                    continue
             step.score_waiting()
-            if len(step.ready) >= N or c.rounds >= cfg.rollout.max_sampling_rounds:
+            if len(step.ready) >= N:
                 break
-            if step.dynamic:  # dropped groups don't count towards N
-                observed = c.filtered_groups / max(len(step.scored), 1)
-                more = next_sampling_batch_size(N - len(step.ready), observed, 1, 8 * N)
-            else:  # everything left is parked: top up to N
-                more = N - len(step.ready)
-            step.start_new(more, order)
+            top_up()  # groups dynamic sampling filtered free their places
+            if step.engine.num_pending:
+                continue
+            # the engine ran dry: every group in hand is complete or parked at its segment limit
+            if not step.parked or c.rounds >= cfg.rollout.max_sampling_rounds:
+                break
             c.rounds += 1
-        gen_seconds = time.monotonic() - t0
-        step.score_waiting()
-        # 4. early termination: park everything unfinished, keep surplus complete groups
-        # (their KV cache stays parked in the engine: resuming them next step needs no prefill)
-        for s in driver.engine.abort(keep_cache=True):
+            step.resume_parked()
+        # early termination: park everything unfinished in the buffer. Its KV cache is given up:
+        # computed by this version's weights, it would be stale under the next, and a run
+        # resumed from a checkpoint (which holds no cache) would continue differently
+        for s in step.engine.abort(keep_cache=False):
             c.aborted_tokens += s.segment_tokens
             g = step.owner[s.request_id]
             if id(g) in step.active:
                 del step.active[id(g)]
                 step.parked.append(g)
-        step.ready.sort(key=lambda g: g.draw)
-        train, surplus = step.ready[:N], step.ready[N:]
         c.parked = sum(len(g.unfinished) for g in step.parked)
-        for g in surplus + step.parked:
-            self.buffer.put(g)
-        driver.finish_step(cfg, step)
-        metrics = {"april/buffer_size": len(self.buffer),
-                   "april/buffer_samples": sum(1 for _ in self.buffer.samples()),
-                   "april/buffer_tokens": self.buffer.tokens(),
-                   "april/submitted": c.submitted, "april/completed": c.completed,
-                   "april/parked": c.parked, "april/dropped": c.dropped,
-                   "april/aborted_tokens": c.aborted_tokens,
-                   "april/span_dropped_groups": c.span_dropped_groups,
-                   "april/segment_max_tokens": self.segment_tokens or 0,
-                   "april/top_ups": c.top_ups}
-        return driver.result(cfg, step, train, gen_seconds, metrics)
+        step.ready.sort(key=lambda g: g.draw)
+        # oldest prompt first: the order the next step resumes them in, and shrinks them from
+        keep = sorted(step.ready[N:] + step.parked, key=lambda g: g.draw)
+        return step.ready[:N], keep
+
+    def _held(self, step: StepRun, batch: int) -> int:
+        """Groups held for later steps: buffered, in flight, and complete beyond the batch."""
+        return (len(self.buffer) + len(step.active) + len(step.parked)
+                + max(step.complete() - batch, 0))
+
+    def _shrink(self, step: StepRun, bound: int) -> None:
+        """Keep the oldest `bound` groups; the newest beyond it are dropped, their tokens counted."""
+        surplus = []
+        while len(self.buffer) > bound:
+            surplus.append(self.buffer.groups.pop())
+        step.drop("surplus", surplus)
+
+    def _resume(self, step: StepRun, g: Group, version: int) -> None:
+        """Carry a buffered group on: train it if complete, continue it, or restart its prompt
+        when its oldest token is older than the version span allows."""
+        cfg, c = step.cfg, step.counts
+        if g.complete:  # finished beyond N in an earlier step; it keeps its rewards
+            step.ready.append(g) if g.scored else step.waiting.append(g)
+            return
+        todo = g.unfinished
+        span = max(version_span(s, version) for s in g.samples)
+        if span > cfg.april.max_version_span and cfg.april.span_policy == "drop":
+            c.submitted += len(todo)
+            c.dropped += len(todo)
+            c.span_dropped_groups += 1
+            step.drop("version_span", [g])
+            fresh = new_group(g.draw, g.problem, step.tokenizer, cfg.rollout.n_samples_per_prompt,
+                              step.params)
+            c.groups_started += 1
+            step.start(fresh, fresh.samples)
+            return
+        step.start(g, todo)
 
     def after_step(self, cfg, idle_slot_frac: float) -> None:
         """segment_auto: adapt the segment limit to how busy the engine was."""
         if cfg.april.segment_auto and self.segment_tokens:
             self.segment_tokens = adjust_segment(self.segment_tokens, idle_slot_frac,
                                                  cfg.rollout.max_response_len)
+
+    def metrics(self, c: StepCounts) -> dict[str, float]:
+        """The step's APRIL counts and the buffer it leaves (after the kept groups went in)."""
+        return {"april/buffer_size": len(self.buffer),
+                "april/buffer_samples": sum(1 for _ in self.buffer.samples()),
+                "april/buffer_tokens": self.buffer.tokens(),
+                "april/submitted": c.submitted, "april/completed": c.completed,
+                "april/parked": c.parked, "april/dropped": c.dropped,
+                "april/aborted_tokens": c.aborted_tokens,
+                "april/span_dropped_groups": c.span_dropped_groups,
+                "april/segment_max_tokens": self.segment_tokens or 0,
+                "april/top_ups": c.top_ups}
 
 
 def report(result: RolloutResult, version: int, hist, buffer: PartialBuffer | None) -> dict:

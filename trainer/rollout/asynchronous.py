@@ -42,11 +42,11 @@ import contextlib
 import threading
 import time
 from collections import deque
-from typing import Callable
 
 from trainer.engine.base import SEGMENT, Sample, SamplingParams
 from trainer.rollout import april as april_mod
 from trainer.rollout.base import Driver, Group, RolloutResult, StepCounts, new_group, sampling_params
+from trainer.rollout.dynamic import filtered
 from trainer.rollout.ledger import TokenLedger
 
 
@@ -106,8 +106,6 @@ class AsyncDriver(Driver):
         self._busy_reported = 0.0            # busy_s at the last report
         self.ledger = TokenLedger()
         self._filtered_tokens = 0            # dropped by dynamic sampling, not yet in the ledger
-        # set by the runner: True when a stop or pause waits at the step boundary
-        self.interrupted: Callable[[], bool] = lambda: False
 
     def held_tokens(self) -> int:
         with self.cond:
@@ -445,7 +443,7 @@ class AsyncDriver(Driver):
             for g in complete:
                 del self.running[id(g)]
                 self.scored.append(g)
-                if dynamic and g.zero_variance:
+                if dynamic and filtered(g):
                     self.counts.filtered_groups += 1
                     self.counts.discarded_tokens += g.tokens()
                     self._filtered_tokens += g.tokens()

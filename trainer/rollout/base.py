@@ -16,6 +16,7 @@ from typing import Callable
 from trainer.engine.base import LENGTH, Sample, SamplingParams
 from trainer.greso import classify
 from trainer.metrics import percentile
+from trainer.rollout import dynamic
 from trainer.rollout.ledger import TokenLedger
 from trainer.tasks.base import Problem, Task
 
@@ -83,14 +84,14 @@ class StepCounts:
     parked: int = 0
     dropped: int = 0
     aborted_tokens: int = 0     # tokens of samples parked at early termination
-    discarded_tokens: int = 0   # generated tokens thrown away (span drops, surplus groups)
+    discarded_tokens: int = 0   # generated tokens thrown away (the ledger has them by reason)
     filtered_groups: int = 0    # complete groups dropped by dynamic sampling (zero variance)
     span_dropped_groups: int = 0
     groups_started: int = 0     # new prompts rolled out
     skipped_easy: int = 0       # GRESO
     skipped_hard: int = 0
     rounds: int = 0
-    top_ups: int = 0            # APRIL: new groups started mid-step as parked ones left the engine
+    top_ups: int = 0            # APRIL: times new groups were started mid-step to keep N' in hand
 
 
 @dataclass
@@ -101,6 +102,7 @@ class RolloutResult:
     counts: StepCounts
     metrics: dict[str, float] = field(default_factory=dict)
     staleness: list[int] = field(default_factory=list)  # per sample, versions behind (async)
+    events: list[tuple[str, dict]] = field(default_factory=list)  # (kind, data) for the run's log
 
 
 # (name, values, bin edges) -> None: how a driver reports a histogram
@@ -113,6 +115,11 @@ class Driver:
 
     concurrent = False  # True: generation goes on while the trainer trains (the engine is busy)
     ledger: TokenLedger  # where this driver's generated tokens went (set by each driver)
+
+    def interrupted(self) -> bool:
+        """Whether a stop or pause waits at the step boundary; the runner replaces it with the
+        boundary's own check. A `collect` that may wait long for groups asks it."""
+        return False
 
     def held_tokens(self) -> int:
         """Generated tokens held for a later step (buffered, queued or generating), as far as
@@ -155,13 +162,17 @@ class Driver:
 
 
 class StepRun:
-    """The bookkeeping of one synchronous step (the baseline, dynamic sampling and APRIL share
-    it): which groups are generating, complete but unscored, scored and kept, or parked, and
-    which group each request belongs to."""
+    """One synchronous step: what it works with (the engine, the tokenizer, the prompt selector,
+    the scorer, the config and sampling parameters, the driver's token ledger and each prompt's
+    last mean response length) and its bookkeeping (the baseline, dynamic sampling and APRIL
+    share it): which groups are generating, complete but unscored, scored and kept, or parked,
+    and which group each request belongs to."""
 
-    def __init__(self, engine, tokenizer, select, scorer, cfg, params: SamplingParams):
+    def __init__(self, engine, tokenizer, select, scorer, cfg, params: SamplingParams, *,
+                 ledger: TokenLedger, length_history: dict[str, float]):
         self.engine, self.tokenizer, self.select, self.scorer = engine, tokenizer, select, scorer
         self.cfg, self.params = cfg, params
+        self.ledger, self.length_history = ledger, length_history
         self.dynamic = cfg.rollout.dynamic_sampling
         self.counts = StepCounts()
         self.ready: list[Group] = []        # complete, scored, kept
@@ -192,6 +203,13 @@ class StepRun:
             self.counts.groups_started += 1
             self.start(g, g.samples)
 
+    def resume_parked(self) -> None:
+        """Another segment for every group parked at the segment limit, oldest first."""
+        parked, self.parked = self.parked, []
+        for g in parked:  # already submitted this step: `counts.submitted` has them
+            self.active[id(g)] = g
+            self.engine.submit(g.unfinished)
+
     def score_waiting(self) -> None:
         """Score the complete groups; dynamic sampling drops the zero-variance ones."""
         if not self.waiting:
@@ -199,9 +217,9 @@ class StepRun:
         self.scorer(self.waiting)
         for g in self.waiting:
             self.scored.append(g)
-            if self.dynamic and g.zero_variance:
+            if self.dynamic and dynamic.filtered(g):
                 self.counts.filtered_groups += 1
-                self.counts.discarded_tokens += g.tokens()
+                self.drop("zero_variance", [g])
             else:
                 self.ready.append(g)
         self.waiting.clear()
@@ -219,8 +237,15 @@ class StepRun:
                 else:  # some samples stopped at their segment limit
                     self.parked.append(g)
 
-    def in_hand(self) -> int:
-        return len(self.ready) + len(self.active) + len(self.waiting)
+    def drop(self, reason: str, groups: list[Group]) -> None:
+        """Throw the generated tokens of `groups` away, counted in the ledger under `reason`."""
+        tokens = sum(g.tokens() for g in groups)
+        self.ledger.drop(reason, tokens)
+        self.counts.discarded_tokens += tokens
+
+    def complete(self) -> int:
+        """Complete groups in hand: scored and kept, or not scored yet."""
+        return len(self.ready) + len(self.waiting)
 
 
 def _continue_params(old: SamplingParams, new: SamplingParams) -> SamplingParams:
