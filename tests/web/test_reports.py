@@ -78,6 +78,35 @@ def test_summary_figures(user, make_run):
     assert empty["trained_tokens"] is None and empty["time_gen_pct"] is None
 
 
+def test_summary_says_where_the_generated_tokens_went(alice, user, make_run):
+    from webapp.dashboard import actions
+    from webapp.dashboard.actions import Record
+
+    run = make_run(user, "finished")
+    steps = [  # per step: generated, trained, waiting after it, dropped by reason
+        (100, 40, 20, {"zero_variance": 30, "version_span": 10}),
+        (80, 50, 10, {"zero_variance": 30, "surplus": 10}),    # 10 of the waiting were trained
+    ]
+    gen_total = trained_total = 0
+    for i, (gen, trained, waiting, dropped) in enumerate(steps, start=1):
+        gen_total, trained_total = gen_total + gen, trained_total + trained
+        values = {"rollout/tokens/generated": gen, "rollout/tokens/trained": trained,
+                  "rollout/tokens/waiting": waiting, "rollout/tokens/generated_total": gen_total,
+                  "rollout/tokens/trained_total": trained_total,
+                  **{f"rollout/waste/{r}": dropped.get(r, 0) for r in
+                     ("version_span", "stale", "zero_variance", "surplus", "aborted")}}
+        actions.append(run.pk, [Record("points", i, "", values)], {"step": i})
+    s = reports.summary(run)
+    assert (s["waste_zero_variance"], s["waste_version_span"], s["waste_surplus"]) == (60, 10, 10)
+    assert s["waste_stale"] == 0 and s["ledger_waiting"] == 10
+    # the parts add up: 180 generated = 90 trained + 10 waiting + 80 dropped
+    assert 90 + s["ledger_waiting"] + sum(s[f"waste_{r}"] for r in
+                                          ("version_span", "stale", "zero_variance", "surplus", "aborted")) == 180
+    assert s["trained_token_share"] == pytest.approx(90 / 180)
+    html = alice.get(f"/runs/{run.pk}/report/").content.decode()
+    assert "generated tokens dropped: zero-variance groups" in html
+
+
 def test_an_ended_runs_alerts_are_titled_as_history(alice, user, make_run):
     alerts = {"active": {"kl_rising": {"step": 14, "message": "KL is rising"}}}
     live = make_run(user, "running", alerts=alerts)

@@ -16,6 +16,7 @@ from django.utils import timezone
 
 from trainer import checkpoint
 from trainer import config as config_mod
+from trainer.rollout.ledger import REASONS as _WASTE
 from webapp.dashboard import inspector, streams
 from webapp.dashboard.actions import run_dir
 from webapp.dashboard.models import HistogramSnapshot, MetricPoint, RolloutSample, Run, RunEvent, Status
@@ -27,6 +28,13 @@ SUMMARY = [
     ("wall_time_s", "wall time running (s)", False),
     ("gen_tokens", "generated tokens", None),
     ("trained_tokens", "trained tokens", None),
+    ("ledger_waiting", "generated tokens waiting at the last step (buffer, queue, in flight)", None),
+    ("waste_version_span", "generated tokens dropped: version span (APRIL)", False),
+    ("waste_stale", "generated tokens dropped: staler than η (async)", False),
+    ("waste_zero_variance", "generated tokens dropped: zero-variance groups", False),
+    ("waste_surplus", "generated tokens dropped: surplus groups", False),
+    ("waste_aborted", "generated tokens dropped: aborted", False),
+    ("trained_token_share", "share of generated tokens trained", True),
     ("samples_generated", "samples generated", None),
     ("samples_skipped", "samples skipped (GRESO)", None),
     ("accuracy_final", "accuracy (final)", True),
@@ -52,6 +60,8 @@ SUMMARY = [
 LABELS = {k: label for k, label, _ in SUMMARY}
 
 _KEYS = ["train/gen_tokens_total", "train/trained_tokens_total", "train/samples_total",
+         "rollout/tokens/generated_total", "rollout/tokens/trained_total", "rollout/tokens/waiting",
+         *(f"rollout/waste/{r}" for r in _WASTE),
          "rollout/gen_tokens", "rollout/trained_tokens", "rollout/samples", "reward/accuracy",
          "reward/mean", "eval/accuracy", "perf/gen_tokens_per_s", "perf/trained_tokens_per_s",
          "system/gpu_util", "system/cpu_util", "timing/gen_s", "timing/reward_s", "timing/train_s",
@@ -108,6 +118,12 @@ def summary(run: Run) -> dict[str, Any]:
     out: dict[str, Any] = {"steps": run.step, "wall_time_s": running_seconds(run)}
     out["gen_tokens"] = cumulative("train/gen_tokens_total", "rollout/gen_tokens")
     out["trained_tokens"] = cumulative("train/trained_tokens_total", "rollout/trained_tokens")
+    # where the generated tokens went (the trainer's token ledger; runs before it have none)
+    out["ledger_waiting"] = last("rollout/tokens/waiting")
+    for r in _WASTE:
+        out[f"waste_{r}"] = total(f"rollout/waste/{r}")
+    generated, trained = last("rollout/tokens/generated_total"), last("rollout/tokens/trained_total")
+    out["trained_token_share"] = trained / generated if generated and trained is not None else None
     out["samples_generated"] = cumulative("train/samples_total", "rollout/samples")
     sampled = dict(MetricPoint.objects.filter(run_id=run.pk, key="greso/prompts_sampled")
                    .values_list("step", "value"))
