@@ -1,4 +1,4 @@
-"""Issue 16, the fast part: prompts rendered with chat templates and system prompts (string and
+"""Real models, the fast part: prompts rendered with chat templates and system prompts (string and
 message prompts, tokenizers with and without a template), stop tokens from generation configs,
 `rollout.stop` strings, a tokenizer without a pad token, and check_model_dir's messages."""
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""Checkpoints load without unpickling: tensors in trainer.safetensors, the rest in trainer.json
-(issue #13). A real Runner checkpoint round-trips leaf for leaf and resumes bit for bit; an old
+"""Checkpoints load without unpickling: tensors in trainer.safetensors, the rest in trainer.json.
+A real Runner checkpoint round-trips leaf for leaf and resumes bit for bit; an old
 pickled trainer.pt loads through torch's weights_only unpickler, and one crafted to run code is
 refused and runs nothing; a hostile trainer.json can only give plain data."""
 import copy
@@ -74,7 +74,7 @@ PLAIN = {dict, list, tuple, str, int, float, bool, type(None), torch.Tensor}
 
 
 def _to_legacy(ckpt):
-    """Rewrite a checkpoint as rlpilot wrote it before issue #13: torch.save of the state."""
+    """Rewrite a checkpoint in the legacy format (before trainer.json): torch.save of the state."""
     tree = checkpoint.read_trainer_state(ckpt)
     torch.save(tree, ckpt / "trainer.pt")
     (ckpt / "trainer.json").unlink()

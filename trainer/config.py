@@ -9,6 +9,8 @@ Configs are loaded from TOML (a preset shipped in `trainer/presets/` or a file) 
 overridden with dotted `section.key=value` pairs. Anything wrong -- an unknown key, a wrong
 type, a value out of range -- raises `ConfigError` whose `errors` maps each dotted key to a
 message that names the allowed values.
+
+Long by design: the whole schema in one file is what the form, the API, the CLI and the docs read.
 """
 from __future__ import annotations
 

@@ -62,6 +62,9 @@ Failure: a rank that raises ends its process; torchrun then stops the others. A 
 collective waits at most RLPILOT_DIST_TIMEOUT_S seconds (default 1800). A successful process
 ends through `exit_process()` (see there: gloo threads and interpreter shutdown).
 GRESO's reward traces (recorded even while GRESO is off) are per rank; checkpoints hold rank 0's.
+
+Long because every collective the loop needs (config, controls, metrics, histograms, RNG,
+checkpoints) is here, so the runner never calls torch.distributed itself.
 """
 from __future__ import annotations
 

@@ -43,6 +43,9 @@ batch with a single padded bucket, as the engine decoded before). Measured inter
 filling idle slots (continuous batching, APRIL) can win on the device: near B x on a GPU, whose
 decode step costs about the same at 8 and 128 rows; little on a CPU, whose matrix products are
 already compute-bound at a few rows.
+
+Long because it holds its several measurements (throughput, decode step, decode cost) with
+the workloads they share.
 """
 from __future__ import annotations
 

@@ -21,6 +21,8 @@ keys and values would be stale; the sample is prefilled again under the new weig
 Per decode step the Python work is O(active rows), never O(sequence length): the pending token
 is the sample's last one, the cached lengths are a list kept in step. When a sequence finishes
 is decided in one place, `_finish_reason` (end-of-sequence tokens: `self.eos`).
+
+Long because admission, decode, abort/park and weight swaps all move the same per-slot state.
 """
 from __future__ import annotations
 

@@ -51,6 +51,9 @@ token, and later updates skip it.
 
 Tested against SGLang 0.5.23 (tests/test_sglang_real.py) and a stand-in for the faults a real
 server cannot be made to produce on demand (tests/test_sglang_engine.py); see docs/engines.md.
+
+Long because one client owns every server call (generate, abort, pause, weights, failover);
+splitting it would spread the request bookkeeping those calls share.
 """
 from __future__ import annotations
 

@@ -35,6 +35,9 @@ How the other techniques behave here (preset `all`):
 - Dynamic sampling: zero-variance groups are dropped on completion and never queued, so the
   trainer always receives B groups with signal.
 The decoupled PPO loss (trainer/algo/decoupled.py) corrects for the staleness in training.
+
+Long because the worker and the trainer side share one lock-guarded state (queue, running
+groups, admission counters); this file is all of it.
 """
 from __future__ import annotations
 
