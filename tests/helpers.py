@@ -57,3 +57,13 @@ def tiny_hf_model(config_cls, max_positions: int = 512, **extra):
                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
                      tie_word_embeddings=False, **extra)
     return AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
+
+
+class NoBell:
+    """A doorbell that rings nobody: database sinks in tests that need no live socket."""
+
+    def ring(self, run_id, seq):
+        pass
+
+    def close(self):
+        pass

@@ -6,6 +6,7 @@ import math
 import shutil
 
 import pytest
+from helpers import NoBell
 
 from trainer import config as config_mod
 from trainer.model import builtin_dir
@@ -371,13 +372,6 @@ def test_drop_checkpoints_after(tmp_path):
 
 
 # --- alerts ----------------------------------------------------------------------------------------
-
-class NoBell:
-    def ring(self, run_id, seq):
-        pass
-
-    def close(self):
-        pass
 
 
 def stream(run, steps):

@@ -5,6 +5,7 @@ import json
 import re
 
 import pytest
+from helpers import NoBell
 
 from trainer import config as C
 from trainer.rollout.asynchronous import AsyncDriver
@@ -15,13 +16,6 @@ from webapp.dashboard.telemetry import DbSink
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
-
-class NoBell:
-    def ring(self, run_id, seq):
-        pass
-
-    def close(self):
-        pass
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ import json
 import math
 
 import pytest
-from helpers import sample_row
+from helpers import NoBell, sample_row
 
 from webapp.dashboard import actions, inspector, reports
 from webapp.dashboard.actions import Record
@@ -19,13 +19,6 @@ pytestmark = pytest.mark.django_db
 
 EVIL = '<script>window.__pwned = 1</script>'
 
-
-class NoBell:
-    def ring(self, run_id, seq):
-        pass
-
-    def close(self):
-        pass
 
 
 def write(run, step, rows, sync=True):

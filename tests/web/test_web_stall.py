@@ -3,6 +3,7 @@ ALERT_STALL_MIN_S) while running. Evaluated by the worker's heartbeat thread (al
 so a trainer that writes nothing at all is still seen. Hand-made rows with known step times and
 a hand-driven clock, then the real Heartbeat thread."""
 import pytest
+from helpers import NoBell
 
 from webapp.dashboard.alerts import Monitor, StallWatch
 from webapp.dashboard.models import Run, RunEvent
@@ -10,13 +11,6 @@ from webapp.dashboard.telemetry import DbSink, Heartbeat
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
-
-class NoBell:
-    def ring(self, run_id, seq):
-        pass
-
-    def close(self):
-        pass
 
 
 class Trainer:
