@@ -64,14 +64,17 @@ def test_finish_reasons():
 
 
 class KnobsAt(ControlSource):
-    """Sets run.log_samples=0 at the boundary before step `at`."""
+    """Sets run.log_samples=0 at the boundary before step `at` (the runner polls between
+    boundaries too, while an asynchronous step waits: the step decides, not the poll count)."""
 
     def __init__(self, at: int):
-        self.at, self.polls = at, 0
+        self.at, self.sent, self.runner = at, False, None
 
     def poll(self):
-        self.polls += 1
-        return [Command(SET_KNOBS, knobs={"run.log_samples": 0})] if self.polls == self.at else []
+        if self.sent or self.runner is None or self.runner.step < self.at - 1:
+            return []
+        self.sent = True
+        return [Command(SET_KNOBS, knobs={"run.log_samples": 0})]
 
 
 @pytest.mark.parametrize("preset,extra", [("april", []), ("async", []),
@@ -82,7 +85,9 @@ def test_a_run_records_bounded_rows_that_tell_each_samples_story(tmp_path, prese
                                    "run.log_samples=1", *extra])
     memory = MemorySink()
     sink = MultiSink([memory, JsonlSink(tmp_path)])
-    with Runner(cfg, tmp_path, sink=sink, controls=KnobsAt(4), system_telemetry=False) as r:
+    controls = KnobsAt(4)
+    with Runner(cfg, tmp_path, sink=sink, controls=controls, system_telemetry=False) as r:
+        controls.runner = r
         r.run()
     sink.close()
     rows = memory.sample_rows

@@ -52,21 +52,23 @@ def random_value(spec: C.ParamSpec, rng: random.Random):
 
 
 class RandomKnobs(ControlSource):
-    """Every CHANGE_EVERY polls, one to three random knobs; a stop when the test asks."""
+    """Every CHANGE_EVERY steps, one to three random knobs; a stop when the test asks. (The
+    runner also polls while an asynchronous step waits: steps, not polls, set the pace.)"""
 
-    def __init__(self, seed: int):
+    def __init__(self, seed: int, steps_done):
         self.rng = random.Random(seed)
         self.specs = tunable_keys()
-        self.polls = 0
+        self.steps_done = steps_done
+        self.changed_at = 0
         self.stop_requested_at: float | None = None
         self.sent: list[dict] = []
 
     def poll(self):
         if self.stop_requested_at is not None:
             return [Command(STOP)]
-        self.polls += 1
-        if self.polls % CHANGE_EVERY:
+        if self.steps_done() - self.changed_at < CHANGE_EVERY:
             return []
+        self.changed_at = self.steps_done()
         knobs = {s.name: random_value(s, self.rng)
                  for s in self.rng.sample(self.specs, self.rng.randint(1, 3))}
         self.sent.append(knobs)
@@ -95,7 +97,8 @@ def test_random_knob_values_keep_the_run_healthy(tmp_path, preset, seed):
     cfg = C.load(preset, TINY_RUN + ["rollout.max_response_len=48", "april.segment_max_tokens=24",
                                      "data.train_size=512",
                                      f"run.max_steps={10 * STEPS_BEFORE_STOP}"])
-    controls, sink = RandomKnobs(seed), WatchedSink()
+    sink = WatchedSink()
+    controls = RandomKnobs(seed, lambda: len(sink.watched))
     runner = Runner(cfg, tmp_path, sink=sink, controls=controls, system_telemetry=False,
                     log=lambda *a: None)
     sink.runner = runner

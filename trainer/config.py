@@ -108,7 +108,7 @@ class RolloutConfig:
     dynamic_sampling: bool = param(False, tunable=True, help="DAPO dynamic sampling: drop "
                                    "zero-variance groups and roll out more prompts until the step "
                                    "has rollout_batch_size effective groups")
-    max_sampling_rounds: int = param(8, min=1, max=1000, tunable=True,
+    max_sampling_rounds: int = param(8, min=1, max=64, tunable=True,
                                      help="most generation rounds per step: dynamic sampling's "
                                      "rounds, APRIL's segments per sample")
     stop: str = param("", help="extra stop strings, as a JSON list (e.g. '[\"</answer>\"]'); a "

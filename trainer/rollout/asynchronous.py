@@ -33,7 +33,8 @@ How the other techniques behave here (preset `all`):
 - GRESO: the pre-filter runs at admission, on the worker; p_easy/p_hard adapt once per
   training step from the groups that step consumed.
 - Dynamic sampling: zero-variance groups are dropped on completion and never queued, so the
-  trainer always receives B groups with signal.
+  trainer receives B groups with signal (after max_sampling_rounds x B filtered in a row the
+  next is queued anyway: no signal to find must not stall the run).
 The decoupled PPO loss (trainer/algo/decoupled.py) corrects for the staleness in training.
 
 Long because the worker and the trainer side share one lock-guarded state (queue, running
@@ -109,6 +110,7 @@ class AsyncDriver(Driver):
         self._busy_reported = 0.0            # busy_s at the last report
         self.ledger = TokenLedger()
         self._filtered_tokens = 0            # dropped by dynamic sampling, not yet in the ledger
+        self._filtered_in_a_row = 0          # groups dynamic sampling filtered since one was queued
 
     def held_tokens(self) -> int:
         with self.cond:
@@ -446,11 +448,19 @@ class AsyncDriver(Driver):
             for g in complete:
                 del self.running[id(g)]
                 self.scored.append(g)
-                if dynamic and filtered(g):
+                # dynamic sampling never waits forever for signal (a temperature or top_p that
+                # makes every answer alike): after max_sampling_rounds x B groups filtered in a
+                # row, as many as a synchronous step may draw, the next one is queued anyway and
+                # the objective leaves it out (counted as zero-variance waste)
+                give_up = (self.cfg.rollout.max_sampling_rounds
+                           * self.cfg.rollout.rollout_batch_size)
+                if dynamic and filtered(g) and self._filtered_in_a_row < give_up:
+                    self._filtered_in_a_row += 1
                     self.counts.filtered_groups += 1
                     self.counts.discarded_tokens += g.tokens()
                     self._filtered_tokens += g.tokens()
                     continue
+                self._filtered_in_a_row = 0
                 self.queue.append(g)
                 self.accepted += 1
             self.cond.notify_all()
