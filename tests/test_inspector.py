@@ -111,9 +111,10 @@ def test_a_run_records_bounded_rows_that_tell_each_samples_story(tmp_path, prese
     on_disk = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
     assert on_disk == rows
     if preset == "async":   # every trained sample has its mean behaviour weight, in [0, cap]
-        trained = [x for x in rows if x["advantage"]]   # zero-variance groups are not trained
+        trained = [x for x in rows if x["trained"] and x["advantage"]]   # not zero-variance, not surplus
         assert trained and all(x["tis_weight"] is not None for x in trained)
         assert all(0.0 <= x["tis_weight"] <= cfg.async_.behave_imp_cap for x in trained)
+        assert all(x["tis_weight"] is None for x in rows if not x["trained"])   # left out: no weight
 
 
 def test_the_samples_command(tmp_path, capsys):

@@ -253,6 +253,18 @@ class RunConfig:
                              "whose reward failed (0 = record none)")
 
 
+@dataclass
+class ClusterConfig:
+    train_procs: int = param(1, min=1, max=1024,
+                             help="training processes (torchrun ranks, one per GPU): rank 0 is the "
+                             "controller that owns the rollout, every rank trains its share of each "
+                             "batch; under an outside torchrun its world size must agree")
+    gen_procs: int = param(0, min=0, max=64,
+                           help="generation processes of the embedded engine, each on its own device "
+                           "where there are enough GPUs (0 = the engine runs in the controller, or in "
+                           "its one asynchronous worker process)")
+
+
 SECTIONS: dict[str, type] = {
     "model": ModelConfig,
     "data": DataConfig,
@@ -263,6 +275,7 @@ SECTIONS: dict[str, type] = {
     "greso": GresoConfig,
     "async": AsyncConfig,
     "run": RunConfig,
+    "cluster": ClusterConfig,
 }
 
 # `async` is a Python keyword: the section is [async] in TOML and dotted keys ("async.
@@ -281,6 +294,7 @@ class Config:
     greso: GresoConfig = field(default_factory=GresoConfig)
     async_: AsyncConfig = field(default_factory=AsyncConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return {name: dataclasses.asdict(self.section(name)) for name in SECTIONS}

@@ -35,6 +35,7 @@ SECTION_INTRO = {
     "greso": "GRESO selective rollouts (see algorithms.md).",
     "async": "Asynchronous training, AReaL style (see algorithms.md).",
     "run": "Length of the run, seeds, checkpoints, evaluation, the reward pool.",
+    "cluster": "Processes: training ranks under torchrun and generation processes (see scaling.md).",
 }
 
 # The switches that turn a technique on, for the preset summaries.

@@ -12,7 +12,7 @@ advantage, length, how it finished, the policy versions of its tokens as segment
 partial rollouts and asynchronous staleness), the mean importance weight of its tokens where it
 is known before the update (APRIL's TIS or mask weights; the asynchronous behaviour weight with
 `async.prox_logp = recompute`, not with `loglinear`, which the learner interpolates), the
-reward's status, and per token the text and log-probability. Rows go to the metrics sink
+reward's status, whether the update trained it, and per token the text and log-probability. Rows go to the metrics sink
 (`MetricsSink.samples`): samples.jsonl on the CLI, the database in the web app.
 """
 from __future__ import annotations
@@ -75,8 +75,9 @@ def _advantages(g, scale_by_std: bool) -> list[float | None]:
     return [float(a) for a in adv[0]]
 
 
-def rows(step: int, picks, tokenizer, version: int, cfg) -> list[dict[str, Any]]:
-    """The sink's rows for `picks`; `version` is the policy the step trained (before its update)."""
+def rows(step: int, picks, tokenizer, version: int, cfg, trained: set[int]) -> list[dict[str, Any]]:
+    """The sink's rows for `picks`; `version` is the policy the step trained (before its update),
+    `trained` the ids of the groups the update used (the others were scored and left out)."""
     out, advantages = [], {}
     for g, k, why in picks:
         if id(g) not in advantages:
@@ -97,7 +98,7 @@ def rows(step: int, picks, tokenizer, version: int, cfg) -> list[dict[str, Any]]
             "tis_weight": s.meta.get("is_weight"),
             "reward_status": status,
             "reward_error": g.reward_notes[k] if status != "ok" and k < len(g.reward_notes) else "",
-            "why": why,
+            "why": why, "trained": id(g) in trained,
             "tokens": tokenizer.batch_decode([[t] for t in ids]) if ids else [],
             "logprobs": [float(x) for x in s.logprobs],
         })
@@ -110,6 +111,8 @@ class InspectorRecorder:
     def __init__(self, tokenizer, seed: int):
         self.tokenizer, self.seed = tokenizer, seed
 
-    def record(self, step: int, groups, version: int, cfg) -> list[dict[str, Any]]:
+    def record(self, step: int, trained, left_out, version: int, cfg) -> list[dict[str, Any]]:
+        """Rows drawn among the groups the step `trained` on and those it scored and `left_out`."""
         rng = random.Random(self.seed * 1_000_003 + step)
-        return rows(step, pick(groups, cfg.run.log_samples, rng), self.tokenizer, version, cfg)
+        picks = pick(list(trained) + list(left_out), cfg.run.log_samples, rng)
+        return rows(step, picks, self.tokenizer, version, cfg, {id(g) for g in trained})

@@ -222,8 +222,9 @@ class Runner:
         t_samples = time.monotonic()   # after the update: it reports the behaviour weights
         if self.dist.is_main and cfg.run.log_samples:
             seen = {id(g) for g in groups}  # what the step trains on, and what it scored and left
-            shown = groups + [g for g in result.scored if id(g) not in seen]
-            self.sink.samples(self.step + 1, self.samples.record(self.step + 1, shown, self.version, cfg))
+            left_out = [g for g in result.scored if id(g) not in seen]
+            self.sink.samples(self.step + 1, self.samples.record(self.step + 1, groups, left_out,
+                                                                 self.version, cfg))
         samples_s = time.monotonic() - t_samples
 
         t0 = time.monotonic()
