@@ -165,8 +165,9 @@ def test_abort_returns_partials_and_resubmitting_continues_them(policy, server, 
         assert torch.allclose(torch.tensor(s.logprobs), full_forward_logprobs(model, s), atol=1e-4)
 
 
+@pytest.mark.parametrize("weight_sync", ["distributed", "disk"])
 def test_weight_updates_load_and_tag_tokens_with_the_servers_version(
-        policy, server, engines, tmp_path, monkeypatch, original_weights_after):
+        policy, server, engines, tmp_path, monkeypatch, original_weights_after, weight_sync):
     model, tok = policy
     reported = []   # (the server's weight_version spans, the version the call was sent under)
     real = SGLangEngine._token_versions
@@ -177,11 +178,16 @@ def test_weight_updates_load_and_tag_tokens_with_the_servers_version(
         return real(self, meta, n, dispatch_version)
 
     monkeypatch.setattr(SGLangEngine, "_token_versions", spy)
-    eng = engines(server.url, weights_dir=tmp_path)
+    eng = engines(server.url, weights_dir=tmp_path, weight_sync=weight_sync)
     new = perturbed(model, seed=1)
     eng.update_weights(new, version=1)
     info = eng._call(eng.servers[0], "GET", "/get_model_info")
     assert info["weight_version"] == "1"
+    assert eng.weight_sync == weight_sync and not eng.take_warnings()   # no fallback happened
+    # broadcast: nothing written; disk: one folder per version
+    assert (list(tmp_path.glob("v*")) == []) == (weight_sync == "distributed")
+    sent = sum(v.numel() * v.element_size() for k, v in new.items() if k != "lm_head.weight")
+    assert eng.last_sync_bytes == sent
     s = Sample(prompt(tok, QUESTIONS[0]), SamplingParams(temperature=1.0, max_new_tokens=16))
     eng.generate([s])
     assert set(s.versions) == {1}

@@ -96,6 +96,11 @@ class RolloutConfig:
     sglang_weights_dir: str = param("", help="engine=sglang: folder the new weights are written to "
                                     "for /update_weights_from_disk; must be readable by the "
                                     "servers (empty = RUN_DIR/engine_weights)")
+    sglang_weight_sync: str = param("distributed", choices=["distributed", "disk"],
+                                    help="engine=sglang: how new weights reach the servers: "
+                                    "broadcast over a torch.distributed group (NCCL or gloo, no "
+                                    "file; falls back to disk when it fails) or written to "
+                                    "sglang_weights_dir for /update_weights_from_disk")
     n_samples_per_prompt: int = param(8, min=1, max=256, help="responses per prompt (group size G)")
     rollout_batch_size: int = param(32, min=1, max=4096, help="groups (prompts) trained per step (N)")
     max_response_len: int = param(256, min=1, max=32768, help="most tokens in one response")

@@ -59,6 +59,7 @@ SCALARS: dict[str, str] = {
     "perf/gen_tokens_per_s": "generated tokens per second of generation",
     "perf/trained_tokens_per_s": "trained tokens per second of step",
     "perf/rollout_trained_tokens_per_s": "trained tokens per second of rollout",
+    "perf/weight_sync_bytes": "bytes the update copied to the generators (0: shared in process)",
     "timing/gen_s": "generation (asynchronous: waiting for groups)", "timing/reward_s": "rewards",
     "timing/train_s": "update", "timing/weight_sync_s": "weights to the engine",
     "timing/step_s": "whole step", "timing/samples_s": "recording samples (rollout inspector)",

@@ -289,6 +289,8 @@ class Runner:
             "perf/rollout_trained_tokens_per_s": trained_tokens / max(result.gen_seconds, 1e-9),
             "timing/train_s": train_s, "timing/samples_s": samples_s,
             "timing/weight_sync_s": sync_s, "timing/step_s": step_s, "actor/lr": cfg.optim.lr,
+            # what the update copied to the generators (0: the in-process engine shares them)
+            "perf/weight_sync_bytes": getattr(self.engine, "last_sync_bytes", 0),
             "train/policy_version": self.version, "rollout/trained_tokens": trained_tokens,
         })
         if self.dist.size > 1:

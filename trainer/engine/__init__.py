@@ -17,7 +17,8 @@ def build_engine(cfg, model, tokenizer, device, dtype, max_seq_len: int, *,
     process (`process.ProcessEngine`) on the same device and dtype, with
     `async.worker_threads` torch threads.
     sglang: an SGLangEngine over `cfg.rollout.sglang_urls` (checked with /health now: raises
-    EngineError when a server is unreachable). New weights are written under
+    EngineError when a server is unreachable). New weights are broadcast over a torch.distributed
+    group (`rollout.sglang_weight_sync = "distributed"`), else (or after that fails) written under
     `cfg.rollout.sglang_weights_dir`, else `weights_dir` (pass RUN_DIR/engine_weights), else a
     temporary folder; the servers must be able to read that path.
     Every engine stops a response at each stop token id (`trainer.model.stop_token_ids`: the
@@ -37,7 +38,8 @@ def build_engine(cfg, model, tokenizer, device, dtype, max_seq_len: int, *,
         return _with_stops(tokenizer, stops, SGLangEngine(
             urls, eos_token_ids=eos, model_config=model.config,
             weights_dir=r.sglang_weights_dir or weights_dir,
-            timeout_s=r.sglang_timeout_s, max_inflight=r.max_slots * len(urls)))
+            timeout_s=r.sglang_timeout_s, max_inflight=r.max_slots * len(urls),
+            weight_sync=r.sglang_weight_sync))
     if r.engine != "embedded":
         raise ValueError(f"rollout.engine: unknown engine {r.engine!r}")
     on_cuda = getattr(device, "type", str(device)) == "cuda"

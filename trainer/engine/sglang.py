@@ -17,12 +17,18 @@ It satisfies the same interface as the embedded engine (`trainer/engine/base.py`
   returns the partial samples once their responses come back (bounded wait; a response that
   never comes is dropped and the sample returned as it was before that call: nothing is lost
   or duplicated, the call's tokens are simply not kept).
-- `update_weights()` saves the tensors as a `save_pretrained`-style directory (safetensors +
-  config.json) under `weights_dir`, then on every server: `/pause_generation` (mode "abort":
-  requests in flight come back with what they generated so far), `/update_weights_from_disk`
-  with `weight_version`, `/flush_cache`, `/continue_generation`. The interrupted samples are
-  resubmitted by the engine itself, so every token keeps the version of the weights that
-  produced it (the embedded engine's `recompute_kv=True` behaviour; `recompute_kv` is ignored).
+- `update_weights()` on every server: `/pause_generation` (mode "abort": requests in flight
+  come back with what they generated so far), the new weights with `weight_version`,
+  `/flush_cache`, `/continue_generation`. The weights travel one of two ways (`weight_sync`):
+  "distributed": a torch.distributed group of this process (rank 0) and the servers, built once
+  with `/init_weights_update_group` (trainer/engine/weight_group.py), then per update
+  `/begin_weight_update`, `/update_weights_from_distributed` while this process broadcasts each
+  tensor, `/end_weight_update` -- no file; "disk": a `save_pretrained`-style directory
+  (safetensors + config.json) under `weights_dir` and `/update_weights_from_disk`. A group that
+  cannot be built or fails an update (a server gone) becomes a warning and the disk path from
+  then on. The interrupted samples are resubmitted by the engine itself, so every token keeps
+  the version of the weights that produced it (the embedded engine's `recompute_kv=True`
+  behaviour; `recompute_kv` is ignored). `last_sync_bytes`: what the last update moved.
 - connection errors, timeouts and HTTP 5xx are retried with exponential backoff (`backoff_s`,
   twice that, ... at most 10 s) up to `retries` times; then `EngineError` names the server URL
   and the call. HTTP 4xx is not retried. Control calls are retried by urllib3's `Retry`;
@@ -255,7 +261,7 @@ class SGLangEngine(RolloutEngine):
                  timeout_s: float = 300.0, connect_timeout_s: float = 5.0, retries: int = 3,
                  backoff_s: float = 0.2, max_inflight: int = 256, abort_timeout_s: float = 10.0,
                  wait_s: float = 0.05, keep_weight_versions: int = 2, check_health: bool = True,
-                 max_unrequested_aborts: int = 3):
+                 max_unrequested_aborts: int = 3, weight_sync: str = "disk"):
         self.servers = [_Server(u) for u in parse_urls(urls)]
         if not self.servers:
             raise ValueError("SGLangEngine needs at least one server URL")
@@ -268,6 +274,12 @@ class SGLangEngine(RolloutEngine):
         self.abort_timeout_s, self.wait_s = float(abort_timeout_s), float(wait_s)
         self.keep_weight_versions = max(1, int(keep_weight_versions))
         self.max_unrequested_aborts = int(max_unrequested_aborts)
+        if weight_sync not in ("distributed", "disk"):
+            raise ValueError(f"weight_sync: 'distributed' or 'disk', not {weight_sync!r}")
+        self.weight_sync = weight_sync
+        self._weight_group = None
+        self._weight_group_urls: list[str] = []
+        self.last_sync_bytes = 0
 
         self.version = 0
         self.generator = None  # no local sampling RNG (checkpoints store None)
@@ -383,12 +395,12 @@ class SGLangEngine(RolloutEngine):
             return out + collected
 
     def update_weights(self, named_tensors, version: int, recompute_kv: bool = False) -> None:
-        """Save the weights, then pause -> update_weights_from_disk -> flush -> continue on every
+        """Pause -> the new weights (broadcast, or from disk) -> flush -> continue on every
         server. Calls in flight are interrupted and resubmitted under the new weights, so their
         tokens keep exact versions (`recompute_kv` is implied)."""
         with self.lock:
             self._check_open()
-            path = self._save_weights(named_tensors, version)
+            tensors = self._tensors_to_send(named_tensors)
             for t in self._tickets.values():
                 t.update_abort = True
             paused: list[_Server] = []
@@ -397,16 +409,8 @@ class SGLangEngine(RolloutEngine):
                 for srv in self._live_servers():
                     if self._control(srv, "POST", "/pause_generation", {"mode": "abort"}) is not _DOWN:
                         paused.append(srv)
-                for srv in self._live_servers():
-                    res = self._control(srv, "POST", "/update_weights_from_disk",
-                                        {"model_path": str(path), "weight_version": str(version),
-                                         "flush_cache": True})
-                    if isinstance(res, dict) and res.get("success") is False:
-                        log.warning("SGLang server %s refused /update_weights_from_disk: %s",
-                                    srv.url, _snippet(json.dumps(res).encode()))
-                        raise EngineError(f"SGLang server {srv.url}: POST "
-                                          f"/update_weights_from_disk refused {path} "
-                                          "(its reply is in the worker's log)")
+                if not (self.weight_sync == "distributed" and self._broadcast(tensors, version)):
+                    self._load_from_disk(tensors, version)
                 self._published.add(int(version))
                 self.version = version
                 for srv in self._live_servers():
@@ -427,6 +431,109 @@ class SGLangEngine(RolloutEngine):
                     raise errors[0]
             self._dispatch()
 
+    def _load_from_disk(self, tensors: dict, version: int) -> None:
+        path = self._save_weights(tensors, version)
+        for srv in self._live_servers():
+            res = self._control(srv, "POST", "/update_weights_from_disk",
+                                {"model_path": str(path), "weight_version": str(version),
+                                 "flush_cache": True})
+            if isinstance(res, dict) and res.get("success") is False:
+                log.warning("SGLang server %s refused /update_weights_from_disk: %s",
+                            srv.url, _snippet(json.dumps(res).encode()))
+                raise EngineError(f"SGLang server {srv.url}: POST "
+                                  f"/update_weights_from_disk refused {path} "
+                                  "(its reply is in the worker's log)")
+        self.last_sync_bytes = sum(t.numel() * t.element_size() for t in tensors.values()) * len(
+            self._live_servers())
+
+    def _broadcast(self, tensors: dict, version: int) -> bool:
+        """The weights to every live server over the weight group; False (after a warning, and
+        with the disk path from now on) when the group cannot be built or the update fails."""
+        servers = self._live_servers()
+        try:
+            group = self._group_for(servers, next(iter(tensors.values())).device)
+            names = list(tensors)
+            body = {"names": names, "dtypes": [str(tensors[n].dtype).removeprefix("torch.") for n in names],
+                    "shapes": [list(tensors[n].shape) for n in names], "group_name": group.name,
+                    "weight_version": str(version), "flush_cache": True}
+            for srv in servers:
+                self._call(srv, "POST", "/begin_weight_update", {}, retry=False)
+            replies: dict[str, object] = {}
+
+            def receive(srv):
+                try:
+                    replies[srv.url] = self._call(srv, "POST", "/update_weights_from_distributed",
+                                                  body, retry=False)
+                except EngineError as e:
+                    replies[srv.url] = e
+
+            threads = [threading.Thread(target=receive, args=(srv,), daemon=True) for srv in servers]
+            for t in threads:
+                t.start()
+            for n in names:
+                group.broadcast(tensors[n])
+            for t in threads:
+                t.join(self.timeout_s)
+            for srv in servers:
+                self._call(srv, "POST", "/end_weight_update", {}, retry=False)
+            for url, reply in replies.items():
+                if isinstance(reply, EngineError):
+                    raise reply
+                if isinstance(reply, dict) and reply.get("success") is False:
+                    raise EngineError(f"SGLang server {url} refused /update_weights_from_distributed")
+            if len(replies) < len(servers):
+                raise EngineError("a server did not answer /update_weights_from_distributed in time")
+        except (EngineError, RuntimeError, OSError) as e:
+            self._close_group()
+            self.weight_sync = "disk"
+            self._warn(f"weights over torch.distributed failed ({e}); "
+                       "/update_weights_from_disk from now on")
+            return False
+        self.last_sync_bytes = sum(t.numel() * t.element_size() for t in tensors.values()) * len(servers)
+        return True
+
+    def _group_for(self, servers: list[_Server], device):
+        """The weight group with exactly these servers, built on first use."""
+        from trainer.engine.weight_group import WeightGroup
+
+        urls = [srv.url for srv in servers]
+        if self._weight_group is not None and self._weight_group_urls == urls:
+            return self._weight_group
+        self._close_group()   # a server left: a new group with those still in service
+        tp = []
+        for srv in servers:
+            info = self._call(srv, "GET", "/server_info")
+            tp.append(int(info.get("tp_size", 1)) if isinstance(info, dict) else 1)
+        by_url = {srv.url: srv for srv in servers}
+        self._weight_group = WeightGroup(
+            urls, tp, name=f"rlpilot-{self._nonce}-{next(self._calls)}", timeout_s=self.timeout_s,
+            backend="nccl" if getattr(device, "type", "cpu") == "cuda" else "gloo",
+            join=lambda url, body: self._call(by_url[url], "POST", "/init_weights_update_group",
+                                              body, retry=False))
+        self._weight_group_urls = urls
+        return self._weight_group
+
+    def _close_group(self) -> None:
+        group, self._weight_group = self._weight_group, None
+        if group is None:
+            return
+        group.close()
+        for srv in self.servers:   # the servers still up let go of their end
+            if not srv.down and srv.url in self._weight_group_urls:
+                try:
+                    self._call(srv, "POST", "/destroy_weights_update_group",
+                               {"group_name": group.name}, retry=False, timeout=5.0)
+                except EngineError:
+                    pass
+
+    def _tensors_to_send(self, named_tensors) -> dict:
+        """The servers' weights: rotary caches left out, and the head when it is the (tied)
+        embedding; contiguous, on the trainer's device."""
+        tied = bool(getattr(self.model_config, "tie_word_embeddings", False))
+        items = named_tensors.items() if hasattr(named_tensors, "items") else named_tensors
+        return {name: t.detach().contiguous() for name, t in items
+                if not name.endswith("inv_freq") and not (tied and name == "lm_head.weight")}
+
     def close(self) -> None:
         with self.lock:
             if self._closed.is_set():
@@ -439,6 +546,7 @@ class SGLangEngine(RolloutEngine):
                                    retry=False, timeout=2.0)
                     except EngineError:
                         pass
+            self._close_group()
             self._queue.clear()
             self._tickets.clear()
             self._finished.clear()
@@ -776,14 +884,10 @@ class SGLangEngine(RolloutEngine):
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
         (tmp / WEIGHTS_MARKER).write_text(f"written by rlpilot's SGLang engine, version {int(version)}\n")
-        tied = bool(getattr(self.model_config, "tie_word_embeddings", False))
-        items = named_tensors.items() if hasattr(named_tensors, "items") else named_tensors
         tensors: dict[str, Any] = {}
         seen: set[int] = set()
         with torch.no_grad():
-            for name, t in items:
-                if name.endswith("inv_freq") or (tied and name == "lm_head.weight"):
-                    continue
+            for name, t in named_tensors.items():
                 t = t.detach().to("cpu").contiguous()
                 ptr = t.untyped_storage().data_ptr()
                 if ptr in seen:  # safetensors refuses shared storage
