@@ -5,8 +5,10 @@ tests see exactly which processes torchrun started and whether they are gone.
 - the parent (a Python process holding a TorchrunProcess) SIGKILLed: torchrun and both ranks
   end (PR_SET_PDEATHSIG on torchrun, which forwards SIGTERM to its ranks);
 - torchrun itself SIGKILLed: the ranks end (die_with_launcher);
-- stop(): everything ends; a failing rank: a non-zero status and its error in the stderr tail.
+- stop(): everything ends; a failing rank: a non-zero status and its error in the stderr tail;
+- `python -m trainer run PRESET --set cluster.train_procs=2` re-launches itself under torchrun.
 """
+import json
 import os
 import signal
 import subprocess
@@ -171,3 +173,22 @@ def test_a_failing_rank_gives_a_status_and_its_error(tmp_path, rank_script):
     assert rc != 0
     assert "rank 1 cannot go on: bad input" in proc.stderr_tail(60), proc.stderr_tail(60)
     assert not any(_alive(p) for p in _pids(out).values())
+
+
+def test_the_cli_relaunches_itself_under_torchrun(tmp_path):
+    out = tmp_path / "run"
+    sets = ["rollout.rollout_batch_size=4", "rollout.n_samples_per_prompt=4", "rollout.max_response_len=48",
+            "rollout.max_slots=16", "run.eval_every=0", "run.checkpoint_every=0", "run.reward_workers=0",
+            "model.threads=1", "run.max_steps=2", "cluster.train_procs=2"]
+    cmd = [sys.executable, "-m", "trainer", "run", "demo", "--out", str(out)]
+    for s in sets:
+        cmd += ["--set", s]
+    env = {k: v for k, v in _env().items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
+    proc = subprocess.run(cmd, cwd=ROOT, env=dict(env, RLPILOT_DIST_TIMEOUT_S="90"), capture_output=True,
+                          text=True, timeout=150)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "training under torchrun" in proc.stdout
+    summaries = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith('{"status"')]
+    assert len(summaries) == 1 and summaries[0]["samples_total"] == 32   # rank 0's, over both ranks
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2] and rows[0]["dist/world_size"] == 2
