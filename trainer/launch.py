@@ -31,6 +31,7 @@ from __future__ import annotations
 import collections
 import ctypes
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -39,7 +40,9 @@ from typing import IO, Sequence
 
 PR_SET_PDEATHSIG = 1     # <linux/prctl.h>
 LAUNCHER_PID_ENV = "RLPILOT_LAUNCHER_PID"   # torchrun's pid, for its ranks (die_with_launcher)
-TAIL_LINES = 60
+TAIL_LINES = 200
+# torchrun's own log lines (glog style: "E1202 10:04:05.508000 12654 .../torch/distributed/...] ...")
+TORCHRUN_LOG = re.compile(r"^[IWEF]\d{4} [\d:.]+ +\d+ \S*torch/distributed/")
 
 
 def torchrun_argv(target: Sequence[str], nproc: int, *, nnodes: int = 1, node_rank: int | None = None,
@@ -172,6 +175,17 @@ class TorchrunProcess:
 
     def stderr_tail(self, lines: int = 20) -> str:
         return "\n".join(list(self.tail)[-lines:])
+
+    def error_tail(self, lines: int = 20) -> str:
+        """The last lines the ranks wrote before torchrun's failure report (its log lines, its
+        ChildFailedError traceback and table say only which rank exited), else stderr_tail()."""
+        tail = list(self.tail)
+        report = next((i for i, line in enumerate(tail)
+                       if TORCHRUN_LOG.match(line) and "failed (exitcode" in line), None)
+        if report is None:
+            return self.stderr_tail(lines)
+        ranks = [line for line in tail[:report] if not TORCHRUN_LOG.match(line)]
+        return "\n".join((ranks or tail[report:report + 1])[-lines:])
 
     def stop(self, grace_s: float = 30.0) -> int | None:
         """SIGTERM torchrun's process group (torchrun forwards it to the ranks), SIGKILL it

@@ -160,9 +160,8 @@ def train_under_torchrun(rid: int, procs: int, resume_from_ckpt: bool) -> str:
                 actions.heartbeat(rid)   # this worker and its torchrun are alive
     finally:
         proc.stop()   # nothing left behind if this process is interrupted
-        close_old_connections()
     if rc != 0:
-        tail = proc.stderr_tail(20)
+        tail = proc.error_tail(20)
         actions.end_run(rid, Status.FAILED, error=validation.clip(
             f"the training processes failed (torchrun exit status {rc}): {tail}", 2000))
     return Run.objects.filter(pk=rid).values_list("status", flat=True).first() or "missing"
