@@ -38,6 +38,7 @@ def test_the_launch_refuses_more_training_processes_than_the_setting(alice, tiny
 
 def test_the_worker_refuses_more_than_its_machine_holds(user, tiny, settings, monkeypatch):
     settings.RLPILOT_MAX_TRAIN_PROCS = 0
+    monkeypatch.setattr(validation.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
     monkeypatch.setattr(validation.os, "cpu_count", lambda: 2)
     run = queued_run(user, tiny, **{"cluster.train_procs": 3, "model.device": "cpu"})
     assert tasks.execute(Run.objects.get(pk=run.pk)) == Status.FAILED

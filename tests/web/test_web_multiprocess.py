@@ -25,12 +25,16 @@ from webapp.dashboard.models import KnobChange, MetricPoint, Run, RunEvent
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow, pytest.mark.timeout(300)]
 
-PRESET = "demo"
 FORM = {"rollout.rollout_batch_size": "4", "rollout.n_samples_per_prompt": "4",
         "rollout.max_response_len": "48", "rollout.max_slots": "16", "run.eval_every": "0",
         "run.checkpoint_every": "2", "run.reward_workers": "0", "model.threads": "1",
-        "run.max_steps": "3000", "cluster.train_procs": "2"}
-LAYOUT = "2 training processes"
+        "run.max_steps": "3000"}
+# (preset, its cluster fields, the layout the run page shows, whether the run starts engine
+# processes (`python -m trainer.engine.process`) that the kill must end too)
+CASES = [
+    pytest.param("demo", {"cluster.train_procs": "2"}, "2 training processes", False, id="demo-2"),
+]
+ENGINE_CHILD = "trainer.engine.process"
 NEW_LR = "3e-5"
 REWARD_POINTS = "() => (document.querySelector('#chart-reward').calcdata || [[]])[0].length"
 GONE_WITHIN_S = 60.0
@@ -88,11 +92,25 @@ def _step(page) -> int:
     return int(page.locator("#run-step").inner_text() or 0)
 
 
-def test_a_two_process_run_from_the_form(live_asgi, celery_worker, django_user_model, monkeypatch, tmp_path):
+def engine_children(tree: list[psutil.Process]) -> list[psutil.Process]:
+    out = []
+    for p in tree:
+        try:
+            if ENGINE_CHILD in " ".join(p.cmdline()):
+                out.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return out
+
+
+@pytest.mark.parametrize("preset,cluster,layout,engine_procs", CASES)
+def test_a_multi_process_run_from_the_form(preset, cluster, layout, engine_procs, live_asgi, celery_worker,
+                                           django_user_model, monkeypatch, tmp_path):
     assert shutil.which(CHROMIUM), f"{CHROMIUM} is missing (apt-get install -y chromium)"
     from playwright.sync_api import expect, sync_playwright
 
     django_user_model.objects.create_user("mp", password="mp-pw-123")
+    form = {**FORM, **cluster}
     monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")   # Playwright's loop in this thread
     errors = []
     with sync_playwright() as p:
@@ -105,12 +123,12 @@ def test_a_two_process_run_from_the_form(live_asgi, celery_worker, django_user_m
             browser_login(page, live_asgi, "mp", "mp-pw-123")
 
             # launch: the cluster fields are in the form, with a note on what they start
-            page.fill("#id_name", "two ranks")
-            page.select_option("#id_preset", PRESET)
+            page.fill("#id_name", f"{preset} in several processes")
+            page.select_option("#id_preset", preset)
             page.evaluate("document.querySelectorAll('details.section').forEach(d => d.open = true)")
             expect(page.locator("#note-cluster")).to_contain_text("torchrun")
             expect(page.locator("#f-cluster\\.gen_procs")).to_be_visible()
-            for key, value in FORM.items():
+            for key, value in form.items():
                 page.fill("#f-" + key.replace(".", "\\."), value)
             page.click("#launch-submit")
             try:
@@ -119,12 +137,13 @@ def test_a_two_process_run_from_the_form(live_asgi, celery_worker, django_user_m
                 raise AssertionError("the launch form refused the run: "
                                      f"{page.locator('.field-error').all_inner_texts()}") from None
             rid = int(re.search(r"/runs/(\d+)/", page.url).group(1))
-            assert Run.objects.get(pk=rid).config["cluster"]["train_procs"] == 2
-            expect(page.locator("#run-layout")).to_have_text(LAYOUT)
+            config = Run.objects.get(pk=rid).config["cluster"]
+            assert {f"cluster.{k}": str(v) for k, v in config.items() if f"cluster.{k}" in cluster} == cluster
+            expect(page.locator("#run-layout")).to_have_text(layout)
 
             # watched: both ranks run under one torchrun, the reward chart draws
             expect(page.locator("#run-status")).to_have_text("running", timeout=60_000)
-            launcher, ranks, tree = torchrun_and_ranks(rid)
+            launcher, ranks, _ = torchrun_and_ranks(rid)
             page.wait_for_function(f"() => ({REWARD_POINTS})() >= 2", timeout=120_000)
             reward = page.evaluate(DRAWN)["chart-reward"][0]
             assert reward["n"] >= 2 and reward["finite"] == reward["n"], reward
@@ -143,6 +162,9 @@ def test_a_two_process_run_from_the_form(live_asgi, celery_worker, django_user_m
             while not MetricPoint.objects.filter(run_id=rid, key="actor/lr", value=3e-5).exists():
                 assert time.monotonic() < deadline, "no step trained with the new learning rate"
                 time.sleep(0.3)
+
+            tree = launcher.children(recursive=True)   # the engine's processes started by now
+            assert bool(engine_children(tree)) == engine_procs, [p.cmdline() for p in tree]
 
             # pause holds every rank at a step boundary; resume goes on
             page.click("#btn-pause")
@@ -172,6 +194,7 @@ def test_a_two_process_run_from_the_form(live_asgi, celery_worker, django_user_m
             page.wait_for_function(f"() => Number(document.querySelector('#run-step').textContent) >= "
                                    f"{stopped_at + 2}", timeout=120_000)
             tree2 = launcher2.children(recursive=True)
+            assert bool(engine_children(tree2)) == engine_procs, [p.cmdline() for p in tree2]
             assert Run.objects.get(pk=rid).knobs["optim.lr"] == pytest.approx(3e-5)   # kept on resume
 
             # kill: the worker child is SIGKILLed; torchrun, the ranks and their children end

@@ -190,7 +190,8 @@ def machine_train_procs(device: str) -> tuple[int, str]:
 
     if resolve_device(device).type == "cuda":
         return torch.cuda.device_count(), "GPU"
-    return os.cpu_count() or 1, "CPU"
+    cores = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
+    return len(cores), "CPU"   # the cores this process may use (a container's, a taskset's)
 
 
 def train_procs_problem(cfg: config_mod.Config, on_worker: bool) -> str | None:
