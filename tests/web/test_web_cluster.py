@@ -60,3 +60,16 @@ def test_a_failing_torchrun_fails_the_run_with_its_error(user, tiny, monkeypatch
     assert run.status == Status.FAILED and run.started_at and run.finished_at
     assert "the training processes failed (torchrun exit status 1)" in run.error, run.error
     assert "rank cannot start: no such device cuda:7" in run.error, run.error
+
+
+def test_the_pages_show_the_process_layout(alice, user, tiny, make_run):
+    one = make_run(user, status="finished")
+    several = make_run(user, status="finished")
+    several.config["cluster"] = {"train_procs": 2, "gen_procs": 1}
+    several.save(update_fields=["config"])
+    for url in ("/runs/{}/", "/runs/{}/report/"):
+        assert "2 training processes + 1 generation process" in alice.get(url.format(several.pk)).content.decode()
+        page = alice.get(url.format(one.pk)).content.decode()
+        assert "1 process" in page and "training processes" not in page
+    form = alice.get("/").content.decode()
+    assert 'id="f-cluster.train_procs"' in form and 'id="note-cluster"' in form
