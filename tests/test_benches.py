@@ -120,3 +120,17 @@ def test_time_to_accuracy_and_the_curve_of_a_real_run():
     assert [t for t, _ in curve] == sorted(t for t, _ in curve) and len(curve) >= 3   # steps 0, 1, 2
     assert curve[0][0] == 0.0 and all(0 <= acc <= 1 for _, acc in curve)
     assert run["buffer_tokens_at_end"] >= 0
+
+
+def test_bench_scale_runs_each_layout_from_the_cli_and_reports_its_overhead():
+    from trainer.bench import scale
+
+    out = scale.run(argparse.Namespace(preset="demo", steps=2, seed=0, reps=1, threads=1,
+                                       layouts="1_process,2_train", timeout=300.0,
+                                       set=[*TINY, "run.max_steps=2"]), log=lambda *a: None)
+    one, two = out["1_process"], out["2_train"]
+    assert one["steps"] == two["steps"] == 2
+    assert one["train_share_imbalance"] == 1.0 and two["train_share_imbalance"] >= 1.0
+    assert {"weight_sync_s_per_step", "weight_sync_bytes_per_step", "gen_or_wait_s_per_step",
+            "train_s_per_step", "trained_token_share"} <= set(two) and two["step_s"] > 0
+    assert out["ratio"]["step_time_2_train"] == round(two["step_s"] / one["step_s"], 3)

@@ -1,16 +1,15 @@
-"""Data-parallel training (trainer/distributed.py) with two CPU processes on the gloo backend.
+"""Several training processes (trainer/distributed.py, trainer/training_ranks.py): two CPU
+processes on the gloo backend, rank 0 the controller.
 
 - the learner: one update split over two ranks (unevenly, and with one rank holding nothing)
-  equals the single-process update on the union of the sequences;
-- the runner: two ranks stay identical, split the prompts without duplicates, only rank 0
-  writes metrics/checkpoints, a knob change reaches both ranks before the same step, and what
-  data parallelism does not support is refused by name;
+  equals the single-process update on the union of the sequences; the token-balanced cut;
+- the runner, in every mode (sync, APRIL, GRESO, async, all): both ranks hold the same weights,
+  no prompt is drawn twice, only rank 0 reports, a knob change reaches the training rank with the
+  step it applies to, the staleness bound holds; a synchronous run equals the one-process run
+  (rank 0 samples what one process samples); checkpoints resume with another number of processes;
 - the CLI under torchrun.
-
-Sampling differs between a 2-process and a 1-process run on the same prompts (the engine draws
-one random number stream per decode batch, and the batches differ), so the end-to-end runs are
-compared on the properties above, and the exact equivalence is checked on the update itself.
 """
+import hashlib
 import json
 import os
 import socket
@@ -23,8 +22,8 @@ import torch
 import torch.multiprocessing as mp
 
 from trainer import config as C
-from trainer import distributed
-from trainer.controls import SET_KNOBS, STOP, Command, ControlSource
+from trainer import distributed, training_ranks
+from trainer.controls import SET_KNOBS, Command, ControlSource
 from trainer.learner import Learner, TrainSequence
 from trainer.metrics import JsonlSink
 
@@ -125,137 +124,211 @@ def test_update_split_over_two_ranks_equals_the_single_process_update(tmp_path):
                                    msg=name)
 
 
-# --- the runner ------------------------------------------------------------------------------------
+# --- the layout: rank 0 the controller, every rank trains its share --------------------------------
 
-class Scripted(ControlSource):
-    def __init__(self, script):
-        self.script = list(script)
+def test_shares_balance_tokens_longest_first():
+    # longest first, each to the lighter share (ties to rank 0): 9 -> r0, 7 -> r1, 5 -> r1 (7 < 9),
+    # 4 -> r0 (9 < 12), 3 -> r0 (13 > 12? no: r1 has 12, r0 13) -> r1, 1 -> r0
+    assert training_ranks.shares([5, 9, 1, 7, 3, 4], 2) == [[1, 2, 5], [0, 3, 4]]
+    assert training_ranks.shares([4, 4, 4], 3) == [[0], [1], [2]]
+    assert training_ranks.shares([2], 3) == [[0], [], []]   # a rank may hold nothing
+    cut = training_ranks.shares(list(range(1, 40)), 4)
+    loads = [sum(range(1, 40)[i] for i in part) for part in cut]
+    assert sorted(i for part in cut for i in part) == list(range(39))
+    assert max(loads) - min(loads) <= 1
+    assert training_ranks.mini_batches(list("abcdefg"), 3) == [list("adg"), list("be"), list("cf")]
+
+
+class KnobsAt(ControlSource):
+    """One knob change, read once the run has finished `after` steps (whenever it polls)."""
+
+    def __init__(self, after: int, knobs: dict):
+        self.after, self.knobs, self.sent, self.runner = after, knobs, False, None
 
     def poll(self):
-        return self.script.pop(0) if self.script else []
+        if self.sent or self.runner is None or self.runner.step < self.after:
+            return []
+        self.sent = True
+        return [Command(SET_KNOBS, knobs=self.knobs)]
 
 
-def _runner_worker(rank, port, run_dir):
+def _digest(model) -> str:
+    h = hashlib.sha256()
+    for _, p in sorted(model.named_parameters()):
+        h.update(p.detach().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+MODES = {  # mode: (preset, settings that make each technique act within 3 tiny steps)
+    "sync": ("demo", []),
+    "april": ("april", ["april.segment_max_tokens=12"]),
+    "greso": ("greso", []),
+    "async": ("async", []),
+    "all": ("all", ["april.segment_max_tokens=16", "async.max_inflight=8"]),
+}
+LR = 5e-5
+
+
+def _mode_config(mode: str, steps: int = 3):
+    preset, extra = MODES[mode]
+    return C.load(preset, TINY + extra + [f"run.max_steps={steps}", "run.checkpoint_every=1",
+                                          "run.keep_checkpoints=5", "run.log_samples=2"])
+
+
+def _mode_worker(rank, port, run_dir, mode):
     from trainer.runner import Runner
 
     _join(rank, 2, port)
     run_dir = Path(run_dir)
-    # refused by name before anything is loaded
-    refused = {}
-    for extra in (["async.enabled=true"], ["rollout.rollout_batch_size=3"]):
-        try:
-            Runner(C.load("demo", TINY + extra), run_dir / "refused")
-        except C.ConfigError as e:
-            refused.update(e.errors)
-    cfg = C.load("demo", TINY + ["run.max_steps=2"])
-    if rank == 0:  # before step 1: a change data parallelism refuses; before step 2: one it takes
-        controls = Scripted([[Command(SET_KNOBS, knobs={"april.enabled": True})],
-                             [Command(SET_KNOBS, knobs={"optim.lr": 5e-5,
-                                                        "rollout.temperature": 0.7})]])
-    else:  # never read: only rank 0's controls count
-        controls = Scripted([[Command(STOP)]])
-    runner = Runner(cfg, run_dir, sink=JsonlSink(run_dir / f"sink{rank}"), controls=controls,
-                    system_telemetry=False)
-    draws, seen = [], []
-    pull = runner.prompts.next
+    controls = KnobsAt(1, {"optim.lr": LR})   # read by rank 0 only
+    runner = Runner(_mode_config(mode), run_dir, sink=JsonlSink(run_dir / f"sink{rank}"),
+                    controls=controls, system_telemetry=False)
+    controls.runner = runner
+    seen, draws = [], []
+    if rank == 0:
+        pull, train_step = runner.prompts.next, runner.train_step
 
-    def next_prompt():
-        draw, problem = pull()
-        draws.append(draw)
-        return draw, problem
+        def next_prompt():
+            draw, problem = pull()
+            draws.append(draw)
+            return draw, problem
 
-    runner.prompts.next = next_prompt
-    train_step = runner.train_step
+        def step():
+            seen.append((runner.step + 1, runner.cfg.optim.lr, _digest(runner.model)))
+            return train_step()
 
-    def step():
-        seen.append({"step": runner.step + 1, "lr": runner.cfg.optim.lr,
-                     "temperature": runner.cfg.rollout.temperature,
-                     "april": runner.cfg.april.enabled})
-        return train_step()
+        runner.prompts.next, runner.train_step = next_prompt, step
+    else:
+        follow_step = runner._follow_step
 
-    runner.train_step = step
+        def follow(step, cfg):
+            seen.append((step, cfg.optim.lr, _digest(runner.model)))
+            follow_step(step, cfg)
+
+        runner._follow_step = follow
     with runner:
         status = runner.run()
-    weights = {n: p.detach().clone() for n, p in runner.model.named_parameters()}
-    rng = runner.engine.generator.get_state()
-    # resume: every rank loads the same checkpoint, and its own sampling RNG stream
-    resumed = Runner(C.load("demo", TINY + ["run.max_steps=3"]), run_dir, resume=True,
-                     sink=JsonlSink(run_dir / f"sink{rank}"), system_telemetry=False)
-    same_rng = torch.equal(resumed.engine.generator.get_state(), rng)
-    start = (resumed.step, resumed.prompts.cursor, resumed.cfg.optim.lr)
-    pull = resumed.prompts.next
-    resumed.prompts.next = next_prompt
-    with resumed:
-        resumed.run()
-    torch.save({"status": status, "draws": draws, "seen": seen, "weights": weights,
-                "refused": refused, "totals": runner.totals, "cursor": runner.prompts.cursor,
-                "same_rng": same_rng, "start": start,
-                "resumed": {n: p.detach().clone() for n, p in resumed.model.named_parameters()}},
+    torch.save({"status": status, "seen": seen, "draws": draws, "final": _digest(runner.model)},
                run_dir / f"rank{rank}.pt")
     _finish()
 
 
-def test_two_ranks_train_in_step_and_only_rank_0_reports(tmp_path):
-    _spawn(_runner_worker, _free_port(), str(tmp_path))
+def _rows(path: Path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", list(MODES))
+def test_every_mode_trains_over_two_ranks_with_one_controller(tmp_path, mode):
+    _spawn(_mode_worker, _free_port(), str(tmp_path), mode)
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1))
     assert r0["status"] == r1["status"] == "finished"
-    for name, w in r0["weights"].items():
-        assert torch.equal(w, r1["weights"][name]), name
-    # prompts: each rank 2 per step, none twice, together exactly the single-process draws
-    assert sorted(r0["draws"][:4] + r1["draws"][:4]) == list(range(8))
-    assert not set(r0["draws"]) & set(r1["draws"])
-    assert r0["cursor"] == r1["cursor"] == 8
-    # the knob change sent to rank 0 before step 2 is applied on both ranks before step 2
-    assert r0["seen"] == r1["seen"] == [
-        {"step": 1, "lr": C.load("demo").optim.lr, "temperature": 1.0, "april": False},
-        {"step": 2, "lr": 5e-5, "temperature": 0.7, "april": False}]
-    # metrics, events and the checkpoint come from rank 0 only, with global values
-    assert (tmp_path / "sink1" / "metrics.jsonl").read_text() == ""
-    assert (tmp_path / "sink1" / "events.jsonl").read_text() == ""
-    rows = [json.loads(x) for x in (tmp_path / "sink0" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2, 3]  # 3: the resumed run below
-    rows = rows[:2]
-    assert rows[-1]["dist/world_size"] == 2
-    assert [r["rollout/samples"] for r in rows] == [16, 16]  # 4 groups x 4 over both ranks
-    assert rows[-1]["train/samples_total"] == 32 == r0["totals"]["samples"] == r1["totals"]["samples"]
-    assert r0["totals"] == r1["totals"]
-    assert rows[-1]["train/trained_tokens_total"] == r0["totals"]["trained_tokens"]
-    assert rows[-1]["actor/lr"] == 5e-5
-    for r in rows:
-        assert 0.0 <= r["reward/accuracy"] <= 1.0 and r["rollout/response_len/max"] >= r[
-            "rollout/response_len/mean"] >= 0
-    hists = [json.loads(x) for x in (tmp_path / "sink0" / "histograms.jsonl").read_text().splitlines()]
-    assert [sum(h["counts"]) for h in hists] == [16, 16, 16]
-    events = [json.loads(x) for x in (tmp_path / "sink0" / "events.jsonl").read_text().splitlines()]
-    rejected = [e for e in events if e["kind"] == "knob_rejected"]
-    assert len(rejected) == 1 and "april.enabled" in rejected[0]["errors"]
+    # both ranks hold the same weights before every step and at the end, and see the same
+    # config: the knob change read after step 1 is applied on both at step 2
+    lr0 = C.load(MODES[mode][0]).optim.lr
+    assert [s[:2] for s in r0["seen"]] == [(1, lr0), (2, LR), (3, LR)]
+    assert r0["seen"] == r1["seen"] and r0["final"] == r1["final"]
+    assert r0["seen"][0][2] != r0["final"]   # guard: the updates moved them
+    # one data cursor: no prompt drawn twice
+    assert r0["draws"] and len(r0["draws"]) == len(set(r0["draws"]))
+    assert r1["draws"] == []
+    # only rank 0 reports
+    assert not _rows(tmp_path / "sink1" / "metrics.jsonl") and not _rows(tmp_path / "sink1" / "events.jsonl")
+    rows = _rows(tmp_path / "sink0" / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(r["dist/world_size"] == 2 and r["dist/train_share_imbalance"] >= 1.0 for r in rows)
+    assert sum(r["rollout/trained_tokens"] for r in rows) > 0
+    events = _rows(tmp_path / "sink0" / "events.jsonl")
     assert [e["step"] for e in events if e["kind"] == "knob_applied"] == [1]
+    if mode == "april":   # the segment limit parks answers: partial rollouts happened
+        assert sum(r.get("april/parked", 0) for r in rows) > 0
+    if mode in ("greso", "all"):
+        assert all("greso/skip_rate" in r for r in rows)
+    if mode in ("async", "all"):   # the staleness bound over the whole system
+        eta = _mode_config(mode).async_.max_staleness
+        assert all(r["async/staleness/max"] <= eta for r in rows)
+        samples = _rows(tmp_path / "sink0" / "samples.jsonl")
+        trained = [x for x in samples if x["trained"] and x["advantage"]]
+        assert trained and all(x["staleness"] <= eta for x in trained)
+        assert all(x["tis_weight"] is not None for x in trained if _mode_config(mode).async_.prox_logp
+                   == "recompute")   # measured on either rank, reported back to rank 0
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [
-        "step_000002", "step_000003"]
+        "step_000001", "step_000002", "step_000003"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["sync", "april", "greso"])
+def test_a_synchronous_run_over_two_ranks_equals_the_one_process_run(tmp_path, mode):
+    """Rank 0 samples exactly what one process samples, and the shared update equals the whole
+    one: identical up to the first update (its float rounding may then change a sampled token)."""
+    from trainer.model import load_model
+    from trainer.runner import Runner
+
+    _spawn(_mode_worker, _free_port(), str(tmp_path / "two"), mode)
+    with Runner(_mode_config(mode), tmp_path / "one", sink=JsonlSink(tmp_path / "one"),
+                controls=KnobsAt(1, {"optim.lr": LR}), system_telemetry=False) as runner:
+        runner.controls.runner = runner
+        runner.run()
+    two = _rows(tmp_path / "two" / "sink0" / "metrics.jsonl")
+    one = _rows(tmp_path / "one" / "metrics.jsonl")
+    first = next((i for i, r in enumerate(one) if r["rollout/trained_tokens"]), None)
+    assert first is not None, "no step trained anything: the comparison proves nothing"
+    for step in range(first + 1):
+        for key in ("rollout/gen_tokens", "rollout/samples", "rollout/trained_tokens", "reward/mean",
+                    "april/buffer_size", "april/parked", "greso/prompts_sampled"):
+            if key in one[step]:
+                assert two[step][key] == one[step][key], (step, key)
+    for key in ("actor/pg_loss", "actor/loss_tokens", "actor/entropy", "actor/grad_norm"):
+        assert two[first][key] == pytest.approx(one[first][key], rel=1e-4, abs=1e-7), key
+    ckpt = f"checkpoints/step_{first + 1:06d}/model"
+    a = load_model(str(tmp_path / "two" / ckpt), torch.device("cpu"), torch.float32)
+    b = load_model(str(tmp_path / "one" / ckpt), torch.device("cpu"), torch.float32)
+    for (name, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-5, msg=name)
+
+
+def _resume_worker(rank, port, run_dir, steps):
+    from trainer.runner import Runner
+
+    _join(rank, 2, port)
+    run_dir = Path(run_dir)
+    runner = Runner(_mode_config("all", steps), run_dir, resume=True,
+                    sink=JsonlSink(run_dir / f"resumed{rank}"), system_telemetry=False)
+    with runner:
+        status = runner.run()
+    torch.save({"status": status, "final": _digest(runner.model),
+                "start": getattr(runner, "prompts", None) and runner.prompts.cursor},
+               run_dir / f"resumed{rank}.pt")
+    _finish()
+
+
+@pytest.mark.slow
+def test_checkpoints_resume_on_another_number_of_processes(tmp_path):
+    """2 ranks -> 1 process -> 2 ranks, the `all` preset: each resume goes on from the last step
+    with the controller's state (APRIL's buffer, GRESO, the cursor, the asynchronous queue)."""
     from trainer import checkpoint
-    _, trainer_state = checkpoint.load(tmp_path / "checkpoints" / "step_000002")
-    assert len(trainer_state["rng_ranks"]) == 2
-    # refused by name: async with two processes, a batch that does not split evenly
-    assert "async.enabled" in r0["refused"] and "one process" in r0["refused"]["async.enabled"]
-    assert "rollout.rollout_batch_size" in r1["refused"]
-    # resumed on both ranks from the one checkpoint: same step, cursor and knobs, each rank's own
-    # sampling RNG, one more step in lockstep on the next prompts
-    assert r0["start"] == r1["start"] == (2, 8, 5e-5)
-    assert r0["same_rng"] and r1["same_rng"]
-    assert sorted(r0["draws"][4:] + r1["draws"][4:]) == [8, 9, 10, 11]
-    for name, w in r0["resumed"].items():
-        assert torch.equal(w, r1["resumed"][name]), name
-    last = json.loads((tmp_path / "sink0" / "metrics.jsonl").read_text().splitlines()[-1])
-    assert last["step"] == 3 and last["train/samples_total"] == 48
+    from trainer.runner import Runner
+
+    _spawn(_mode_worker, _free_port(), str(tmp_path), "all")            # steps 1-3 on 2 ranks
+    with Runner(_mode_config("all", steps=4), tmp_path, resume=True, sink=JsonlSink(tmp_path / "one"),
+                system_telemetry=False) as one:                         # step 4 on 1 process
+        assert one.step == 3 and one.cfg.optim.lr == LR                  # the knob value resumed
+        assert one.run() == "finished" and one.step == 4
+    _spawn(_resume_worker, _free_port(), str(tmp_path), 5)               # step 5 on 2 ranks
+    r0, r1 = (torch.load(tmp_path / f"resumed{r}.pt", weights_only=False) for r in (0, 1))
+    assert r0["status"] == r1["status"] == "finished" and r0["final"] == r1["final"]
+    assert [r["step"] for r in _rows(tmp_path / "resumed0" / "metrics.jsonl")] == [5]
+    state, _ = checkpoint.load(checkpoint.latest(tmp_path))
+    assert state["step"] == 5 and state["config"]["cluster"]["train_procs"] == 2
+    assert state["config"]["optim"]["lr"] == LR
 
 
-def test_single_process_is_untouched_and_refusals_name_the_setting():
+def test_a_single_process_world_is_the_identity():
     w = distributed.World()
-    assert w.all_sum(3) == 3 and w.broadcast_object([1]) == [1] and w.gather_list([2]) == [2]
-    distributed.check_config(C.load("async"), 1)  # one process: everything allowed
-    with pytest.raises(C.ConfigError) as e:
-        distributed.check_config(C.load("all"), 2)
-    assert {"async.enabled", "april.enabled", "greso.enabled"} <= set(e.value.errors)
+    assert w.all_sum(3) == 3 and w.broadcast_object([1]) == [1] and w.main_only(lambda: 7) == 7
+    ctl = training_ranks.Controller(w)
+    seqs = _sequences(5)
+    assert ctl.share(seqs, C.load("demo", ["optim.mini_batches=2"]), 1, None) == [seqs[0::2], seqs[1::2]]
 
 
 # --- the command line under torchrun -------------------------------------------------------------

@@ -59,3 +59,26 @@ def test_async_process_worker_decodes_on_cuda(tmp_path):
         assert r.engine.child_info["device"].startswith("cuda")
         assert r.engine.child_info["dtype"] == str(r.dtype)
         assert r.run() == "finished"
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices (NCCL: one rank per GPU)")
+def test_two_nccl_ranks_train_the_all_preset_with_one_controller(tmp_path):
+    """The scale-out layout on GPUs: torchrun, NCCL, rank 0 the controller (docs/scaling.md)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           "-m", "trainer", "run", "all", "--out", str(out)]
+    for o in ("model.device=cuda", "run.max_steps=3", "rollout.rollout_batch_size=8",
+              "rollout.n_samples_per_prompt=4", "run.eval_every=0", "run.checkpoint_every=0"):
+        cmd += ["--set", o]
+    proc = subprocess.run(cmd, cwd=Path(__file__).resolve().parents[1], env=dict(os.environ),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3] and rows[-1]["dist/world_size"] == 2
+    assert all(r["async/staleness/max"] <= 2 for r in rows)

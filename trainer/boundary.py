@@ -4,22 +4,21 @@ Commands arrive from a `ControlSource` (trainer/controls.py) at any time but are
 here, between two steps, so a change never lands in the middle of one. Every knob change goes
 this one way, whoever asks: a person (dashboard, CLI) or the trainer itself (`request`, e.g.
 `async.auto_staleness` moving eta, `requested_by="auto"`). A change is validated as a whole
-(every key or none, the config's cross-field rules, data parallelism's limits) and recorded as
+(every key or none, the config's cross-field rules) and recorded as
 a `knob_applied` or `knob_rejected` event with who asked, as is every pause, resume and stop.
 
 A step that waits for groups (asynchronous rollout) asks `interrupted()`: it reads the commands
 without applying them and says whether a stop or pause waits, so the step can give its groups
-back and come here at once instead of waiting for groups that may never come. Under data
-parallelism rank 0 reads the commands and broadcasts them at the boundary, so every rank applies
-the same ones at the same step (`interrupted()` is then always False: asynchronous rollout runs
-in one process).
+back and come here at once instead of waiting for groups that may never come. With several
+training processes only rank 0 (the controller) has a boundary; the config it goes on with
+reaches the other ranks with the step's update (trainer/training_ranks.py), and `waiting` keeps
+them told while it holds here or waits for groups.
 """
 from __future__ import annotations
 
 import time
 
 from trainer import config as config_mod
-from trainer import distributed
 from trainer.controls import AUTO, PAUSE, RESUME, SET_KNOBS, STOP, Command, ControlSource
 from trainer.metrics import MetricsSink
 from trainer.rollout.base import Driver
@@ -29,8 +28,9 @@ INTERRUPT_POLL_S = 0.25  # how often a waiting step reads the controls
 
 
 class StepBoundary:
-    def __init__(self, controls: ControlSource, sink: MetricsSink, dist, driver: Driver):
-        self.controls, self.sink, self.dist, self.driver = controls, sink, dist, driver
+    def __init__(self, controls: ControlSource, sink: MetricsSink, driver: Driver,
+                 waiting=lambda: None):
+        self.controls, self.sink, self.driver, self.waiting = controls, sink, driver, waiting
         self.pending: list[Command] = []   # read (or requested by the trainer), not yet applied
         self._polled_at = 0.0
 
@@ -44,8 +44,7 @@ class StepBoundary:
     def interrupted(self) -> bool:
         """Is a stop or pause waiting? Reads the controls (at most every INTERRUPT_POLL_S) and
         keeps what it read for `cross`. Cheap enough to call in a wait loop."""
-        if self.dist.size > 1:
-            return False
+        self.waiting()
         now = time.monotonic()
         if now - self._polled_at >= INTERRUPT_POLL_S:
             self._polled_at = now
@@ -58,7 +57,7 @@ class StepBoundary:
         paused = False
         while True:
             commands, self.pending = self.pending + self.controls.poll(), []
-            for cmd in self.dist.broadcast_object(commands):  # rank 0's commands
+            for cmd in commands:
                 if cmd.kind == SET_KNOBS:
                     cfg = self.apply_knobs(step, cfg, cmd)
                 elif cmd.kind == PAUSE and not paused:
@@ -76,6 +75,7 @@ class StepBoundary:
             if not paused:
                 return cfg
             self.sink.flush()
+            self.waiting()
             time.sleep(PAUSED_POLL_S)
 
     def apply_knobs(self, step: int, cfg: config_mod.Config, cmd: Command) -> config_mod.Config:
@@ -84,7 +84,6 @@ class StepBoundary:
                **({"reason": cmd.reason} if cmd.reason else {})}
         try:
             new_cfg, changes = config_mod.apply_knob_change(cfg, cmd.knobs)
-            distributed.check_config(new_cfg, self.dist.size)
         except config_mod.ConfigError as e:
             self.sink.event(step, "knob_rejected", {**who, "errors": e.errors})
             return cfg

@@ -98,7 +98,6 @@ def _run(args) -> int:
         from trainer.model import require_model_dir
         require_model_dir(cfg.model.path, engine=cfg.rollout.engine)  # before any run directory
         world = distributed.init(cfg.model.device)  # torchrun: one of K processes
-        distributed.check_config(cfg, world.size)
         out = args.out or f"runs/{Path(args.config).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
         # rank 0 prepares the directory (and names it: the default holds the time)
         run_dir = Path(world.main_only(lambda: str(prepare_run_dir(out, overwrite=args.overwrite))))

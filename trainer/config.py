@@ -258,7 +258,7 @@ class ClusterConfig:
     train_procs: int = param(1, min=1, max=1024,
                              help="training processes (torchrun ranks, one per GPU): rank 0 is the "
                              "controller that owns the rollout, every rank trains its share of each "
-                             "batch; under an outside torchrun its world size must agree")
+                             "batch; under an outside torchrun, the world size it gives (recorded)")
     gen_procs: int = param(0, min=0, max=64,
                            help="generation processes of the embedded engine, each on its own device "
                            "where there are enough GPUs (0 = the engine runs in the controller, or in "

@@ -184,10 +184,12 @@ class Learner:
         return float(grpo.kl_k3(flat_p, flat_r).mean()) if flat_p.numel() else 0.0
 
     def train(self, seqs: list[TrainSequence], cfg, pad_id: int, samples: list,
-              decoupled_loss: decoupled.DecoupledLoss | None = None) -> dict[str, float]:
+              decoupled_loss: decoupled.DecoupledLoss | None = None, *,
+              chunks: list[list[TrainSequence]] | None = None) -> dict[str, float]:
         """The step's update with the config's settings. Every rank takes part while any rank has
         sequences; with none anywhere (every group zero-variance) only the KL to the reference
-        of `samples` is measured, so the KL chart has no holes."""
+        of `samples` is measured, so the KL chart has no holes. `chunks`: this rank's share of
+        each optimizer mini-batch (trainer/training_ranks.py), else `seqs` split here."""
         total = self.dist.all_sum(len(seqs)) if self.dist is not None else len(seqs)
         if not total:
             if self.reference is None or not samples:
@@ -196,13 +198,15 @@ class Learner:
         return self.update(seqs, pad_id=pad_id, lr=cfg.optim.lr, grad_clip=cfg.optim.grad_clip,
                            clip_low=cfg.algo.clip_low, clip_high=cfg.algo.clip_high,
                            kl_coef=cfg.algo.kl_coef, micro_batch_tokens=cfg.optim.micro_batch_tokens,
-                           mini_batches=cfg.optim.mini_batches, decoupled_loss=decoupled_loss)
+                           mini_batches=cfg.optim.mini_batches, decoupled_loss=decoupled_loss,
+                           chunks=chunks)
 
     def update(self, seqs: list[TrainSequence], *, pad_id: int, lr: float, grad_clip: float,
                clip_low: float, clip_high: float, kl_coef: float, micro_batch_tokens: int,
-               mini_batches: int = 1,
-               decoupled_loss: decoupled.DecoupledLoss | None = None) -> dict[str, float]:
-        """One GRPO step over `seqs` (split into `mini_batches` optimizer updates).
+               mini_batches: int = 1, decoupled_loss: decoupled.DecoupledLoss | None = None,
+               chunks: list[list[TrainSequence]] | None = None) -> dict[str, float]:
+        """One GRPO step over `seqs` (split into `mini_batches` optimizer updates, or as
+        `chunks` gives them: one list per mini-batch).
 
         `decoupled_loss` switches to AReaL's decoupled PPO (trainer/algo/decoupled.py; the
         sequences come from trainer/algo/objective.py)."""
@@ -212,7 +216,10 @@ class Learner:
         sums = {"pg_loss": 0.0, "clipped": 0.0, "ratio": 0.0, "kl": 0.0, "entropy": 0.0,
                 "behave_imp_weight": 0.0, "behave_capped": 0.0}
         tokens_total, grad_norms = 0.0, []
-        chunks = [seqs[i::mini_batches] for i in range(mini_batches)]
+        if chunks is None:
+            chunks = [seqs[i::mini_batches] for i in range(mini_batches)]
+        elif len(chunks) != mini_batches:
+            raise ValueError(f"{len(chunks)} chunks for {mini_batches} mini-batches")
         for mb_index, chunk in enumerate(c for c in chunks if c or self.dist):  # every rank, every chunk
             total = sum(sum(s.weights) for s in chunk)
             if self.dist is not None:  # the global token count: each rank's loss is its share

@@ -93,7 +93,8 @@ SCALARS: dict[str, str] = {
     "system/gpu_util": "GPU utilisation (%), mean over devices",
     "system/gpu_mem_gb": "GPU memory (GB), mean", "system/gpu_power_w": "GPU power (W), mean",
     "system/cuda_peak_mem_gb": "peak CUDA memory this step (GB)",
-    "dist/world_size": "processes training together (data parallel)",
+    "dist/world_size": "training processes (rank 0 the controller, every rank trains a share)",
+    "dist/train_share_imbalance": "the largest training share over the mean share, in tokens (1 = even)",
 }
 # per device i: system/gpu{i}/util, system/gpu{i}/mem_gb, system/gpu{i}/power_w
 PATTERNS = {r"^system/gpu\d+/(util|mem_gb|power_w)$": "per-GPU telemetry"}

@@ -46,12 +46,8 @@ def save(runner) -> Path:
     tensors = {"optimizer": runner.learner.state_dict(),
                "rng": checkpoint.rng_state(runner.engine.generator),
                "rollout": runner.rollout.state_dict(), "greso": runner.greso.state_dict()}
-    dist = runner.dist
-    if dist.size > 1:  # each rank's sampling RNG, so each continues its own stream
-        tensors["rng_ranks"] = dist.gather_list([tensors["rng"]])
-    return dist.main_only(lambda: checkpoint.save(  # rank 0 writes
-        runner.run_dir, runner.step, model=runner.model, tokenizer=runner.tokenizer, state=state,
-        tensors=tensors, keep=runner.cfg.run.keep_checkpoints))
+    return checkpoint.save(runner.run_dir, runner.step, model=runner.model, tokenizer=runner.tokenizer,
+                           state=state, tensors=tensors, keep=runner.cfg.run.keep_checkpoints)
 
 
 def restore(runner, state: dict, tensors: dict) -> None:
@@ -60,7 +56,7 @@ def restore(runner, state: dict, tensors: dict) -> None:
     runner.totals.update(state["totals"])
     runner.best_eval, runner.last_eval = state.get("best_eval"), state.get("last_eval")
     runner.learner.load_state_dict(tensors["optimizer"])
-    runner.dist.restore_rng(tensors, runner.engine.generator, runner.cfg.run.seed, runner.step)
+    checkpoint.set_rng_state(tensors["rng"], runner.engine.generator)
     runner.rollout.load_state_dict(tensors.get("rollout", {}), runner.version)
     runner.rollout.ledger.load_state_dict(state.get("ledger", {}))
     if "greso" in tensors:

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from trainer import config as config_mod
-from trainer import distributed, run_state
+from trainer import distributed, run_state, training_ranks
 from trainer.algo import objective
 from trainer.boundary import StepBoundary
 from trainer.controls import ControlSource
@@ -32,7 +32,7 @@ from trainer.learner import Learner, TrainSequence
 from trainer.metrics import MetricsSink, histogram, length_edges
 from trainer.model import load_model, load_tokenizer, resolve_device, resolve_dtype
 from trainer.rewards.pool import RewardService
-from trainer.rollout import build_driver
+from trainer.rollout import PromptSource, build_driver
 from trainer.rollout.asynchronous import AsyncStall, CollectInterrupted
 from trainer.rollout.base import step_metrics
 from trainer.rollout.selection import PromptSelector
@@ -50,11 +50,13 @@ class Runner:
         self.cfg = cfg.copy()
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        # data parallel under torchrun (trainer/distributed.py); K = 1 otherwise. Only rank 0
-        # reports and reads controls (it broadcasts them at step boundaries).
+        # K training processes under torchrun (trainer/distributed.py); K = 1 otherwise. Rank 0
+        # is the controller: the rollout, reports, controls and checkpoints are its alone, and
+        # the other ranks train their share of each update (trainer/training_ranks.py)
         self.dist = distributed.init(self.cfg.model.device)
         self.sink = (sink or MetricsSink()) if self.dist.is_main else MetricsSink()
         self.controls = (controls or ControlSource()) if self.dist.is_main else ControlSource()
+        self.ranks = training_ranks.Controller(self.dist)
         self.log = log
         self.step = 0
         self.version = 0
@@ -69,9 +71,13 @@ class Runner:
         self.eval_tokens = 0
 
         ckpt_state = ckpt_tensors = None
-        if resume:
+        if resume and self.dist.is_main:
             path, ckpt_state, ckpt_tensors, self.cfg = run_state.load_latest(self.run_dir, self.cfg, keep_knobs)
-        distributed.check_config(self.cfg, self.dist.size)
+        self.cfg = self.dist.broadcast_object(self.cfg)   # rank 0's, knob values resumed
+        self.cfg.cluster.train_procs = self.dist.size     # the layout torchrun gave, recorded
+        if not self.dist.is_main:
+            self._init_training_rank()
+            return
         if self.cfg.model.threads:
             torch.set_num_threads(self.cfg.model.threads)
         torch.manual_seed(self.cfg.run.seed)
@@ -89,11 +95,10 @@ class Runner:
                                track_reference=self.cfg.algo.track_kl or self.cfg.algo.kl_coef > 0,
                                reference=reference, dist=self.dist)
         self.task = build_task(self.cfg, self.tokenizer)  # prompts rendered for its chat template
-        self.prompts = self.dist.prompt_source(self.task)  # rank r: every K-th draw
+        self.prompts = PromptSource(self.task)
         self.engine = build_engine(self.cfg, self.model, self.tokenizer, self.device, self.dtype,
                                    self.task.max_sequence_len(self.tokenizer, self.cfg),
                                    weights_dir=self.run_dir / "engine_weights")
-        self.dist.seed_engine(self.engine, self.cfg.run.seed)  # seed + rank
         # prompts, GRESO state and the reward pool are shared with the async generation worker
         self.lock = threading.RLock()
         self.selector = PromptSelector(self.prompts, self.task.train_size, self.cfg, self.lock)
@@ -104,22 +109,51 @@ class Runner:
         self.rollout = build_driver(self.cfg, self.engine, self.tokenizer, self.selector,
                                     self.scorer, self.lock)
         self.samples = InspectorRecorder(self.tokenizer, self.cfg.run.seed)  # the rollout inspector's
-        self.boundary = StepBoundary(self.controls, self.sink, self.dist, self.rollout)
+        self.boundary = StepBoundary(self.controls, self.sink, self.rollout,
+                                     waiting=self.ranks.keepalive)
         # a step waiting for asynchronous groups gives way to a stop or pause within a second
         self.rollout.interrupted = self.boundary.interrupted
         self.system = (SystemSampler(use_gpu=self.device.type == "cuda")
-                       if system_telemetry and self.dist.is_main else None)
+                       if system_telemetry else None)
 
         if ckpt_state is not None:
             run_state.restore(self, ckpt_state, ckpt_tensors)
-        elif self.dist.is_main:
+        else:
             (self.run_dir / "config.toml").write_text(config_mod.to_toml(self.cfg))
+        # the training ranks take the resumed optimizer (DDP gave them rank 0's weights)
+        self.dist.broadcast_object(self.learner.state_dict() if ckpt_state is not None else None)
         if self.cfg.rollout.engine != "embedded":
             # servers hold whatever weights they were started with: push the policy's
             self.engine.update_weights(self.model.state_dict(), self.version)
 
+    def _init_training_rank(self) -> None:
+        """A rank > 0: the policy, its reference and the optimizer; no engine, no rollout.
+        DDP's wrap broadcasts rank 0's weights (resumed or not), then rank 0's optimizer state."""
+        cfg = self.cfg
+        if cfg.model.threads:
+            torch.set_num_threads(cfg.model.threads)
+        torch.manual_seed(cfg.run.seed)
+        self.device = self.dist.local_device(resolve_device(cfg.model.device))
+        self.dtype = resolve_dtype(cfg.model.dtype, self.device)
+        self.tokenizer = load_tokenizer(cfg.model.path)
+        self.model = load_model(cfg.model.path, self.device, self.dtype).eval()
+        self.learner = Learner(self.model, lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay,
+                               track_reference=cfg.algo.track_kl or cfg.algo.kl_coef > 0,
+                               dist=self.dist)
+        optimizer = self.dist.broadcast_object(None)
+        if optimizer is not None:
+            self.learner.load_state_dict(optimizer)
+        self.engine = self.rewards = self.system = None
+
+    @property
+    def is_controller(self) -> bool:
+        return self.dist.is_main
+
     # --- the loop -----------------------------------------------------------------------------------
     def run(self) -> str:
+        if not self.is_controller:   # a training rank: rank 0 sends each step's share
+            return training_ranks.follow(self.dist, self.learner, self.tokenizer.pad_token_id,
+                                         on_step=self._follow_step)
         t_start = time.monotonic()
         if self.system is not None:
             self.system.start()
@@ -146,7 +180,7 @@ class Runner:
                 if self.cfg.run.checkpoint_every and self.step % self.cfg.run.checkpoint_every == 0:
                     self.save_checkpoint()
                 budget = self.cfg.run.time_budget_s
-                if budget and self.dist.broadcast_object(time.monotonic() - t_start >= budget):
+                if budget and time.monotonic() - t_start >= budget:
                     self.sink.event(self.step, "time_budget_reached", {"seconds": budget})
                     break
             self.save_checkpoint()
@@ -166,6 +200,8 @@ class Runner:
             raise
         finally:
             self.rollout.close()  # no generation thread outlives run()
+            with contextlib.suppress(Exception):   # the training ranks leave their loop
+                self.ranks.end(status)
             if self.system is not None:
                 self.system.close()
             self.sink.flush()
@@ -180,18 +216,23 @@ class Runner:
         """Release the engine, the reward processes and the telemetry thread."""
         if self.system is not None:
             self.system.close()
-        self.rewards.close()
-        self.engine.close()
+        if self.rewards is not None:
+            self.rewards.close()
+        if self.engine is not None:
+            self.engine.close()
         self.sink.flush()
+
+    def _follow_step(self, step: int, cfg) -> None:
+        """A training rank before its share of `step`'s update: rank 0's config and step."""
+        self.cfg, self.step = cfg, step - 1
 
     # --- one step -----------------------------------------------------------------------------------
     def train_step(self) -> dict[str, float]:
         cfg = self.cfg
         t_step = time.monotonic()
         stats0 = copy.copy(self.engine.stats)
-        totals0 = dict(self.totals)
         self.scorer.new_step()
-        result = self.rollout.collect(self.dist.local_config(cfg), self.version)  # N/K groups
+        result = self.rollout.collect(cfg, self.version)
         engine_stats = self.engine.stats.minus(stats0)
         for message in getattr(self.engine, "take_warnings", list)():  # e.g. a server lost
             self.sink.event(self.step + 1, "warning", {"message": message})
@@ -208,8 +249,11 @@ class Runner:
                    and self.engine.num_pending == 0 and self.engine.release_memory())
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
+        mine = self.ranks.share(seqs, cfg, self.step + 1, decoupled_loss)  # theirs sent
         train_metrics = self.learner.train(seqs, cfg, self.tokenizer.pad_token_id,
-                                           [s for g in groups for s in g.samples], decoupled_loss)
+                                           [s for g in groups for s in g.samples], decoupled_loss,
+                                           chunks=mine)
+        self.ranks.gather_reports()   # the behaviour weights the other ranks measured
         if not all(map(_finite, train_metrics.values())):
             self.sink.event(self.step + 1, "warning", {"message": "non-finite loss or gradient; "
                                                        "the update was skipped"})
@@ -220,7 +264,7 @@ class Runner:
         if release:
             self.engine.reacquire_memory()
         t_samples = time.monotonic()   # after the update: it reports the behaviour weights
-        if self.dist.is_main and cfg.run.log_samples:
+        if cfg.run.log_samples:
             seen = {id(g) for g in groups}  # what the step trains on, and what it scored and left
             left_out = [g for g in result.scored if id(g) not in seen]
             self.sink.samples(self.step + 1, self.samples.record(self.step + 1, groups, left_out,
@@ -247,6 +291,9 @@ class Runner:
             "timing/weight_sync_s": sync_s, "timing/step_s": step_s, "actor/lr": cfg.optim.lr,
             "train/policy_version": self.version, "rollout/trained_tokens": trained_tokens,
         })
+        if self.dist.size > 1:
+            m.update({"dist/world_size": self.dist.size,
+                      "dist/train_share_imbalance": self.ranks.imbalance})
         self._observe_generation()
         ledger = self.rollout.ledger
         ledger.train(trained_tokens)
@@ -257,7 +304,6 @@ class Runner:
             self.totals["samples"] += m["rollout/samples"]
             self.totals["gen_tokens"] += m["rollout/gen_tokens"]
             self.totals["trained_tokens"] += trained_tokens
-            self.dist.sync_totals(totals0, self.totals)  # the counters count every rank's work
             m.update({f"train/{k}_total": v for k, v in self.totals.items()
                       if k in ("samples", "gen_tokens", "trained_tokens")})
         proposal = self.rollout.retune(self.cfg, train_metrics)
@@ -267,8 +313,6 @@ class Runner:
                                   reason={"rule": proposal.pop("kind"), **proposal})
         if self.system is not None:
             m.update(self.system.summary())
-        m = self.dist.reduce_metrics(m, [len(s.response_ids) for g in result.scored
-                                         for s in g.samples])
         self.sink.scalars(self.step, m)
         return m
 
@@ -282,9 +326,9 @@ class Runner:
         m.update(self.selector.report(cfg, result.counts))
         m.update(self.rollout.report(cfg, result, self.version, step_s, self._histogram))
         lengths = [len(s.response_ids) for g in result.scored for s in g.samples]
-        if lengths or self.dist.size > 1:   # every rank takes part in the sum
-            self.sink.histogram(self.step, "rollout/response_len", self.dist.sum_histogram(
-                histogram(lengths, length_edges(cfg.rollout.max_response_len))))
+        if lengths:
+            self.sink.histogram(self.step, "rollout/response_len",
+                                histogram(lengths, length_edges(cfg.rollout.max_response_len)))
         return m
 
     def _observe_generation(self) -> None:
@@ -302,7 +346,7 @@ class Runner:
     # --- evaluation ---------------------------------------------------------------------------------
     def evaluate(self) -> float:
         cfg = self.cfg
-        problems = self.task.eval_problems(cfg.run.eval_size)[self.dist.rank::self.dist.size]
+        problems = self.task.eval_problems(cfg.run.eval_size)
 
         with self._between_steps("evaluating"), self.rollout.suspended():
             # (the async worker shares the engine: suspended() holds it)
@@ -311,7 +355,6 @@ class Runner:
                            temperature=cfg.run.eval_temperature,
                            max_new_tokens=cfg.rollout.max_response_len)
             self.eval_tokens += self.engine.stats.generated_tokens - before
-        res = self.dist.reduce_eval(res)
         self.last_eval = res["accuracy"]
         self.best_eval = max(self.best_eval or 0.0, res["accuracy"])
         self.sink.scalars(self.step, {"eval/accuracy": res["accuracy"],

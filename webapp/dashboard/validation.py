@@ -219,13 +219,6 @@ def config_problems(cfg: config_mod.Config, on_worker: bool = False) -> dict[str
     problem = train_procs_problem(cfg, on_worker)
     if problem:
         errors["cluster.train_procs"] = problem
-    elif cfg.cluster.train_procs > 1:   # what the trainer cannot do with them, in its words
-        from trainer.distributed import check_config  # imported here: torch
-
-        try:
-            check_config(cfg, cfg.cluster.train_procs)
-        except config_mod.ConfigError as e:
-            errors.update(e.errors)
     r = cfg.rollout
     allowed = _sglang_allowed()
     if r.engine == "sglang" or r.sglang_urls.strip():

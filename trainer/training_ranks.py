@@ -1,0 +1,143 @@
+"""The controller and the training ranks: how one step's update is shared out.
+
+With K training processes (torchrun), rank 0 is the controller. It alone owns the rollout --
+the engine or the generation processes, APRIL's buffer and over-sampling, GRESO's traces, DAPO's
+rounds, the data cursor, asynchronous admission and the staleness bound -- and it alone reports,
+reads controls and writes checkpoints. So every technique behaves exactly as in one process, and
+a K-process run samples what the one-process run samples. The other ranks only train.
+
+Each step rank 0 splits the update's sequences the way one process would (optimizer mini-batch
+i is `seqs[i::n]`), cuts every mini-batch into K shares of about equal token counts (`shares`:
+the cost of a sequence's forward and backward grows with its length, so equal sequence counts
+would leave ranks waiting on the one holding the long answers), and every rank back-propagates
+its share through DistributedDataParallel. The loss is the token mean over the whole mini-batch
+(trainer/learner.py all-reduces the token count), so the update equals the one-process update
+on the same batch up to float rounding.
+
+Rank 0 talks to the others with one `broadcast_object` per message:
+- TRAIN: the config (knob changes reach every rank with the step they apply to), the step, the
+  decoupled-loss settings; then each rank's share by `scatter_object_list`; after the update the
+  figures each rank wrote into its sequences' reports (the behaviour weights the rollout
+  inspector shows) come back with `gather_object`.
+- IDLE: a keep-alive while rank 0 has nothing for them (paused, an asynchronous step waiting for
+  groups, an evaluation): their wait is a collective, bounded by RLPILOT_DIST_TIMEOUT_S.
+- END: the run is over (its status); the ranks leave their loop.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from trainer.learner import TrainSequence
+
+TRAIN, IDLE, END = "train", "idle", "end"
+KEEPALIVE_S = 30.0   # well inside RLPILOT_DIST_TIMEOUT_S (default 1800 s)
+
+
+def mini_batches(seqs: list, n: int) -> list[list]:
+    """Optimizer mini-batch i of n: every n-th sequence from the i-th (as the learner splits)."""
+    return [seqs[i::n] for i in range(n)]
+
+
+def shares(lengths: list[int], k: int) -> list[list[int]]:
+    """Indices of `lengths` cut into k shares of about equal total length: longest first, each
+    to the share with the fewest tokens so far (ties: the lower rank). Within a share the
+    indices keep their order."""
+    load, out = [0] * k, [[] for _ in range(k)]
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        r = min(range(k), key=lambda r: (load[r], r))
+        load[r] += lengths[i]
+        out[r].append(i)
+    return [sorted(s) for s in out]
+
+
+def _portable(seq: TrainSequence) -> TrainSequence:
+    """A copy to send: the report (the sample's own metadata on rank 0) travels empty."""
+    return dataclasses.replace(seq, report={} if seq.report is not None else None)
+
+
+class Controller:
+    """Rank 0's side. With one process, `share` only splits into mini-batches and every other
+    method does nothing."""
+
+    def __init__(self, world):
+        self.world = world
+        self._last_message = time.monotonic()
+        self.imbalance = 1.0   # the last step's largest share over the mean share, in tokens
+
+    def share(self, seqs: list[TrainSequence], cfg, step: int, decoupled_loss) -> list[list[TrainSequence]]:
+        """Rank 0's own share of each mini-batch, after sending theirs to the other ranks."""
+        n = cfg.optim.mini_batches
+        if self.world.size == 1:
+            return mini_batches(seqs, n)
+        import torch.distributed as dist
+
+        k = self.world.size
+        per_rank: list[list[list]] = [[] for _ in range(k)]   # rank -> mini-batch -> [(index, seq)]
+        indexed = list(enumerate(seqs))
+        tokens = [0] * k
+        for chunk in mini_batches(indexed, n):
+            cut = shares([s.length for _, s in chunk], k)
+            for r in range(k):
+                part = [chunk[i] for i in cut[r]]
+                per_rank[r].append(part)
+                tokens[r] += sum(s.length for _, s in part)
+        mean = sum(tokens) / k
+        self.imbalance = max(tokens) / mean if mean else 1.0
+        self._send((TRAIN, cfg, step, decoupled_loss))
+        out = [None]
+        dist.scatter_object_list(out, [[[(i, _portable(s)) for i, s in part] for part in rank]
+                                       for rank in per_rank], src=0)
+        self.sent = seqs
+        return [[s for _, s in part] for part in per_rank[0]]
+
+    def gather_reports(self) -> None:
+        """After the update: the other ranks' report figures into rank 0's sequences."""
+        if self.world.size == 1:
+            return
+        import torch.distributed as dist
+
+        got: list = [None] * self.world.size
+        dist.gather_object([], got, dst=0)
+        for part in got[1:]:
+            for i, report in part:
+                if self.sent[i].report is not None:
+                    self.sent[i].report.update(report)
+        self.sent = []
+
+    def keepalive(self) -> None:
+        """Tell the waiting ranks rank 0 is alive (at most every KEEPALIVE_S)."""
+        if self.world.size > 1 and time.monotonic() - self._last_message >= KEEPALIVE_S:
+            self._send((IDLE,))
+
+    def end(self, status: str) -> None:
+        if self.world.size > 1:
+            self._send((END, status))
+
+    def _send(self, message) -> None:
+        self.world.broadcast_object(message)
+        self._last_message = time.monotonic()
+
+
+def follow(world, learner, pad_id: int, on_step=None) -> str:
+    """A training rank's whole run: train each share rank 0 sends until it says END; returns
+    the run's status. `on_step(step, cfg)` is told each step before its update (tests)."""
+    import torch.distributed as dist
+
+    while True:
+        message = world.broadcast_object(None)
+        kind = message[0]
+        if kind == END:
+            return message[1]
+        if kind != TRAIN:
+            continue
+        _, cfg, step, decoupled_loss = message
+        box = [None]
+        dist.scatter_object_list(box, None, src=0)
+        mine = box[0]
+        if on_step is not None:
+            on_step(step, cfg)
+        chunks = [[s for _, s in part] for part in mine]
+        learner.train([s for c in chunks for s in c], cfg, pad_id, [], decoupled_loss, chunks=chunks)
+        reports = [(i, s.report) for part in mine for i, s in part if s.report]
+        dist.gather_object(reports, None, dst=0)
