@@ -3,7 +3,6 @@ for (at launch, and again by the worker on its own machine), and a run whose tor
 before its rank 0 could report: it ends `failed` with torchrun's last error lines.
 The whole story in a browser is tests/web/test_web_multiprocess.py."""
 import json
-import sys
 
 import pytest
 
@@ -53,7 +52,6 @@ def test_a_failing_torchrun_fails_the_run_with_its_error(user, tiny, monkeypatch
     script = tmp_path / "rank.py"
     script.write_text("raise SystemExit('rank cannot start: no such device cuda:7')\n")
     monkeypatch.setattr(tasks, "train_rank_argv", lambda rid, resume: [str(script)])
-    monkeypatch.setattr(sys, "stderr", sys.__stderr__)   # torchrun's lines are copied there
     run = queued_run(user, tiny, **{"cluster.train_procs": 2})
     assert tasks.execute(Run.objects.get(pk=run.pk)) == Status.FAILED
     run.refresh_from_db()
