@@ -1,6 +1,7 @@
 """Command line: `python -m trainer COMMAND ...`.
 
   run PRESET_OR_FILE [--set k=v ...] [--out DIR] [--resume DIR]   train, with a progress display
+                                                    (cluster.train_procs=K > 1: K processes, torchrun)
   control RUN_DIR (--set k=v ... | --pause | --resume | --stop)   steer a running run
   knobs [--json]                                                   the parameter schema
   presets [--json]                                                 shipped presets
@@ -27,6 +28,9 @@ from trainer import config as config_mod
 def _cmd_run(args) -> int:
     from trainer import distributed
 
+    relaunched = _relaunch_under_torchrun(args)
+    if relaunched is not None:
+        return relaunched
     ok = False
     try:
         rc = _run(args)
@@ -36,6 +40,40 @@ def _cmd_run(args) -> int:
     if size > 1:
         distributed.exit_process(rc)
     return rc
+
+
+def _requested_train_procs(args) -> int:
+    """cluster.train_procs of the run `args` describe (1 when its config does not load: _run
+    then says why)."""
+    try:
+        if args.resume:
+            saved = config_mod.loads_toml((Path(args.resume) / "config.toml").read_text())
+            return config_mod.apply_overrides(saved, args.set).cluster.train_procs
+        return config_mod.load(args.config, args.set).cluster.train_procs if args.config else 1
+    except (config_mod.ConfigError, OSError):
+        return 1
+
+
+def _relaunch_under_torchrun(args) -> int | None:
+    """`run` asking for cluster.train_procs = K > 1 outside torchrun (WORLD_SIZE unset): the same
+    command under torchrun with K processes on this machine, as a child that dies with this
+    process (trainer/launch.py); returns its exit status. None: train in this process."""
+    import os
+
+    if "WORLD_SIZE" in os.environ:
+        return None
+    procs = _requested_train_procs(args)
+    if procs <= 1:
+        return None
+    from trainer import launch
+
+    proc = launch.TorchrunProcess(launch.torchrun_argv(["-m", "trainer", *args.argv], procs)).start()
+    print(f"cluster.train_procs={procs}: training under torchrun (pid {proc.pid})", flush=True)
+    try:
+        return proc.wait()
+    except KeyboardInterrupt:   # torchrun runs in a session of its own: Ctrl-C reaches only us
+        proc.stop()
+        return 130
 
 
 def _run(args) -> int:
@@ -190,7 +228,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    args.argv = argv   # `run` re-launched under torchrun passes them on
     try:
         return args.func(args)
     except config_mod.ConfigError as e:

@@ -235,6 +235,10 @@ RLPILOT_SGLANG_URLS = env_list("RLPILOT_SGLANG_URLS", [])
 RLPILOT_MODEL_ROOTS = [Path(p).resolve() for p in env_list(
     "RLPILOT_MODEL_ROOTS", [str(RUNS_DIR), str(VAR_DIR / "models")])]
 RLPILOT_DATA_ROOTS = [Path(p).resolve() for p in env_list("RLPILOT_DATA_ROOTS", [str(VAR_DIR / "data")])]
+# The most training processes (cluster.train_procs: torchrun ranks on the worker's machine) a run
+# may ask for. 0: the worker's GPU count when the model runs on CUDA, else its CPU count (checked
+# by the worker only; the web machine's hardware says nothing about the worker's).
+RLPILOT_MAX_TRAIN_PROCS = env_int("RLPILOT_MAX_TRAIN_PROCS", 0)
 # Login throttling: this many failed logins for one username from one address within the window
 # (seconds, from the first failure) and further attempts wait for the window's end. 0 = off.
 RLPILOT_LOGIN_MAX_FAILURES = env_int("RLPILOT_LOGIN_MAX_FAILURES", 5)

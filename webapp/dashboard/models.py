@@ -14,6 +14,7 @@ import secrets
 from django.conf import settings
 from django.db import models
 
+from trainer.launch import layout_text
 from webapp.dashboard import lifecycle
 
 
@@ -87,6 +88,17 @@ class Run(models.Model):
     @property
     def progress(self) -> float:
         return min(1.0, self.step / self.max_steps) if self.max_steps else 0.0
+
+    @property
+    def engine(self) -> str:
+        return ((self.config or {}).get("rollout") or {}).get("engine", "embedded")
+
+    @property
+    def layout(self) -> str:
+        """The processes the run trains with, in words ("2 training processes + 1 generation
+        process"; the pages show it next to the engine)."""
+        cluster = (self.config or {}).get("cluster") or {}
+        return layout_text(int(cluster.get("train_procs", 1)), int(cluster.get("gen_procs", 0)))
 
 
 class MetricPoint(models.Model):

@@ -1,5 +1,6 @@
 """The Celery tasks: `train` trains one run (its run's queue, e.g. `training`; one run per worker
-process) and `sweep_stale_runs` is Celery beat's periodic stale-run sweep (RLPILOT_SWEEP_QUEUE,
+process: in that process, or under torchrun when the run asks for several training processes)
+and `sweep_stale_runs` is Celery beat's periodic stale-run sweep (RLPILOT_SWEEP_QUEUE,
 consumed by a small worker on the web machine, never by a training worker).
 
 Every write goes through the actions layer, which sends `train` by name (TRAIN_TASK) and never
@@ -12,12 +13,14 @@ import os
 import re
 import shutil
 import socket
+import subprocess
 
 from celery import shared_task
+from django.conf import settings
 from django.db import close_old_connections
 from django.utils import timezone
 
-from trainer import checkpoint
+from trainer import checkpoint, launch
 from trainer import config as config_mod
 from trainer.runner import Runner  # imported in the worker's parent: forked children start fast
 from webapp.dashboard import actions, lifecycle, sweep, validation
@@ -68,9 +71,12 @@ def drop_checkpoints_after(path, step: int) -> list[str]:
 
 def execute(run: Run, resume: bool = False, resume_step: int | None = None,
             worker: str | None = None) -> str:
-    """Train `run` in this process (the Celery task's body; tests and benchmarks call it too)."""
+    """Train `run` (the Celery task's body; tests and benchmarks call it too): in this process,
+    or, with cluster.train_procs > 1, in that many torchrun processes started from here
+    (train_under_torchrun). Returns the run's status at the end."""
     rid = run.pk
-    refused = validation.config_problems(config_mod.from_dict(run.config))  # this worker's settings
+    cfg = config_mod.from_dict(run.config)
+    refused = validation.config_problems(cfg, on_worker=True)   # this worker's settings
     if refused:
         actions.set_status(rid, Status.FAILED, only_from=lifecycle.START_FROM,
                            error=validation.clip("refused by this worker's settings: " + "; ".join(
@@ -92,7 +98,16 @@ def execute(run: Run, resume: bool = False, resume_step: int | None = None,
                               started_at=run.started_at or now, attempts=attempt,
                               step=ck_step or 0, desired=Desired.RUN):
         return "skipped"
-    cfg = config_mod.from_dict(run.config)
+    if cfg.cluster.train_procs > 1:
+        return train_under_torchrun(rid, cfg.cluster.train_procs, resume_from_ckpt)
+    return train_here(rid, cfg, directory, resume_from_ckpt)
+
+
+def train_here(rid: int, cfg: config_mod.Config, directory, resume_from_ckpt: bool) -> str:
+    """Run the trainer in this process for the live run `rid`, reporting to the database, and
+    end the run with its summary or its error. A one-process run does this in the Celery
+    worker; a multi-process run does it on rank 0 (`manage.py train_rank`), whose Runner
+    broadcasts the controls it reads to the other ranks."""
     sink = DbSink(rid)
     controls = DbControlSource(rid, sink)
     heartbeat = Heartbeat(rid).start()
@@ -118,6 +133,38 @@ def execute(run: Run, resume: bool = False, resume_step: int | None = None,
             actions.end_run(rid, final, final_summary=summary, error=error)
             close_old_connections()
     return final
+
+
+def train_rank_argv(rid: int, resume_from_ckpt: bool) -> list[str]:
+    """What torchrun runs on every rank (webapp/dashboard/management/commands/train_rank.py)."""
+    return [str(settings.BASE_DIR / "manage.py"), "train_rank", str(rid)] + (
+        ["--resume"] if resume_from_ckpt else [])
+
+
+def train_under_torchrun(rid: int, procs: int, resume_from_ckpt: bool) -> str:
+    """Train the live run `rid` in `procs` torchrun processes on this machine and wait for them.
+
+    Rank 0 reports and ends the run (train_here); this process beats the run's heartbeat while
+    torchrun lives and ends the run `failed` with torchrun's last stderr lines when it exits
+    non-zero before the run ended. A kill (SIGKILL of this worker child) reaches torchrun as
+    SIGTERM (trainer/launch.py), which ends the ranks."""
+    proc = launch.TorchrunProcess(launch.torchrun_argv(train_rank_argv(rid, resume_from_ckpt), procs),
+                                  cwd=str(settings.BASE_DIR)).start()
+    log.info("run %s: torchrun (pid %s) started %d training processes", rid, proc.pid, procs)
+    try:
+        while True:
+            try:
+                rc = proc.wait(settings.HEARTBEAT_S)
+                break
+            except subprocess.TimeoutExpired:
+                actions.heartbeat(rid)   # this worker and its torchrun are alive
+    finally:
+        proc.stop()   # nothing left behind if this process is interrupted
+    if rc != 0:
+        tail = proc.error_tail(20)
+        actions.end_run(rid, Status.FAILED, error=validation.clip(
+            f"the training processes failed (torchrun exit status {rc}): {tail}", 2000))
+    return Run.objects.filter(pk=rid).values_list("status", flat=True).first() or "missing"
 
 
 @shared_task(name="webapp.dashboard.tasks.sweep_stale_runs", ignore_result=True)

@@ -180,10 +180,45 @@ def unavailable_choices(name: str) -> dict[str, str]:
     return {}
 
 
-def config_problems(cfg: config_mod.Config) -> dict[str, str]:
+def machine_train_procs(device: str) -> tuple[int, str]:
+    """The training processes this machine holds, and what they are counted by: one per GPU
+    when the model runs on CUDA, else one per CPU core (imported here: torch, which only a
+    worker needs)."""
+    import torch
+
+    from trainer.model import resolve_device
+
+    if resolve_device(device).type == "cuda":
+        return torch.cuda.device_count(), "GPU"
+    cores = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
+    return len(cores), "CPU"   # the cores this process may use (a container's, a taskset's)
+
+
+def train_procs_problem(cfg: config_mod.Config, on_worker: bool) -> str | None:
+    """cluster.train_procs above RLPILOT_MAX_TRAIN_PROCS; when that is 0 (the default), above
+    this machine's GPUs or CPU cores, which only the worker that would start them can judge."""
+    n = cfg.cluster.train_procs
+    limit = settings.RLPILOT_MAX_TRAIN_PROCS
+    if limit > 0:
+        source = "RLPILOT_MAX_TRAIN_PROCS"
+    elif on_worker and n > 1:
+        limit, unit = machine_train_procs(cfg.model.device)
+        source = f"its {unit} count; RLPILOT_MAX_TRAIN_PROCS sets another limit"
+    else:
+        return None
+    if n > limit:
+        return f"at most {limit} training processes on this worker ({source}); got {n}"
+    return None
+
+
+def config_problems(cfg: config_mod.Config, on_worker: bool = False) -> dict[str, str]:
     """What a run's config may not do on this server: {dotted key: message}. Checked at launch
-    from the web and again by the worker (with its own settings) before it trains."""
+    from the web and again by the worker (`on_worker`: with its own settings and machine)
+    before it trains."""
     errors: dict[str, str] = {}
+    problem = train_procs_problem(cfg, on_worker)
+    if problem:
+        errors["cluster.train_procs"] = problem
     r = cfg.rollout
     allowed = _sglang_allowed()
     if r.engine == "sglang" or r.sglang_urls.strip():

@@ -17,6 +17,17 @@ from webapp.dashboard.models import ACTIVE, RESUMABLE, Run, RunEvent, Status
 FIELD_PREFIX = "cfg:"
 
 
+def _section_notes() -> dict[str, str]:
+    """A line under a section's title, where its fields need the server's context."""
+    limit = settings.RLPILOT_MAX_TRAIN_PROCS
+    most = (f"this server allows up to {limit} (RLPILOT_MAX_TRAIN_PROCS)" if limit > 0
+            else "at most the worker's GPU count (CPU count for a CPU model)")
+    return {"cluster": "The run's processes on the worker's machine. cluster.train_procs above 1: the "
+                       "worker starts torchrun with that many training processes (rank 0 owns the "
+                       "rollout and reports here; stop, pause, knob changes and kill reach every "
+                       f"process at the same step); {most}."}
+
+
 def _sections(errors: dict[str, str], values: dict[str, str]):
     """The launch form's fields, grouped by section, straight from the trainer's schema."""
     out: dict[str, list] = {}
@@ -30,7 +41,9 @@ def _sections(errors: dict[str, str], values: dict[str, str]):
             "min": p.min, "max": p.max, "help": p.help, "tunable": p.tunable,
             "allowed": p.allowed(), "value": values.get(p.name, ""), "error": errors.get(p.name, ""),
         })
-    return [{"name": s, "fields": f, "has_error": any(x["error"] for x in f)} for s, f in out.items()]
+    notes = _section_notes()
+    return [{"name": s, "fields": f, "has_error": any(x["error"] for x in f), "note": notes.get(s, "")}
+            for s, f in out.items()]
 
 
 def _fmt(v) -> str:

@@ -1,0 +1,73 @@
+"""Multi-process runs, the parts around the trainer: how many training processes a run may ask
+for (at launch, and again by the worker on its own machine), and a run whose torchrun fails
+before its rank 0 could report: it ends `failed` with torchrun's last error lines.
+The whole story in a browser is tests/web/test_web_multiprocess.py."""
+import json
+
+import pytest
+
+from trainer import config as config_mod
+from webapp.dashboard import tasks, validation
+from webapp.dashboard.models import Run, Status
+
+pytestmark = [pytest.mark.django_db, pytest.mark.timeout(120)]
+
+
+def launch(client, tiny, **overrides):
+    return client.post("/api/runs", json.dumps({"name": "c", "preset": "demo", "overrides": {**tiny, **overrides}}),
+                       content_type="application/json")
+
+
+def queued_run(owner, tiny, **overrides) -> Run:
+    cfg = config_mod.load("demo", {**tiny, **overrides})
+    return Run.objects.create(owner=owner, name="c", config=cfg.to_dict(), knobs=cfg.knob_values(),
+                              max_steps=cfg.run.max_steps, status=Status.QUEUED)
+
+
+def test_the_launch_refuses_more_training_processes_than_the_setting(alice, tiny, settings):
+    settings.RLPILOT_MAX_TRAIN_PROCS = 2
+    r = launch(alice, tiny, **{"cluster.train_procs": 4})
+    assert r.status_code == 400, r.content
+    error = r.json()["errors"]["cluster.train_procs"]
+    assert "at most 2 training processes" in error and "RLPILOT_MAX_TRAIN_PROCS" in error and "got 4" in error
+    assert not Run.objects.exists()
+    settings.RLPILOT_MAX_TRAIN_PROCS = 0   # default: only the worker knows its machine
+    assert launch(alice, tiny, **{"cluster.train_procs": 4}).status_code == 201
+
+
+def test_the_worker_refuses_more_than_its_machine_holds(user, tiny, settings, monkeypatch):
+    settings.RLPILOT_MAX_TRAIN_PROCS = 0
+    monkeypatch.setattr(validation.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    monkeypatch.setattr(validation.os, "cpu_count", lambda: 2)
+    run = queued_run(user, tiny, **{"cluster.train_procs": 3, "model.device": "cpu"})
+    assert tasks.execute(Run.objects.get(pk=run.pk)) == Status.FAILED
+    run.refresh_from_db()
+    assert run.status == Status.FAILED and not run.started_at
+    assert "refused by this worker's settings: cluster.train_procs: at most 2 training processes" in run.error
+    assert "CPU count" in run.error, run.error
+
+
+def test_a_failing_torchrun_fails_the_run_with_its_error(user, tiny, monkeypatch, tmp_path):
+    """The ranks die before rank 0 could end the run (here: at start): the worker ends it."""
+    script = tmp_path / "rank.py"
+    script.write_text("raise SystemExit('rank cannot start: no such device cuda:7')\n")
+    monkeypatch.setattr(tasks, "train_rank_argv", lambda rid, resume: [str(script)])
+    run = queued_run(user, tiny, **{"cluster.train_procs": 2})
+    assert tasks.execute(Run.objects.get(pk=run.pk)) == Status.FAILED
+    run.refresh_from_db()
+    assert run.status == Status.FAILED and run.started_at and run.finished_at
+    assert "the training processes failed (torchrun exit status 1)" in run.error, run.error
+    assert "rank cannot start: no such device cuda:7" in run.error, run.error
+
+
+def test_the_pages_show_the_process_layout(alice, user, tiny, make_run):
+    one = make_run(user, status="finished")
+    several = make_run(user, status="finished")
+    several.config["cluster"] = {"train_procs": 2, "gen_procs": 1}
+    several.save(update_fields=["config"])
+    for url in ("/runs/{}/", "/runs/{}/report/"):
+        assert "2 training processes + 1 generation process" in alice.get(url.format(several.pk)).content.decode()
+        page = alice.get(url.format(one.pk)).content.decode()
+        assert "1 process" in page and "training processes" not in page
+    form = alice.get("/").content.decode()
+    assert 'id="f-cluster.train_procs"' in form and 'id="note-cluster"' in form
