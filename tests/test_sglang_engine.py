@@ -55,6 +55,7 @@ def engines():
     def make(url, tok, model=None, **kw):
         kw.setdefault("retries", 2)
         kw.setdefault("backoff_s", 0.05)
+        kw.setdefault("down_timeout_s", 1.0)
         eng = SGLangEngine(url, eos_token_ids=[tok.eos_token_id],
                            model_config=None if model is None else model.config, **kw)
         made.append(eng)
@@ -240,10 +241,12 @@ def test_server_dying_mid_run_fails_generate_without_hanging(builtin, server, en
     srv = server()
     eng = engines(srv.url, tok)
     srv.close()
-    t0 = time.monotonic()
-    with pytest.raises(EngineError, match=r"POST /generate failed after 3 attempts"):
+    t0 = time.monotonic()   # it waits down_timeout_s (1 s here) for the server to come back
+    with pytest.raises(EngineError, match=r"no SGLang server has answered for more than 1 s "
+                                          r"\(last: .*POST /generate failed after 3 attempts"):
         eng.generate([Sample(ids(tok, "[1,2]="), SamplingParams(max_new_tokens=20))])
     assert time.monotonic() - t0 < 5
+    assert "every SGLang server is out of service" in eng.take_warnings()[0]
 
 
 def test_http_500_is_retried_then_a_clear_error(builtin, server, engines):
@@ -257,6 +260,7 @@ def test_http_500_is_retried_then_a_clear_error(builtin, server, engines):
     srv.fail_next(100, 500)
     with pytest.raises(EngineError, match=rf"{srv.url}: POST /generate failed .*HTTP 500"):
         eng.generate([Sample(ids(tok, "[1,2]="), SamplingParams(max_new_tokens=20))])
+    eng = engines(srv.url, tok)   # the first one waits for its server (out of service) no more
     srv.fail_next(1, 400)  # a 4xx is not retried
     with pytest.raises(EngineError, match="refused the request: HTTP 400"):
         eng.generate([Sample(ids(tok, "[1,2]="), SamplingParams(max_new_tokens=20))])
@@ -310,7 +314,7 @@ def test_a_failing_server_is_taken_out_and_its_samples_go_to_the_other(builtin, 
                                                                         tmp_path):
     model, tok = builtin
     a, b = server(), server(step_delay_s=0.01)
-    eng = engines(f"{a.url},{b.url}", tok, model, weights_dir=tmp_path)
+    eng = engines(f"{a.url},{b.url}", tok, model, weights_dir=tmp_path, rejoin_backoff_s=60)
     samples = [Sample(ids(tok, LONG), SamplingParams(temperature=0.0, max_new_tokens=200))
                for _ in range(4)]
     eng.submit(samples)
@@ -448,20 +452,79 @@ def test_errors_never_quote_the_server_and_redirects_are_not_followed(builtin, t
     eng = SGLangEngine(srv.url, eos_token_ids=[tok.eos_token_id], retries=1, backoff_s=0.01,
                        weights_dir=tmp_path)
     try:
-        with pytest.raises(EngineError) as e:
-            eng.update_weights({"w": torch.zeros(2)}, version=1)
-        assert str(e.value) == (f"SGLang server {srv.url}: POST /pause_generation failed after "
-                                "2 attempts: HTTP 503")
+        eng.update_weights({"w": torch.zeros(2)}, version=1)   # the server is taken out of service
+        assert eng.take_warnings()[0].startswith(
+            f"SGLang server {srv.url}: POST /pause_generation failed after 2 attempts: HTTP 503; ")
         assert srv.lines.count("POST /pause_generation HTTP/1.1") == 2
         with pytest.raises(EngineError) as e:
             eng._call(eng.servers[0], "POST", "/no_such_call", {})
         assert str(e.value) == f"SGLang server {srv.url}: POST /no_such_call refused: HTTP 404"
         assert srv.lines.count("POST /no_such_call HTTP/1.1") == 1   # a 4xx is not retried
         assert eng._call(eng.servers[0], "POST", "/continue_generation", {}) is None
-        with pytest.raises(EngineError) as e:
-            eng.generate([Sample(ids(tok, "[1,2]="), SamplingParams(max_new_tokens=20))])
-        assert str(e.value) == (f"SGLang server {srv.url}: POST /generate failed after 2 "
-                                "attempts: BadStatusLine")   # not the line the server sent
+        fresh = SGLangEngine(srv.url, eos_token_ids=[tok.eos_token_id], retries=1, backoff_s=0.01,
+                             down_timeout_s=0.5)
+        try:
+            with pytest.raises(EngineError) as e:
+                fresh.generate([Sample(ids(tok, "[1,2]="), SamplingParams(max_new_tokens=20))])
+        finally:
+            fresh.close()
+        assert str(e.value) == (f"no SGLang server has answered for more than 0.5 s (last: SGLang "
+                                f"server {srv.url}: POST /generate failed after 2 attempts: "
+                                "BadStatusLine)")   # not the line the server sent
     finally:
         eng.close()
         srv.close()
+
+
+def test_with_every_server_gone_generation_waits_and_goes_on_when_one_comes_back(builtin, server,
+                                                                                engines):
+    model, tok = builtin
+    srv = server(step_delay_s=0.01)
+    eng = engines(srv.url, tok, down_timeout_s=30, rejoin_backoff_s=0.2)
+    samples = [Sample(ids(tok, LONG), SamplingParams(temperature=0.0, max_new_tokens=150))
+               for _ in range(3)]
+    eng.submit(samples)
+    wait_until(lambda: srv.requests)
+    port = srv.port
+    srv.close()                                   # the only server goes away mid-generation
+    back = []
+
+    def restart():
+        time.sleep(1.0)
+        back.append(server(step_delay_s=0.0, port=port))
+
+    threading.Thread(target=restart, daemon=True).start()
+    while eng.num_pending:
+        eng.step()
+    assert back, "the samples finished before the server came back: the test proves nothing"
+    ref = greedy_alone(model, tok, samples[0].prompt_ids, 150)
+    for s in samples:   # the partial answers continued on the server that came back
+        s.check()
+        assert s.response_ids == ref.response_ids
+    warnings = eng.take_warnings()
+    assert "every SGLang server is out of service" in warnings[0]
+    assert warnings[-1] == f"SGLang server {srv.url} is back in service"
+    assert back[0].generate_calls > 0
+
+
+def test_a_server_back_after_an_update_takes_requests_once_it_has_the_current_weights(
+        builtin, server, engines, tmp_path):
+    model, tok = builtin
+    a, b = server(), server()
+    eng = engines(f"{a.url},{b.url}", tok, model, weights_dir=tmp_path, rejoin_backoff_s=0.2)
+    eng.update_weights(model.state_dict(), version=1)
+    port = b.port
+    b.close()
+    eng.generate([Sample(ids(tok, "[1,2]="), SamplingParams(max_new_tokens=20)) for _ in range(4)])
+    assert eng.servers[1].down
+    b2 = server(port=port)                        # back, with the weights it started with
+    wait_until(lambda: (eng.step(), not eng.servers[1].down)[1], timeout=10)
+    assert eng.servers[1].stale                  # a is generating: b waits for the next update
+    eng.generate([Sample(ids(tok, "[3,4]="), SamplingParams(max_new_tokens=20)) for _ in range(4)])
+    assert b2.generate_calls == 0
+    eng.update_weights(model.state_dict(), version=2)
+    assert b2.weight_version == "2" and not eng.servers[1].stale
+    samples = [Sample(ids(tok, "[5,6]="), SamplingParams(max_new_tokens=20)) for _ in range(6)]
+    eng.generate(samples)
+    assert b2.generate_calls > 0 and all(set(s.versions) == {2} for s in samples)
+    assert any("takes requests after the next weight update" in w for w in eng.take_warnings())

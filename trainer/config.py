@@ -96,6 +96,10 @@ class RolloutConfig:
     sglang_weights_dir: str = param("", help="engine=sglang: folder the new weights are written to "
                                     "for /update_weights_from_disk; must be readable by the "
                                     "servers (empty = RUN_DIR/engine_weights)")
+    sglang_down_timeout_s: float = param(600.0, min=1.0, max=86400.0,
+                                         help="engine=sglang: with every server out of service, "
+                                         "generation waits this long for one to come back (each "
+                                         "is probed with back-off and rejoins), then the run fails")
     sglang_weight_sync: str = param("distributed", choices=["distributed", "disk"],
                                     help="engine=sglang: how new weights reach the servers: "
                                     "broadcast over a torch.distributed group (NCCL or gloo, no "

@@ -304,8 +304,18 @@ def _make_handler(server: StandinServer):
             raw = self.rfile.read(n) if n else b""
             return json.loads(raw) if raw.strip() else {}
 
+        def _gone(self) -> bool:
+            """After close(), a kept-alive connection is dropped unanswered, as a dead server's
+            would be (a server restarted on the port answers the client's next connection)."""
+            if server._stop and self.path.split("?")[0] != "/generate":
+                self.close_connection = True
+                return True
+            return False
+
         def do_GET(self):
             path = self.path.split("?")[0]
+            if self._gone():
+                return
             if path == "/health":
                 self._send(200, None)
             elif path == "/get_model_info":
@@ -317,6 +327,8 @@ def _make_handler(server: StandinServer):
 
         def do_POST(self):
             path = self.path.split("?")[0]
+            if self._gone():
+                return
             try:
                 body = self._body()
             except ValueError:

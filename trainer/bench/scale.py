@@ -51,13 +51,9 @@ def add_arguments(p) -> None:
 
 
 def command(preset: str, out: Path, train_procs: int, gen_procs: int, overrides: list[str]) -> list[str]:
-    """The CLI command line of one variant (torchrun for more than one training rank)."""
-    head = [sys.executable, "-m", "trainer"]
-    if train_procs > 1:
-        head = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                "--nproc_per_node", str(train_procs), "-m", "trainer"]
-    cmd = head + ["run", preset, "--out", str(out)]
-    for o in [*overrides, f"cluster.gen_procs={gen_procs}"]:
+    """The CLI command line of one variant (it starts torchrun itself for several ranks)."""
+    cmd = [sys.executable, "-m", "trainer", "run", preset, "--out", str(out)]
+    for o in [*overrides, f"cluster.train_procs={train_procs}", f"cluster.gen_procs={gen_procs}"]:
         cmd += ["--set", o]
     return cmd
 

@@ -39,7 +39,7 @@ def build_engine(cfg, model, tokenizer, device, dtype, max_seq_len: int, *,
             urls, eos_token_ids=eos, model_config=model.config,
             weights_dir=r.sglang_weights_dir or weights_dir,
             timeout_s=r.sglang_timeout_s, max_inflight=r.max_slots * len(urls),
-            weight_sync=r.sglang_weight_sync))
+            weight_sync=r.sglang_weight_sync, down_timeout_s=r.sglang_down_timeout_s))
     if r.engine != "embedded":
         raise ValueError(f"rollout.engine: unknown engine {r.engine!r}")
     on_cuda = getattr(device, "type", str(device)) == "cuda"

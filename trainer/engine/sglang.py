@@ -51,9 +51,14 @@ over the reply's tokens), else `meta_info.weight_version`, when it parses as a v
 engine has published (or the version the call was sent under); else the version at dispatch.
 
 Several servers: requests go to the least loaded. A server whose /generate or weight-update
-call fails every retry is taken out of service while another is left (a warning, which the
-runner records as an event): its samples are resent to the others from their last returned
-token, and later updates skip it.
+call fails every retry is taken out of service (a warning, which the runner records as an
+event): its samples are resent to the others from their last returned token, and later updates
+skip it. It is probed (`/health`) with back-off (1 s, 2 s, ... at most 30 s) and rejoins: at
+once when no weights were published yet; else it first gets the current weights -- with the
+next update while another server is generating (the trainer may be changing the weights now),
+or at once from disk when none is (generation waits, so the trainer does too). With every server
+out of service generation waits for one to come back (a warning) and fails with EngineError
+only after `down_timeout_s`.
 
 Tested against SGLang 0.5.23 (tests/test_sglang_real.py) and a stand-in for the faults a real
 server cannot be made to produce on demand (tests/test_sglang_engine.py); see docs/engines.md.
@@ -120,6 +125,9 @@ class _Server:
         self.base = f"{parts.scheme}://{host}:{port}{parts.path.rstrip('/')}"
         self.inflight = 0
         self.down = False   # failed every retry: no new requests, skipped by weight updates
+        self.stale = False  # back in service, waiting for the current weights before requests
+        self.failures = 0   # consecutive probes that found it down
+        self.retry_at = 0.0  # monotonic time of the next probe while down
 
 
 # --- HTTP ---------------------------------------------------------------------------------------
@@ -261,7 +269,8 @@ class SGLangEngine(RolloutEngine):
                  timeout_s: float = 300.0, connect_timeout_s: float = 5.0, retries: int = 3,
                  backoff_s: float = 0.2, max_inflight: int = 256, abort_timeout_s: float = 10.0,
                  wait_s: float = 0.05, keep_weight_versions: int = 2, check_health: bool = True,
-                 max_unrequested_aborts: int = 3, weight_sync: str = "disk"):
+                 max_unrequested_aborts: int = 3, weight_sync: str = "disk",
+                 down_timeout_s: float = 600.0, rejoin_backoff_s: float = 1.0):
         self.servers = [_Server(u) for u in parse_urls(urls)]
         if not self.servers:
             raise ValueError("SGLangEngine needs at least one server URL")
@@ -277,6 +286,12 @@ class SGLangEngine(RolloutEngine):
         if weight_sync not in ("distributed", "disk"):
             raise ValueError(f"weight_sync: 'distributed' or 'disk', not {weight_sync!r}")
         self.weight_sync = weight_sync
+        self.down_timeout_s = float(down_timeout_s)
+        self.rejoin_backoff_s = float(rejoin_backoff_s)
+        # since when no /generate has succeeded with every server out of service, and why
+        self._all_down_since: float | None = None
+        self._last_down_error = ""
+        self._last_tensors: dict | None = None       # the weights of `version` (a rejoin's)
         self._weight_group = None
         self._weight_group_urls: list[str] = []
         self.last_sync_bytes = 0
@@ -336,11 +351,14 @@ class SGLangEngine(RolloutEngine):
     def step(self) -> list[Sample]:
         with self.lock:
             self._check_open()
+            self._probe_down_servers()
             self._dispatch()
             if not self._finished and self._tickets:
                 self._drain(self.wait_s)
             else:
                 self._drain(0.0)
+                if self._queue and not self._usable_servers():   # waiting for a server
+                    self._closed.wait(self.wait_s)
             self._dispatch()
             out, self._finished = self._finished, []
             return out
@@ -401,6 +419,7 @@ class SGLangEngine(RolloutEngine):
         with self.lock:
             self._check_open()
             tensors = self._tensors_to_send(named_tensors)
+            self._last_tensors = tensors
             for t in self._tickets.values():
                 t.update_abort = True
             paused: list[_Server] = []
@@ -409,8 +428,11 @@ class SGLangEngine(RolloutEngine):
                 for srv in self._live_servers():
                     if self._control(srv, "POST", "/pause_generation", {"mode": "abort"}) is not _DOWN:
                         paused.append(srv)
-                if not (self.weight_sync == "distributed" and self._broadcast(tensors, version)):
+                if self._live_servers() and not (self.weight_sync == "distributed"
+                                                 and self._broadcast(tensors, version)):
                     self._load_from_disk(tensors, version)
+                for srv in self._live_servers():
+                    srv.stale = False
                 self._published.add(int(version))
                 self.version = version
                 for srv in self._live_servers():
@@ -431,9 +453,10 @@ class SGLangEngine(RolloutEngine):
                     raise errors[0]
             self._dispatch()
 
-    def _load_from_disk(self, tensors: dict, version: int) -> None:
+    def _load_from_disk(self, tensors: dict, version: int, servers: list | None = None) -> None:
         path = self._save_weights(tensors, version)
-        for srv in self._live_servers():
+        servers = self._live_servers() if servers is None else servers
+        for srv in servers:
             res = self._control(srv, "POST", "/update_weights_from_disk",
                                 {"model_path": str(path), "weight_version": str(version),
                                  "flush_cache": True})
@@ -444,7 +467,7 @@ class SGLangEngine(RolloutEngine):
                                   f"/update_weights_from_disk refused {path} "
                                   "(its reply is in the worker's log)")
         self.last_sync_bytes = sum(t.numel() * t.element_size() for t in tensors.values()) * len(
-            self._live_servers())
+            servers)
 
     def _broadcast(self, tensors: dict, version: int) -> bool:
         """The weights to every live server over the weight group; False (after a warning, and
@@ -559,19 +582,23 @@ class SGLangEngine(RolloutEngine):
             raise EngineError("the SGLang engine is closed")
 
     def _live_servers(self) -> list[_Server]:
-        live = [srv for srv in self.servers if not srv.down]
-        if not live:
-            raise EngineError("every SGLang server failed: "
-                              + ", ".join(srv.url for srv in self.servers))
-        return live
+        """In service (a stale one too: weight updates are what bring it up to date)."""
+        return [srv for srv in self.servers if not srv.down]
+
+    def _usable_servers(self) -> list[_Server]:
+        """In service and holding the current weights: the ones requests go to."""
+        return [srv for srv in self.servers if not srv.down and not srv.stale]
 
     def _pick_server(self) -> _Server:
-        live = self._live_servers()
+        live = self._usable_servers()
         start = next(self._rr) % len(live)
         order = live[start:] + live[:start]
         return min(order, key=lambda s: s.inflight)  # least loaded, round-robin among equals
 
     def _dispatch(self) -> None:
+        if not self._usable_servers():
+            self._check_down_timeout()
+            return
         while self._queue and len(self._tickets) < self.max_inflight:
             s = self._queue.popleft()
             srv = self._pick_server()
@@ -657,6 +684,8 @@ class SGLangEngine(RolloutEngine):
                 raise err if isinstance(err, EngineError) else EngineError(
                     f"SGLang server {t.server.url}: POST /generate: {_describe(err)}") from err
             res = None
+        if res is not None:   # a server answered: the outage (if any) is over
+            self._all_down_since, t.server.failures = None, 0
         ids, lps, ftype, fmsg, versions = self._parse(t, res)
         for tok, lp, v in zip(ids, lps, versions):
             s.response_ids.append(tok)
@@ -703,8 +732,9 @@ class SGLangEngine(RolloutEngine):
             self._finished.append(s)
 
     def _fail_over(self, t: _Ticket, err: EngineError) -> bool:
-        """Take t's server out of service and resend its sample to the others, from the tokens
-        it had before this call (the failed call returned none). False when no server is left."""
+        """Take t's server out of service and resend its sample to the others (or, with none
+        left, to the first that comes back), from the tokens it had before this call (the
+        failed call returned none)."""
         if not self._take_down(t.server, err):
             return False
         self.requeued += 1
@@ -712,25 +742,78 @@ class SGLangEngine(RolloutEngine):
         return True
 
     def _take_down(self, srv: _Server, err: EngineError) -> bool:
-        """Mark srv out of service after it failed every retry (a warning); False when it is
-        the last server left: it stays in service and the caller raises the error."""
+        """Mark srv out of service after it failed every retry (a warning) and schedule its
+        first probe. Always True: with no server left, generation waits for one to come back
+        (see `_check_down_timeout`)."""
         if srv.down:
-            return any(not x.down for x in self.servers)
-        left = [x.url for x in self.servers if not x.down and x is not srv]
-        if not left:
-            return False
-        srv.down = True
-        self._warn(f"{err}; taken out of service, its requests go to {', '.join(left)}")
+            return True
+        srv.down, srv.stale = True, False
+        srv.retry_at = time.monotonic() + self._rejoin_delay(srv.failures)
+        self._last_down_error = str(err)
+        left = [x.url for x in self.servers if not x.down]
+        if left:
+            self._warn(f"{err}; taken out of service, its requests go to {', '.join(left)}; "
+                       "it rejoins when it answers again")
+        else:
+            self._warn(f"{err}; every SGLang server is out of service: generation waits for one "
+                       f"to come back (at most {self.down_timeout_s:g} s)")
         return True
+
+    def _probe_down_servers(self) -> None:
+        """Ask each server out of service whose back-off has passed whether it is back."""
+        now = time.monotonic()
+        for srv in self.servers:
+            if not srv.down or srv.retry_at > now:
+                continue
+            try:
+                self._call(srv, "GET", "/health", retry=False, timeout=2.0)
+            except EngineError:
+                srv.failures += 1
+                srv.retry_at = time.monotonic() + self._rejoin_delay(srv.failures)
+                continue
+            self._rejoin(srv)
+
+    def _rejoin_delay(self, failures: int) -> float:
+        """Back-off between probes: rejoin_backoff_s, twice that, ... at most 30 s. A server
+        that answers /health but fails its requests again keeps its count (reset only by a
+        request that succeeds), so a flapping server is probed ever less often."""
+        return min(self.rejoin_backoff_s * 2 ** min(failures, 16), 30.0)
+
+    def _rejoin(self, srv: _Server) -> None:
+        """A server back in service, with the current weights before it gets a request."""
+        srv.down = False
+        if not self._published:
+            self._warn(f"SGLang server {srv.url} is back in service")
+            return
+        if self._usable_servers():   # the next update brings it up to date
+            srv.stale = True
+            self._warn(f"SGLang server {srv.url} is back; it takes requests after the next "
+                       "weight update")
+            return
+        try:   # nothing generates, so the trainer waits too: its weights hold still
+            self._load_from_disk(self._last_tensors, self.version, [srv])
+            self._call(srv, "POST", "/flush_cache", retry=False)
+        except EngineError as e:
+            srv.down, srv.failures = True, srv.failures + 1
+            srv.retry_at = time.monotonic() + self._rejoin_delay(srv.failures)
+            self._warn(f"SGLang server {srv.url} answered again but did not take the weights: {e}")
+            return
+        self._warn(f"SGLang server {srv.url} is back in service with weights version {self.version}")
+
+    def _check_down_timeout(self) -> None:
+        if self._all_down_since is None:
+            self._all_down_since = time.monotonic()
+        elif time.monotonic() - self._all_down_since > self.down_timeout_s:
+            raise EngineError(f"no SGLang server has answered for more than {self.down_timeout_s:g} s "
+                              f"(last: {self._last_down_error})")
 
     def _control(self, srv: _Server, method: str, path: str, body: dict | None = None):
         """A control call of a weight update; a server that fails it every retry is taken out
-        of service (returns _DOWN) while another is left."""
+        of service (returns _DOWN)."""
         try:
             return self._call(srv, method, path, body)
         except _ServerFailed as e:
-            if not self._take_down(srv, e):
-                raise
+            self._take_down(srv, e)
             return _DOWN
 
     def _warn(self, message: str) -> None:
