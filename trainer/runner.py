@@ -111,8 +111,9 @@ class Runner:
         self.samples = InspectorRecorder(self.tokenizer, self.cfg.run.seed)  # the rollout inspector's
         self.boundary = StepBoundary(self.controls, self.sink, self.rollout,
                                      waiting=self.ranks.keepalive)
-        # a step waiting for asynchronous groups gives way to a stop or pause within a second
-        self.rollout.interrupted = self.boundary.interrupted
+        # a step waiting for asynchronous groups gives way to a stop or pause within a second,
+        # and says at once what its engine reports (e.g. every generator gone: it waits)
+        self.rollout.interrupted = self._waiting
         self.system = (SystemSampler(use_gpu=self.device.type == "cuda")
                        if system_telemetry else None)
 
@@ -222,6 +223,15 @@ class Runner:
             self.engine.close()
         self.sink.flush()
 
+    def _waiting(self) -> bool:
+        self._relay_engine_warnings()
+        return self.boundary.interrupted()
+
+    def _relay_engine_warnings(self) -> None:
+        """The engine's non-fatal news (a generator lost, back, all gone) as warning events."""
+        for message in getattr(self.engine, "take_warnings", list)():
+            self.sink.event(self.step + 1, "warning", {"message": message})
+
     def _follow_step(self, step: int, cfg) -> None:
         """A training rank before its share of `step`'s update: rank 0's config and step."""
         self.cfg, self.step = cfg, step - 1
@@ -234,8 +244,7 @@ class Runner:
         self.scorer.new_step()
         result = self.rollout.collect(cfg, self.version)
         engine_stats = self.engine.stats.minus(stats0)
-        for message in getattr(self.engine, "take_warnings", list)():  # e.g. a server lost
-            self.sink.event(self.step + 1, "warning", {"message": message})
+        self._relay_engine_warnings()
         for kind, data in result.events:  # what the driver says about its step (e.g. too few groups)
             self.sink.event(self.step + 1, kind, data)
         groups = result.groups
