@@ -24,9 +24,9 @@ before it takes work, and used again. With every member dead, step() waits for a
 restart that fails, or a death before it delivered anything) is given up, and when none is left
 the pool raises EngineError with the last errors.
 
-Tokens: `stats.generated_tokens` counts the tokens delivered to the parent only (the token
-ledger, trainer/rollout/ledger.py, balances: every delivered token is trained, waiting or
-dropped for a reason). The tokens a dead child generated and never delivered are not part of
+Tokens: `stats.generated_tokens` counts the tokens delivered to the parent only, those in the
+parent's samples (the token ledger, trainer/rollout/ledger.py, balances: every delivered token
+is trained, waiting or dropped for a reason). The tokens a dead child generated and never delivered are not part of
 the rollout; `lost_tokens` counts them as far as the child reported (its counter travels with
 each reply, so the last few are unseen). The other counters (decode steps, slots, prefill,
 seconds) are the members' sums, dead members' included: none ever goes down.
@@ -166,7 +166,11 @@ class EnginePool(RolloutEngine):
             for m in self._live():
                 total = [a + b for a, b in zip(total, m.engine.stats.astuple())]
             out = EngineStats(*total)
-            out.generated_tokens = self._delivered
+            # tokens in the parent's samples: handed out, or filed by a member (a finished
+            # sample a ProcessEngine updated in place and step() has not yet returned)
+            out.generated_tokens = self._delivered + sum(
+                len(s.response_ids) - tokens_then for m in self._live()
+                for s, tokens_then, _ in m.held.values() if s.finish_reason is not None)
             return out
 
     @property
@@ -190,7 +194,7 @@ class EnginePool(RolloutEngine):
                 raise ValueError(f"prompt ({len(s.prompt_ids)} tokens) + max_new_tokens "
                                  f"({s.params.max_new_tokens}) exceeds the engine's "
                                  f"max_seq_len {self.max_seq_len}")
-            s.finish_reason = None
+            s.finish_reason, s.segment_tokens = None, 0
         with self._lock:
             self._check_alive()
             self._schedule_restarts()
