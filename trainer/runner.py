@@ -247,6 +247,8 @@ class Runner:
             "timing/weight_sync_s": sync_s, "timing/step_s": step_s, "actor/lr": cfg.optim.lr,
             "train/policy_version": self.version, "rollout/trained_tokens": trained_tokens,
         })
+        if hasattr(self.engine, "generators_alive"):  # generation processes (engine/pool.py)
+            m.update(self.engine.report())
         self._observe_generation()
         ledger = self.rollout.ledger
         ledger.train(trained_tokens)

@@ -143,11 +143,19 @@ class EnginePool(RolloutEngine):
             self._version = int(value)
             for m in self._live():
                 self._guard(m, "__setattr__", "version", self._version)
+            self._dispatch()
 
     @property
     def generators_alive(self) -> int:
         with self._lock:
             return len(self._live())
+
+    def report(self) -> dict[str, float]:
+        """The runner's per-step metrics of the pool (trainer/metric_names.py)."""
+        with self._lock:
+            return {"perf/weight_sync_bytes": self.last_sync_bytes,
+                    "engine/generators_alive": len(self._live()),
+                    "engine/lost_tokens": self.lost_tokens}
 
     def pids(self) -> dict[int, int]:
         """Member index -> pid of its child, for the live members."""
@@ -206,6 +214,7 @@ class EnginePool(RolloutEngine):
             self._check_alive()
             self._schedule_restarts()
             out = self._ready_now()
+            self._dispatch()  # the samples of a member lost just now go to the others
             busy = [m.engine.conn for m in self._live() if m.held]
             paused = not self._live() and bool(self._queue)
             if paused:
@@ -221,7 +230,9 @@ class EnginePool(RolloutEngine):
             except (OSError, ValueError):  # a child lost meanwhile (another thread saw it)
                 pass
         with self._lock:
-            return self._ready_now()
+            out = self._ready_now()
+            self._dispatch()
+            return out
 
     def abort(self, request_ids: Iterable[int] | None = None,
               keep_cache: bool = False) -> list[Sample]:
@@ -372,6 +383,8 @@ class EnginePool(RolloutEngine):
         return min(self.backoff_s * 2 ** max(failures - 1, 0), self.backoff_max_s)
 
     def _schedule_restarts(self) -> None:
+        if self._closed:
+            return
         now = time.monotonic()
         for m in self.members:
             if m.engine is not None or m.restarting or m.retired or now < m.retry_at:
@@ -395,30 +408,38 @@ class EnginePool(RolloutEngine):
             engine = self.factory(m.index, derived_seed(self.seed, m.index, m.starts), weights)
         except BaseException as e:  # noqa: BLE001 - any failure to start counts against m
             with self._lock:
-                m.restarting = False
-                m.failures += 1
-                m.retry_at = time.monotonic() + self._backoff(m.failures)
-                m.last_error = _describe(e)
-                self._warn(f"generation process {m.index} could not be restarted: {m.last_error}")
-                self._wake.set()
+                self._restart_failed(m, e)
             return
         with self._lock:
             m.restarting = False
             if self._closed:
                 engine.close()
                 return
-            # the weights it started from moved on meanwhile (an update came, or was being
-            # copied while it read them): bring it to the current version before any work
-            if version != self._version:
-                engine.update_weights(self._reference, self._version)
-            else:
-                engine.version = self._version
+            try:
+                # the weights it started from moved on meanwhile (an update came, or was being
+                # copied while it read them): bring it to the current version before any work
+                if version != self._version:
+                    engine.update_weights(self._reference, self._version)
+                else:
+                    engine.version = self._version
+            except FAILURES as e:
+                engine.kill()
+                self._restart_failed(m, e)
+                return
             self._join(m, engine)
             self._warn(f"generation process {m.index} restarted (pid {engine.proc.pid}), "
                        f"weights at policy version {self._version}")
             self._paused = False
             self._dispatch()
             self._wake.set()
+
+    def _restart_failed(self, m: _Member, err: BaseException) -> None:
+        m.restarting = False
+        m.failures += 1
+        m.retry_at = time.monotonic() + self._backoff(m.failures)
+        m.last_error = _describe(err)
+        self._warn(f"generation process {m.index} could not be restarted: {m.last_error}")
+        self._wake.set()
 
     def _join(self, m: _Member, engine) -> None:
         m.engine = engine
@@ -470,29 +491,42 @@ def _result(future):
 class PoolGenerator:
     """The members' sampling RNGs as one torch.Generator-like object for checkpoints: the
     state is the members' states end to end. A state saved by one engine (a pool of one, or
-    a run without a pool) goes to member 0 and the others draw fresh streams from the seed."""
+    a run without a pool) goes to member 0 and the others draw fresh streams from the seed.
+    A member that fails meanwhile is lost as in any other call (its restart draws a fresh
+    stream)."""
 
     def __init__(self, pool: EnginePool):
         self.pool = pool
 
+    def _on(self, m: _Member, method: str, *args):
+        try:
+            return getattr(m.engine.generator, method)(*args)
+        except FAILURES as e:
+            self.pool._lose(m, e)
+            return _LOST
+
     def get_state(self) -> torch.Tensor:
-        with self.pool._lock:
+        pool = self.pool
+        with pool._lock:
             states = []
-            for m in self.pool.members:
-                if m.engine is not None:
-                    states.append(m.engine.generator.get_state())
-                else:  # a dead member's stream is gone: the one it will restart with
-                    seed = derived_seed(self.pool.seed, m.index, m.starts + 1)
-                    states.append(_fresh_state(states, seed))
+            for m in pool.members:
+                state = self._on(m, "get_state") if m.engine is not None else _LOST
+                if state is _LOST:  # a dead member's stream is gone: the one it restarts with
+                    state = _fresh_state(states, derived_seed(pool.seed, m.index, m.starts + 1))
+                states.append(state)
+            pool._dispatch()
             return torch.cat(states)
 
     def set_state(self, state: torch.Tensor) -> None:
-        with self.pool._lock:
-            live = self.pool._live()
+        pool = self.pool
+        with pool._lock:
+            live = pool._live()
             if not live:
                 return
-            one = live[0].engine.generator.get_state().numel()
-            n = len(self.pool.members)
+            mine = self._on(live[0], "get_state")
+            if mine is _LOST:
+                return
+            one, n = mine.numel(), len(pool.members)
             if state.numel() == one * n:
                 parts = state.split(one)
             elif state.numel() == one:
@@ -500,18 +534,20 @@ class PoolGenerator:
             else:
                 raise ValueError(f"engine RNG state of {state.numel()} bytes fits neither one "
                                  f"generation process ({one}) nor {n} of them")
-            for m, part in zip(self.pool.members, parts):
+            for m, part in zip(pool.members, parts):
                 if m.engine is None:
                     continue
                 if part is None:
-                    m.engine.generator.manual_seed(derived_seed(self.pool.seed, m.index, 0))
+                    self._on(m, "manual_seed", derived_seed(pool.seed, m.index, 0))
                 else:
-                    m.engine.generator.set_state(part)
+                    self._on(m, "set_state", part)
+            pool._dispatch()
 
     def manual_seed(self, seed: int) -> "PoolGenerator":
         with self.pool._lock:
             for m in self.pool._live():
-                m.engine.generator.manual_seed(derived_seed(seed, m.index, 0))
+                self._on(m, "manual_seed", derived_seed(seed, m.index, 0))
+            self.pool._dispatch()
         return self
 
 
