@@ -12,7 +12,7 @@ import torch
 from helpers import TINY_RUN, full_forward_logprobs
 
 from trainer import config as C
-from trainer.engine.base import Sample, SamplingParams
+from trainer.engine.base import SEGMENT, Sample, SamplingParams
 from trainer.engine.pool import EnginePool
 from trainer.engine.process import ProcessEngine
 from trainer.metrics import MemorySink
@@ -138,14 +138,25 @@ def test_a_member_killed_mid_generation_loses_no_sample_and_comes_back(parts):
     model, tok = parts
     pool = make_pool(model, 2, slots=2)
     try:
-        ss = [Sample(prompt(tok), SamplingParams(max_new_tokens=120)) for _ in range(12)]
+        # partial samples: 10 tokens of version 0 each, then the rest under version 1
+        ss = [Sample(prompt(tok), SamplingParams(max_new_tokens=120, segment_max_tokens=10))
+              for _ in range(12)]
+        pool.generate(ss)
+        assert all(s.finish_reason == SEGMENT and len(s.response_ids) == 10 for s in ss)
+        prefix = {s.request_id: (list(s.response_ids), list(s.logprobs)) for s in ss}
+        newer = new_weights(model)
+        # recompute_kv: the parked prefixes are prefilled again under the new weights, on
+        # whichever process continues them, so every later token matches a plain forward pass
+        pool.update_weights(newer.state_dict(), version=1, recompute_kv=True)
+        for s in ss:
+            s.params = SamplingParams(max_new_tokens=120)
         pool.submit(ss)
         victim = pool.members[1]
         pid = victim.engine.proc.pid
-        mine = set(victim.held)
+        mine, before = set(victim.held), victim.delivered
         done = []
         # kill it once it has returned a sample and still holds others (so it is mid-way)
-        while not (victim.delivered and len(victim.held) >= 2):
+        while not (victim.delivered > before and len(victim.held) >= 2):
             done += pool.step()
         os.kill(pid, signal.SIGKILL)
         unfinished = set(victim.held)
@@ -161,9 +172,14 @@ def test_a_member_killed_mid_generation_loses_no_sample_and_comes_back(parts):
         assert set(ids) == {s.request_id for s in ss}
         for s in ss:
             s.check()
-            assert len(s.response_ids) == 120 and set(s.versions) == {0}
-            assert torch.allclose(torch.tensor(s.logprobs), full_forward_logprobs(model, s),
-                                  atol=1e-4)
+            ids0, logprobs0 = prefix[s.request_id]
+            # the tokens from before are kept exactly, with their versions; the rest is version 1
+            assert s.response_ids[:10] == ids0 and s.logprobs[:10] == logprobs0
+            assert s.versions == [0] * 10 + [1] * 110
+            assert torch.allclose(torch.tensor(s.logprobs[10:]),
+                                  full_forward_logprobs(newer, s)[10:], atol=1e-4)
+            assert torch.allclose(torch.tensor(s.logprobs[:10]),
+                                  full_forward_logprobs(model, s)[:10], atol=1e-4)
         warnings = pool.take_warnings()
         died = [w for w in warnings if w.startswith(f"generation process 1 (pid {pid}) died")]
         assert len(died) == 1 and "SIGKILL" in died[0], warnings
@@ -240,6 +256,19 @@ def test_a_member_that_cannot_restart_is_given_up_with_the_reason(parts):
     check_closed(pool)
 
 
+def test_each_generation_process_gets_a_gpu_of_its_own_when_there_are_enough(monkeypatch):
+    from trainer.engine import generation_device
+
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setenv("WORLD_SIZE", "2")           # two training ranks on cuda:0 and cuda:1
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    assert [generation_device(cuda, i, 2) for i in range(2)] == [torch.device("cuda", 2),
+                                                                  torch.device("cuda", 3)]
+    # three would not fit: every one shares the trainer's device
+    assert {generation_device(cuda, i, 3) for i in range(3)} == {cuda}
+    assert generation_device(torch.device("cpu"), 1, 2) == torch.device("cpu")
+
+
 # --- whole runs ---------------------------------------------------------------------------------
 
 def _kill_during_step_2(monkeypatch, ref, member_index):
@@ -272,7 +301,7 @@ def _check_ledger(rows):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("preset,procs", [("async", 2), ("april", 1)])
+@pytest.mark.parametrize("preset,procs", [("async", 2), ("april", 1), ("demo", 2)])
 def test_a_run_survives_a_generation_process_killed_mid_step(tmp_path, monkeypatch, preset, procs):
     cfg = C.load(preset, [*TINY_RUN, "rollout.max_response_len=48", "run.max_steps=4",
                           f"cluster.gen_procs={procs}", "async.max_inflight=8",
@@ -309,7 +338,7 @@ def test_a_run_survives_a_generation_process_killed_mid_step(tmp_path, monkeypat
     assert all(x["perf/weight_sync_bytes"] > 0 for x in rows if x["engine/generators_alive"])
     assert ledger.generated == rollout_tokens
     assert ledger.generated == ledger.trained + ledger.waiting + sum(ledger.dropped.values())
-    if preset == "april":
+    if preset != "async":
         assert waiting == held            # nothing left in the engine at a synchronous boundary
     assert sum(x["rollout/tokens/trained"] for x in rows) > 0   # guard: it trained
     check_closed(getattr(pool, "engine", pool))
