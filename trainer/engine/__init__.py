@@ -1,5 +1,6 @@
-"""Rollout engines: the interface (`base`), the embedded torch engine (`embedded`) and the
-SGLang HTTP client (`sglang`). `build_engine` picks one from a run config."""
+"""Rollout engines: the interface (`base`), the embedded torch engine (`embedded`), the same in
+processes of its own (`process`, several behind one engine: `pool`) and the SGLang HTTP client
+(`sglang`). `build_engine` picks one from a run config."""
 from __future__ import annotations
 
 from pathlib import Path
