@@ -269,9 +269,11 @@ class ClusterConfig:
                              "controller that owns the rollout, every rank trains its share of each "
                              "batch; under an outside torchrun, the world size it gives (recorded)")
     gen_procs: int = param(0, min=0, max=64,
-                           help="generation processes of the embedded engine, each on its own device "
-                           "where there are enough GPUs (0 = the engine runs in the controller, or in "
-                           "its one asynchronous worker process)")
+                           help="generation processes of the embedded engine behind one engine "
+                           "(balanced by outstanding tokens; one that dies is restarted and its "
+                           "samples go on elsewhere), each on its own GPU where there are enough "
+                           "(0 = the engine runs in the controller, or in its one asynchronous "
+                           "worker process, itself a pool of one)")
 
 
 SECTIONS: dict[str, type] = {

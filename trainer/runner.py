@@ -305,6 +305,8 @@ class Runner:
         if self.dist.size > 1:
             m.update({"dist/world_size": self.dist.size,
                       "dist/train_share_imbalance": self.ranks.imbalance})
+        if hasattr(self.engine, "generators_alive"):  # generation processes (engine/pool.py)
+            m.update(self.engine.report())
         self._observe_generation()
         ledger = self.rollout.ledger
         ledger.train(trained_tokens)

@@ -1,5 +1,6 @@
-"""Rollout engines: the interface (`base`), the embedded torch engine (`embedded`) and the
-SGLang HTTP client (`sglang`). `build_engine` picks one from a run config."""
+"""Rollout engines: the interface (`base`), the embedded torch engine (`embedded`), the same in
+processes of its own (`process`, several behind one engine: `pool`) and the SGLang HTTP client
+(`sglang`). `build_engine` picks one from a run config."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -13,9 +14,12 @@ def build_engine(cfg, model, tokenizer, device, dtype, max_seq_len: int, *,
     slots of `max_seq_len` positions, seeded with `cfg.run.seed`. On CUDA the KV cache is sized
     from free memory: at most max_slots, as many as fit in half the memory free now (and again
     each time it is reacquired after `release_memory()`).
-    With `async.enabled` and `async.worker = "process"`, the embedded engine decodes in a child
-    process (`process.ProcessEngine`) on the same device and dtype, with
-    `async.worker_threads` torch threads.
+    With `cluster.gen_procs` >= 1 the embedded engine decodes in that many child processes
+    (`process.ProcessEngine`) behind one `pool.EnginePool` (balanced; a child that dies is
+    restarted and its samples go on elsewhere), each with `async.worker_threads` torch threads
+    and the trainer's dtype; on CUDA member i decodes on cuda:(WORLD_SIZE + i) when that many
+    GPUs are visible, else on the trainer's device. With gen_procs = 0, `async.enabled` and
+    `async.worker = "process"` make it a pool of one.
     sglang: an SGLangEngine over `cfg.rollout.sglang_urls` (checked with /health now: raises
     EngineError when a server is unreachable). New weights are broadcast over a torch.distributed
     group (`rollout.sglang_weight_sync = "distributed"`), else (or after that fails) written under
@@ -44,17 +48,45 @@ def build_engine(cfg, model, tokenizer, device, dtype, max_seq_len: int, *,
         raise ValueError(f"rollout.engine: unknown engine {r.engine!r}")
     on_cuda = getattr(device, "type", str(device)) == "cuda"
     slots = dict(max_slots="auto" if on_cuda else r.max_slots, slots_cap=r.max_slots)
-    if cfg.async_.enabled and cfg.async_.worker == "process":
-        from trainer.engine.process import ProcessEngine
-
-        return _with_stops(tokenizer, stops, ProcessEngine(
-            model, eos_token_ids=eos, max_seq_len=max_seq_len, seed=cfg.run.seed,
+    procs = cfg.cluster.gen_procs or (cfg.async_.enabled and cfg.async_.worker == "process")
+    if procs:
+        return _with_stops(tokenizer, stops, _process_pool(
+            model, int(procs), eos_token_ids=eos, max_seq_len=max_seq_len, seed=cfg.run.seed,
             device=device, dtype=dtype, threads=cfg.async_.worker_threads, **slots))
     from trainer.engine.embedded import EmbeddedEngine
 
     return _with_stops(tokenizer, stops, EmbeddedEngine(
         model, eos_token_ids=eos, kv_memory_fraction=0.5, max_seq_len=max_seq_len,
         seed=cfg.run.seed, device=device, dtype=dtype, **slots))
+
+
+def _process_pool(model, size: int, *, device, seed: int, **kwargs):
+    """An EnginePool of `size` ProcessEngines; member i on generation_device(device, i, size)."""
+    from trainer.engine.pool import EnginePool
+    from trainer.engine.process import ProcessEngine
+
+    def member(index: int, member_seed: int, weights):
+        return ProcessEngine(model, seed=member_seed, weights=weights,
+                             device=generation_device(device, index, size), **kwargs)
+
+    return EnginePool(member, size, seed=seed)
+
+
+def generation_device(device, index: int, size: int):
+    """Where generation process `index` of `size` decodes: on CUDA, the GPU after the training
+    ranks' (cuda:WORLD_SIZE + index) when every generation process has one, else the
+    trainer's device."""
+    import os
+
+    import torch
+
+    device = torch.device(device)
+    if device.type != "cuda":
+        return device
+    first = int(os.environ.get("WORLD_SIZE", "1"))
+    if torch.cuda.device_count() >= first + size:
+        return torch.device("cuda", first + index)
+    return device
 
 
 def _with_stops(tokenizer, stops: list[str], engine):

@@ -77,11 +77,16 @@ class SharedWeights:
     def spec(self) -> tuple:
         return self.path, self.layout, self.nbytes
 
-    def copy_from(self, items) -> None:
+    def copy_from(self, items) -> int:
+        """Copy the named tensors this buffer holds into it; returns the bytes copied."""
+        copied = 0
         with torch.no_grad():
             for name, t in items:
                 if name in self.tensors:
-                    self.tensors[name].copy_(t.detach())
+                    dst = self.tensors[name]
+                    dst.copy_(t.detach())
+                    copied += dst.numel() * dst.element_size()
+        return copied
 
     def unlink(self) -> None:
         Path(self.path).unlink(missing_ok=True)
@@ -208,21 +213,27 @@ class ProcessEngine(RolloutEngine):
     def __init__(self, model, *, eos_token_ids: Iterable[int], max_slots: int | str = 64,
                  max_seq_len: int = 512, seed: int = 0, threads: int = 1,
                  device: torch.device | None = None, dtype: torch.dtype | None = None,
-                 slots_cap: int = 1024, start_timeout_s: float = 120.0):
+                 slots_cap: int = 1024, start_timeout_s: float = 120.0,
+                 weights: dict[str, torch.Tensor] | None = None):
+        """`weights`: the tensors to start from instead of `model`'s (a generation process
+        restarted mid-run starts from the policy the others hold, not from a model the trainer
+        may be updating at that moment); `model` still gives the architecture."""
         params = next(model.parameters())
         device = torch.device(device) if device is not None else params.device
         dtype = dtype or params.dtype
         self.max_seq_len = max_seq_len
         self._version = 0
         self.stats = EngineStats()
+        self.last_sync_bytes = 0            # bytes copied into the shared buffer by the last update
         self.generator = ChildGenerator(self)  # the sampling RNG lives in the child
         self.live: dict[int, Sample] = {}   # submitted, not yet returned
         self._done: list[Sample] = []       # finished samples not yet handed out by step()
         self._replies: list[tuple] = []     # answers to abort / weights / ready
         # the async worker thread and the trainer thread both talk to the child
         self._recv_lock, self._send_lock = threading.Lock(), threading.Lock()
+        state = model.state_dict() if weights is None else weights
         self.weights = SharedWeights.create({k: v.detach().to(dtype) if v.is_floating_point()
-                                             else v.detach() for k, v in model.state_dict().items()})
+                                             else v.detach() for k, v in state.items()})
         ours, theirs = socket.socketpair()
         try:
             self.proc = subprocess.Popen(
@@ -333,9 +344,11 @@ class ProcessEngine(RolloutEngine):
         # still owed to step(): a caller that steps only while something is pending must see them
         return len(self.live) + len(self._done)
 
-    def step(self) -> list[Sample]:
+    def step(self, wait_s: float = 0.02) -> list[Sample]:
+        """`wait_s`: how long to wait for a result when none is there yet (generation runs in
+        the child; an EnginePool waits on all its children at once and passes 0)."""
         if not self._done and self.live:
-            self._pump(0.02)  # generation runs in the child: wait a little for results
+            self._pump(wait_s)
         with self._recv_lock:
             out, self._done = self._done, []
         return out
@@ -349,10 +362,21 @@ class ProcessEngine(RolloutEngine):
 
     def update_weights(self, named_tensors, version: int, recompute_kv: bool = False) -> None:
         items = named_tensors.items() if isinstance(named_tensors, dict) else named_tensors
-        self.weights.copy_from(items)
+        self.last_sync_bytes = self.weights.copy_from(items)
         self._send(("weights", version, recompute_kv))
         self._expect("weights_loaded", 60)
         self._version = version
+
+    def loaded_weights(self) -> dict[str, torch.Tensor]:
+        """The weights last handed to the child (views of the shared buffer, which holds exactly
+        the policy of `version` once update_weights returned)."""
+        return self.weights.tensors
+
+    def kill(self) -> None:
+        """SIGKILL the child (one that failed or stopped answering) and release everything."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.close()
 
     def close(self) -> None:
         self._finalizer()

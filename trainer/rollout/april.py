@@ -181,6 +181,11 @@ class AprilRollout:
             if id(g) in step.active:
                 del step.active[id(g)]
                 step.parked.append(g)
+        # an engine in other processes may have filed finished samples while it answered the
+        # abort: hand them out now, or a group they complete would be neither trained nor kept
+        while step.engine.num_pending:
+            step.advance()
+        step.score_waiting()
         c.parked = sum(len(g.unfinished) for g in step.parked)
         step.ready.sort(key=lambda g: g.draw)
         # oldest prompt first: the order the next step resumes them in, and shrinks them from

@@ -385,12 +385,14 @@ class AsyncDriver(Driver):
 
     def _cap(self) -> int:
         """Groups generating at once: `async.max_inflight` (0 = 2B), but never more samples than
-        fill the engine's slots ENGINE_ROUNDS times. Past that, samples wait in the engine's
+        fill the engine's slots ENGINE_ROUNDS times (rollout.max_slots in each of
+        cluster.gen_procs generation processes). Past that, samples wait in the engine's
         queue, and a sample parked at APRIL's segment limit rejoins behind all of them: with a
         large eta nearly every group then waits for all the others, and no step completes."""
         cfg = self.cfg
         wanted = cfg.async_.max_inflight or 2 * cfg.rollout.rollout_batch_size
-        fits = ENGINE_ROUNDS * cfg.rollout.max_slots // cfg.rollout.n_samples_per_prompt
+        slots = cfg.rollout.max_slots * max(1, cfg.cluster.gen_procs)
+        fits = ENGINE_ROUNDS * slots // cfg.rollout.n_samples_per_prompt
         return max(1, min(wanted, fits))
 
     def _can_admit(self) -> bool:
