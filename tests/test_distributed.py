@@ -164,7 +164,7 @@ MODES = {  # mode: (preset, settings that make each technique act within 3 tiny 
     "april": ("april", ["april.segment_max_tokens=12"]),
     "greso": ("greso", []),
     "async": ("async", []),
-    "all": ("all", ["april.segment_max_tokens=16", "async.max_inflight=8"]),
+    "all": ("all", ["april.segment_max_tokens=16", "async.max_inflight=8", "cluster.gen_procs=2"]),
 }
 LR = 5e-5
 
@@ -304,13 +304,16 @@ def _resume_worker(rank, port, run_dir, steps):
 
 @pytest.mark.slow
 def test_checkpoints_resume_on_another_number_of_processes(tmp_path):
-    """2 ranks -> 1 process -> 2 ranks, the `all` preset: each resume goes on from the last step
-    with the controller's state (APRIL's buffer, GRESO, the cursor, the asynchronous queue)."""
+    """2 ranks + 2 generation processes -> 1 process (its engine in a thread) -> 2 ranks + 2
+    generation processes, the `all` preset: each resume goes on from the last step with the
+    controller's state (APRIL's buffer, GRESO, the cursor, the asynchronous queue)."""
     from trainer import checkpoint
     from trainer.runner import Runner
 
     _spawn(_mode_worker, _free_port(), str(tmp_path), "all")            # steps 1-3 on 2 ranks
-    with Runner(_mode_config("all", steps=4), tmp_path, resume=True, sink=JsonlSink(tmp_path / "one"),
+    alone = _mode_config("all", steps=4)
+    alone.cluster.gen_procs, alone.async_.worker = 0, "thread"
+    with Runner(alone, tmp_path, resume=True, sink=JsonlSink(tmp_path / "one"),
                 system_telemetry=False) as one:                         # step 4 on 1 process
         assert one.step == 3 and one.cfg.optim.lr == LR                  # the knob value resumed
         assert one.run() == "finished" and one.step == 4

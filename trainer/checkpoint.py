@@ -85,7 +85,10 @@ def set_rng_state(state: dict[str, Any], engine_generator: torch.Generator | Non
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
     if engine_generator is not None and "engine" in state:
-        engine_generator.set_state(state["engine"])
+        saved, mine = state["engine"], engine_generator.get_state()
+        if saved.numel() != mine.numel() and saved.numel() % mine.numel() == 0:
+            saved = saved[:mine.numel()]   # saved by several generation processes: the first's
+        engine_generator.set_state(saved)
 
 
 def save(run_dir: str | Path, step: int, *, model, tokenizer, state: dict[str, Any],

@@ -490,8 +490,8 @@ def _result(future):
 
 class PoolGenerator:
     """The members' sampling RNGs as one torch.Generator-like object for checkpoints: the
-    state is the members' states end to end. A state saved by one engine (a pool of one, or
-    a run without a pool) goes to member 0 and the others draw fresh streams from the seed.
+    state is the members' states end to end. A state saved by k engines goes to the first k
+    members (a run without a pool counts as one) and the others draw fresh streams from the seed.
     A member that fails meanwhile is lost as in any other call (its restart draws a fresh
     stream)."""
 
@@ -527,13 +527,12 @@ class PoolGenerator:
             if mine is _LOST:
                 return
             one, n = mine.numel(), len(pool.members)
-            if state.numel() == one * n:
-                parts = state.split(one)
-            elif state.numel() == one:
-                parts = [state] + [None] * (n - 1)
-            else:
-                raise ValueError(f"engine RNG state of {state.numel()} bytes fits neither one "
-                                 f"generation process ({one}) nor {n} of them")
+            if state.numel() % one:
+                raise ValueError(f"engine RNG state of {state.numel()} bytes is not a whole number "
+                                 f"of generation processes' ({one} bytes each)")
+            # saved by k processes: the first min(k, n) streams go on, the others start fresh
+            parts = list(state.split(one))[:n]
+            parts += [None] * (n - len(parts))
             for m, part in zip(pool.members, parts):
                 if m.engine is None:
                     continue
