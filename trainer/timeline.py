@@ -80,8 +80,9 @@ def bound(spans: list[Span], max_spans: int = MAX_SPANS, merge_gap_s: float = ME
        starts where it ends (a lane does one thing at a time);
     2. same-phase neighbours closer than `merge_gap_s` become one span;
     3. while there are too many, in the lane with the most spans the same-phase neighbours
-       with the smallest gap merge (a generator's busy spans around a short idle moment), or,
-       with none left, its shortest span goes (its time shows as a gap)."""
+       with the smallest gap merge (a generator's busy spans around a short idle moment; on a
+       tie the pair that makes the shortest span, so merging spreads instead of snowballing),
+       or, with none left, its shortest span goes (its time shows as a gap)."""
     lanes: dict[str, list[Span]] = {}
     for s in sorted(spans, key=lambda s: (s.start, s.end)):
         if s.seconds < min_span_s:
@@ -98,10 +99,10 @@ def bound(spans: list[Span], max_spans: int = MAX_SPANS, merge_gap_s: float = ME
     total = sum(len(v) for v in lanes.values())
     while total > max(max_spans, 1):
         lane = max(lanes.values(), key=len)
-        gaps = [(lane[i + 1].start - lane[i].end, i) for i in range(len(lane) - 1)
-                if lane[i].phase == lane[i + 1].phase]
+        gaps = [(lane[i + 1].start - lane[i].end, lane[i + 1].end - lane[i].start, i)
+                for i in range(len(lane) - 1) if lane[i].phase == lane[i + 1].phase]
         if gaps:
-            _, i = min(gaps)
+            *_, i = min(gaps)   # the smallest gap; on a tie the shortest result
             lane[i:i + 2] = [_joined(lane[i], lane[i + 1])]
         else:
             lane.remove(min(lane, key=lambda s: s.seconds))
