@@ -80,6 +80,22 @@ def test_span_context_add_after_wait_and_take():
     assert tl.take() == []
 
 
+def test_a_filled_lane_has_no_gaps():
+    tl = Timeline(fill={"rank 0": "bookkeeping"})
+    tl.add("rank 0", "generating", 0.0, 1.0)
+    tl.add("rank 0", "training", 1.5, 2.0)
+    tl.add("engine", "generating", 0.0, 0.5)
+    tl.add("engine", "generating", 1.5, 2.0)        # other lanes keep their gaps
+    assert sorted(tl.take(), key=lambda s: (s["lane"] != "rank 0", s["start"])) == [
+        {"lane": "rank 0", "phase": "generating", "start": 0.0, "end": 1.0},
+        {"lane": "rank 0", "phase": "bookkeeping", "start": 1.0, "end": 1.5},
+        {"lane": "rank 0", "phase": "training", "start": 1.5, "end": 2.0},
+        {"lane": "engine", "phase": "generating", "start": 0.0, "end": 0.5},
+        {"lane": "engine", "phase": "generating", "start": 1.5, "end": 2.0}]
+    tl.add("rank 0", "syncing weights", 3.0, 3.5)   # the gap since the last take too
+    assert [s["phase"] for s in tl.take()] == ["bookkeeping", "syncing weights"]
+
+
 def test_a_timeline_nobody_takes_stays_bounded():
     tl = Timeline(max_spans=10)
     for i in range(1000):

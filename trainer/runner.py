@@ -113,7 +113,7 @@ class Runner:
         self.rollout = build_driver(self.cfg, self.engine, self.tokenizer, self.selector,
                                     self.scorer, self.lock)
         self.samples = InspectorRecorder(self.tokenizer, self.cfg.run.seed)  # the rollout inspector's
-        self.timeline = Timeline()
+        self.timeline = Timeline(fill={CONTROLLER: "bookkeeping"})
         self.boundary = StepBoundary(self.controls, self.sink, self.rollout,
                                      waiting=self.ranks.keepalive)
         # a step waiting for asynchronous groups gives way to a stop or pause within a second

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 # what a lane may be doing; the dashboard colours each one (static/dashboard/timeline.js)
 PHASES = ("generating", "waiting", "training", "syncing weights", "recording samples",
-          "evaluating", "checkpointing", "paused")
+          "evaluating", "checkpointing", "paused", "bookkeeping")
 CONTROLLER = "rank 0"
 MAX_SPANS = 48       # per step, every lane together
 MERGE_GAP_S = 0.01   # same-phase spans of a lane closer than this are one span
@@ -113,11 +113,15 @@ def bound(spans: list[Span], max_spans: int = MAX_SPANS, merge_gap_s: float = ME
 class Timeline:
     """The controller's spans since the last `take()` (thread-safe: a generation thread may add)."""
 
-    def __init__(self, max_spans: int = MAX_SPANS, clock=time.time):
+    def __init__(self, max_spans: int = MAX_SPANS, clock=time.time, fill: dict[str, str] | None = None):
+        """`fill`: {lane: phase} for lanes that are never idle (the controller): the time
+        between two of their spans is recorded as that phase (its metrics, controls, the
+        step's setup), so a gap in such a lane never reads as waiting."""
         self.max_spans = max_spans
         self.clock = clock
+        self.fill = dict(fill or {})
         self._spans: list[Span] = []
-        self._last_end: dict[str, float] = {}   # add_after_wait's lanes
+        self._last_end: dict[str, float] = {}   # the filled lanes' and add_after_wait's
         self._lock = threading.Lock()
 
     @contextlib.contextmanager
@@ -136,6 +140,11 @@ class Timeline:
         span = Span(lane, phase, float(start), float(end),
                     None if occupancy is None else min(1.0, max(0.0, float(occupancy))))
         with self._lock:
+            last = self._last_end.get(lane) if lane in self.fill else None
+            if last is not None and span.start > last:
+                self._spans.append(Span(lane, self.fill[lane], last, span.start))
+            if lane in self.fill:
+                self._last_end[lane] = max(span.end, last or span.end)
             self._spans.append(span)
             if len(self._spans) > 8 * self.max_spans:   # nobody takes them: stay bounded
                 self._spans = bound(self._spans, 4 * self.max_spans)
