@@ -5,7 +5,6 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
 from trainer import config as C
 from trainer.metrics import JsonlSink, MemorySink, MultiSink
@@ -144,8 +143,7 @@ def test_a_one_process_run_has_the_controller_and_the_engine_lanes(tmp_path, tin
     cfg = C.load(preset, tiny_overrides + ["run.max_steps=3", "run.eval_every=2",
                                            "run.checkpoint_every=2", "run.log_samples=2"])
     memory = MemorySink()
-    with Runner(cfg, tmp_path, sink=MultiSink([memory, JsonlSink(tmp_path)]),
-                system_telemetry=False) as runner:
+    with Runner(cfg, tmp_path, sink=MultiSink([memory, JsonlSink(tmp_path)])) as runner:
         assert runner.run() == "finished"
     phases = check_lanes(memory.timelines, 3)
     assert set(phases) == {"rank 0", "engine"}
@@ -158,13 +156,30 @@ def test_a_one_process_run_has_the_controller_and_the_engine_lanes(tmp_path, tin
     assert occupancy and all(0 < o <= 1 for o in occupancy)
     written = [json.loads(x) for x in (tmp_path / "timeline.jsonl").read_text().splitlines()]
     assert written == memory.timelines
+    # CPU and memory per process: the asynchronous preset's engine has its own
+    lanes = ["rank0", "engine"] if preset == "async" else ["rank0"]
+    for row in memory.steps:
+        if "train/policy_version" in row:
+            assert all(0 < row[f"proc/{lane}/rss_gb"] < 64 and row[f"proc/{lane}/cpu_pct"] >= 0
+                       for lane in lanes), row
+            assert not any(k.startswith("proc/") and k.split("/")[1] not in lanes for k in row), row
+
+
+def _two_rank_worker(rank, port, run_dir):
+    from test_distributed import _finish, _join, _mode_config
+
+    _join(rank, 2, port)
+    with Runner(_mode_config("sync"), run_dir, sink=JsonlSink(Path(run_dir) / f"sink{rank}")) as runner:
+        status = runner.run()
+    (Path(run_dir) / f"status{rank}").write_text(status)
+    _finish()
 
 
 def test_two_training_ranks_each_have_a_lane(tmp_path):
-    from test_distributed import _free_port, _mode_worker, _spawn
+    from test_distributed import _free_port, _spawn
 
-    _spawn(_mode_worker, _free_port(), str(tmp_path), "sync")
-    assert torch.load(tmp_path / "rank0.pt", weights_only=False)["status"] == "finished"
+    _spawn(_two_rank_worker, _free_port(), str(tmp_path))
+    assert (tmp_path / "status0").read_text() == (tmp_path / "status1").read_text() == "finished"
     rows = [json.loads(x) for x in Path(tmp_path / "sink0" / "timeline.jsonl").read_text().splitlines()]
     phases = check_lanes(rows, 3)
     assert set(phases) == {"rank 0", "rank 1", "engine"}
@@ -177,3 +192,8 @@ def test_two_training_ranks_each_have_a_lane(tmp_path):
         if s["lane"] == "rank 1" and s["phase"] == "training":
             assert not any(g["start"] < s["start"] < g["end"] for g in gen), s
     assert not (tmp_path / "sink1" / "timeline.jsonl").read_text()   # only rank 0 reports
+    # each process's CPU and memory, rank 1's measured by itself and sent with its report
+    metrics = [json.loads(x) for x in Path(tmp_path / "sink0" / "metrics.jsonl").read_text().splitlines()]
+    last = [m for m in metrics if "train/policy_version" in m][-1]
+    for lane in ("rank0", "rank1"):
+        assert 0 < last[f"proc/{lane}/rss_gb"] < 64 and 0 <= last[f"proc/{lane}/cpu_pct"] <= 400, last

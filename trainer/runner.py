@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import os
 import threading
 import time
 import traceback
@@ -40,7 +41,7 @@ from trainer.rollout.asynchronous import AsyncStall, CollectInterrupted
 from trainer.rollout.base import step_metrics
 from trainer.rollout.selection import PromptSelector
 from trainer.scoring import Scorer
-from trainer.system import SystemSampler
+from trainer.system import ProcessMeter, SystemSampler
 from trainer.tasks import build_task
 from trainer.timeline import CONTROLLER, Timeline, rank_lane
 
@@ -120,6 +121,7 @@ class Runner:
         self.rollout.interrupted = self.boundary.interrupted
         self.system = (SystemSampler(use_gpu=self.device.type == "cuda")
                        if system_telemetry else None)
+        self.meter = ProcessMeter()   # CPU and memory per process (timeline lane)
 
         if ckpt_state is not None:
             run_state.restore(self, ckpt_state, ckpt_tensors)
@@ -162,6 +164,7 @@ class Runner:
         t_start = time.monotonic()
         if self.system is not None:
             self.system.start()
+            self._process_metrics([])   # the first readings: step 1 reports its CPU shares
         self.sink.event(self.step, "run_started" if self.step == 0 else "run_resumed",
                         {"max_steps": self.cfg.run.max_steps, "device": str(self.device)})
         status = FINISHED
@@ -265,8 +268,9 @@ class Runner:
         train_metrics = self.learner.train(seqs, cfg, self.tokenizer.pad_token_id,
                                            [s for g in groups for s in g.samples], decoupled_loss,
                                            chunks=mine)
-        # the behaviour weights the other ranks measured, and when each trained
-        for rank, start, end in self.ranks.gather_reports():
+        # the behaviour weights the other ranks measured, when each trained, its CPU and memory
+        ranks = self.ranks.gather_reports()
+        for rank, start, end, *_ in ranks:
             self.timeline.add_after_wait(rank_lane(rank), "training", start, end)
         self.timeline.add(CONTROLLER, "training", wall, time.time())
         if not all(map(_finite, train_metrics.values())):
@@ -330,6 +334,7 @@ class Runner:
                                   reason={"rule": proposal.pop("kind"), **proposal})
         if self.system is not None:
             m.update(self.system.summary())
+            m.update(self._process_metrics(ranks))
         self.sink.scalars(self.step, m)
         return m
 
@@ -346,6 +351,14 @@ class Runner:
         if lengths:
             self.sink.histogram(self.step, "rollout/response_len",
                                 histogram(lengths, length_edges(cfg.rollout.max_response_len)))
+        return m
+
+    def _process_metrics(self, ranks) -> dict[str, float]:
+        """proc/<lane>/cpu_pct and rss_gb: this process, the engine's processes, the ranks'."""
+        lanes = {CONTROLLER: os.getpid(), **getattr(self.engine, "lane_pids", dict)()}
+        m = self.meter.local(lanes, time.time())
+        for rank, _, end, cpu_s, rss in ranks:
+            m.update(self.meter.observe(rank_lane(rank), cpu_s, rss, end))
         return m
 
     def _record_timeline(self) -> None:

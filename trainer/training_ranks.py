@@ -19,7 +19,8 @@ Rank 0 talks to the others with one `broadcast_object` per message:
   decoupled-loss settings; then each rank's share by `scatter_object_list`; after the update the
   figures each rank wrote into its sequences' reports (the behaviour weights the rollout
   inspector shows) come back with `gather_object`, with the wall-clock start and end of each
-  rank's update (the run's timeline: trainer/timeline.py).
+  rank's update (the run's timeline: trainer/timeline.py) and the rank's CPU seconds and
+  resident memory (trainer/system.py's ProcessMeter).
 - IDLE: a keep-alive while rank 0 has nothing for them (paused, an asynchronous step waiting for
   groups, an evaluation): their wait is a collective, bounded by RLPILOT_DIST_TIMEOUT_S.
 - END: the run is over (its status); the ranks leave their loop.
@@ -30,6 +31,7 @@ import dataclasses
 import time
 
 from trainer.learner import TrainSequence
+from trainer.system import process_usage
 
 TRAIN, IDLE, END = "train", "idle", "end"
 KEEPALIVE_S = 30.0   # well inside RLPILOT_DIST_TIMEOUT_S (default 1800 s)
@@ -92,9 +94,10 @@ class Controller:
         self.sent = seqs
         return [[s for _, s in part] for part in per_rank[0]]
 
-    def gather_reports(self) -> list[tuple[int, float, float]]:
+    def gather_reports(self) -> list[tuple]:
         """After the update: the other ranks' report figures into rank 0's sequences. Returns
-        (rank, start, end) of each other rank's update, in wall-clock seconds."""
+        (rank, start, end, CPU seconds, resident bytes) of each other rank: its update's
+        wall-clock start and end, its process's usage after it."""
         if self.world.size == 1:
             return []
         import torch.distributed as dist
@@ -144,4 +147,4 @@ def follow(world, learner, pad_id: int, on_step=None) -> str:
         start = time.time()
         learner.train([s for c in chunks for s in c], cfg, pad_id, [], decoupled_loss, chunks=chunks)
         reports = [(i, s.report) for part in mine for i, s in part if s.report]
-        dist.gather_object((reports, (start, time.time())), None, dst=0)
+        dist.gather_object((reports, (start, time.time(), *(process_usage() or (0.0, 0)))), None, dst=0)

@@ -351,6 +351,10 @@ class ProcessEngine(RolloutEngine):
         _, parts = self._expect("aborted", 60)
         return parts
 
+    def lane_pids(self) -> dict[str, int]:
+        """{timeline lane: pid} of the process that generates (per-process CPU and memory)."""
+        return {"engine": self.proc.pid}
+
     def take_busy_spans(self) -> list[tuple[str, float, float, float | None]]:
         """The child's busy spans (lane, start, end, occupancy) it reported since the last call:
         they come with its finished samples."""

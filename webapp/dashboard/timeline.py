@@ -62,7 +62,7 @@ def snapshot(run_id: int, *, last: int | None = None, max_slices: int | None = N
     else:
         rows = list(q.order_by("seq"))
         out["totals"] = totals(r.spans for r in rows)
-        out["extent"] = round(sum(extent(r.spans) for r in rows), 3)
+        out["extent"] = round(covered(r.spans for r in rows), 3)
         if max_slices is not None and len(rows) > max_slices:
             stride = len(rows) / max_slices
             keep = {int(i * stride) for i in range(max_slices - 1)} | {len(rows) - 1}
@@ -72,9 +72,17 @@ def snapshot(run_id: int, *, last: int | None = None, max_slices: int | None = N
     return out
 
 
-def extent(spans) -> float:
-    """Wall-clock seconds a slice covers, first start to last end over every lane."""
-    return max((s["end"] for s in spans), default=0.0) - min((s["start"] for s in spans), default=0.0)
+def covered(slices) -> float:
+    """Wall-clock seconds the slices cover: the union of each slice's first start to last end
+    (a generator's span may reach into the next step's time; a resumed run leaves a hole)."""
+    cover = sorted((min(s["start"] for s in spans), max(s["end"] for s in spans))
+                   for spans in slices if spans)
+    total, reach = 0.0, float("-inf")
+    for start, end in cover:
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
 
 
 def totals(slices) -> dict[str, dict[str, float]]:
