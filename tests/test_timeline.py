@@ -165,6 +165,24 @@ def test_a_one_process_run_has_the_controller_and_the_engine_lanes(tmp_path, tin
             assert not any(k.startswith("proc/") and k.split("/")[1] not in lanes for k in row), row
 
 
+def test_a_pause_is_a_span_on_the_controller_lane(tmp_path, tiny_overrides):
+    from test_runner import ScriptedControls
+
+    from trainer.controls import PAUSE, RESUME, Command
+
+    # paused before step 2 for three polls (PAUSED_POLL_S apart), then resumed
+    controls = ScriptedControls([[], [Command(PAUSE)], [], [], [Command(RESUME)]])
+    memory = MemorySink()
+    cfg = C.load("demo", tiny_overrides + ["run.max_steps=3"])
+    with Runner(cfg, tmp_path, sink=memory, controls=controls, system_telemetry=False) as runner:
+        assert runner.run() == "finished"
+    phases = check_lanes(memory.timelines, 3)
+    paused = [(t["step"], s) for t in memory.timelines for s in t["spans"] if s["phase"] == "paused"]
+    assert len(paused) == 1 and paused[0][0] == 2 and paused[0][1]["lane"] == "rank 0"
+    assert paused[0][1]["end"] - paused[0][1]["start"] >= 0.4   # two sleeps of PAUSED_POLL_S
+    assert "paused" in phases["rank 0"]
+
+
 def _two_rank_worker(rank, port, run_dir):
     from test_distributed import _finish, _join, _mode_config
 

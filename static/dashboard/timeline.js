@@ -8,7 +8,8 @@
 //   socket's `timeline` frames, which run.js hands to RLTimeline.live.onFrame (deduplicated by
 //   cursor, so the fetch and the socket may overlap); `rewound` events drop later steps;
 // - report: the whole run, thinned to evenly spaced steps by the server, and a second chart
-//   with each lane's share of time per phase over every step (never thinned).
+//   with each lane's share of time per phase over every step (never thinned); in the offline
+//   HTML export the same data comes inlined (#timeline-data) instead of fetched.
 // Lane and phase names go to Plotly through plotlyText (Plotly renders a subset of HTML).
 (function () {
   "use strict";
@@ -85,7 +86,7 @@
         title: { text: plotlyText(title), font: { size: 14 }, x: 0.01 }, barmode: "overlay", bargap: 0.25,
         height: 110 + 36 * laneList.length, margin: { l: 70, r: 16, t: 60, b: 36 },
         xaxis: { type: "date", title: { text: "" }, tickformat: "%H:%M:%S" },
-        yaxis: { type: "category", categoryorder: "array", categoryarray: laneList.map(plotlyText), autorange: "reversed" },
+        yaxis: { type: "category", categoryorder: "array", categoryarray: laneList.map(plotlyText), autorange: "reversed", automargin: true },
         legend: { orientation: "h", x: 0, y: 1.02, yanchor: "bottom", font: { size: 11 } },
         hoverlabel: { namelength: -1 }, uirevision: "timeline",
       };
@@ -118,7 +119,7 @@
         title: { text: "Share of the run's time per phase (white: idle)", font: { size: 14 }, x: 0.01 },
         barmode: "stack", height: 90 + 30 * laneList.length, margin: { l: 70, r: 16, t: 40, b: 36 },
         xaxis: { range: [0, 100], ticksuffix: "%" }, showlegend: false,
-        yaxis: { type: "category", categoryorder: "array", categoryarray: laneList.map(plotlyText), autorange: "reversed" },
+        yaxis: { type: "category", categoryorder: "array", categoryarray: laneList.map(plotlyText), autorange: "reversed", automargin: true },
       }, { displaylogo: false, responsive: true });
     }
     function schedule() {
@@ -140,8 +141,9 @@
       },
     };
     const query = mode === "live" ? "?last=" + windowSteps : "";
-    fetch("/api/runs/" + run + "/timeline" + query, { credentials: "same-origin" })
-      .then(r => r.json())
+    const inline = document.getElementById("timeline-data");
+    (inline ? Promise.resolve(JSON.parse(inline.textContent))
+      : fetch("/api/runs/" + run + "/timeline" + query, { credentials: "same-origin" }).then(r => r.json()))
       .then(function (data) {
         (data.slices || []).forEach(add);
         totals = data.totals || null;

@@ -95,6 +95,18 @@ def test_the_database_sink_writes_a_steps_timeline(make_run, user):
 
 # --- in the browser ------------------------------------------------------------------------------
 
+EVIL = "<b>gen</b> 0"
+
+
+def test_the_exports_carry_the_timeline(make_run, user, alice):
+    run = make_run(user)
+    actions.append(run.pk, [Record("timeline", s, "", {"spans": spans_at(s)}) for s in range(1, 4)])
+    data = json.loads(alice.get(f"/api/runs/{run.pk}/export?format=json").content)
+    assert [t["step"] for t in data["timeline"]] == [1, 2, 3] and len(data["timeline"][0]["spans"]) == 4
+    html = alice.get(f"/api/runs/{run.pk}/export?format=html").content.decode()
+    assert 'id="timeline-data"' in html and "RLTimeline" in html and "dashboard/timeline.js" not in html
+
+
 # what Plotly DREW: the lanes (y tick labels, top to bottom on screen), the phases (legend
 # entries) and the bars of each phase's trace
 DRAWN = """() => { const gd = document.getElementById('timeline-chart');
@@ -108,6 +120,57 @@ DRAWN = """() => { const gd = document.getElementById('timeline-chart');
           last: +gd.getAttribute('data-last-step')}; }"""
 TOTALS = """() => [...document.querySelectorAll('#timeline-totals .barlayer .point path')]
   .filter(p => p.getBBox().width > 0).length"""
+
+
+@pytest.mark.slow
+def test_the_offline_report_draws_every_lane_in_order(make_run, user, tmp_path, monkeypatch):
+    """Four training ranks (rank 10 after rank 2), two generators, one named with markup: the
+    offline HTML export, no network."""
+    from playwright.sync_api import sync_playwright
+    from test_web_e2e import ARGS, CHROMIUM
+
+    from webapp.dashboard import reports
+
+    run = make_run(user, "finished")
+    recs = []
+    for step in range(1, 5):
+        base = 1.7e9 + 10 * step
+        spans = [{"lane": "rank 0", "phase": "generating", "start": base, "end": base + 3},
+                 {"lane": "rank 0", "phase": "training", "start": base + 3, "end": base + 8}]
+        for r in (1, 2, 10):
+            spans += [{"lane": f"rank {r}", "phase": "waiting", "start": base, "end": base + 3},
+                      {"lane": f"rank {r}", "phase": "training", "start": base + 3, "end": base + 7 + 0.1 * r}]
+        spans += [{"lane": "engine", "phase": "generating", "start": base, "end": base + 3, "occupancy": 0.9},
+                  {"lane": EVIL, "phase": "generating", "start": base, "end": base + 2, "occupancy": 0.2}]
+        recs.append(Record("timeline", step, "", {"spans": spans}))
+    actions.append(run.pk, recs)
+    path = tmp_path / "report.html"
+    path.write_text(reports.export_html(run))
+    monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
+    blocked, errors = [], []
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS, headless=True)
+        try:
+            page = browser.new_page(viewport={"width": 1300, "height": 900})
+            page.route("**/*", lambda route: route.continue_() if route.request.url.startswith("file://")
+                       else (blocked.append(route.request.url), route.abort()))
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.goto(path.as_uri())
+            page.wait_for_selector("#timeline[data-loaded] #timeline-chart .barlayer .point path")
+            drawn = page.evaluate(DRAWN)
+            assert drawn["lanes"] == ["rank 0", "rank 1", "rank 2", "rank 10", EVIL, "engine"], drawn
+            assert drawn["legend"] == ["generating", "waiting", "training"], drawn
+            # per step: 2 generating bars (engine, the markup lane) + rank 0's, 3 waiting, 4 training
+            assert drawn["bars"] == [4 * 3, 4 * 3, 4 * 4], drawn
+            # the shares: each lane's phases, plus idle where a lane is busy less than the 8 s each
+            # step covers: rank 0 2, rank 1 and rank 2 3 (idle), rank 10 2, the generators 2 each
+            assert page.evaluate(TOTALS) == 2 + 3 + 3 + 2 + 2 + 2
+            page.locator("#timeline").scroll_into_view_if_needed()
+            page.screenshot(path=str(tmp_path / "offline.png"))
+            print("screenshot:", tmp_path / "offline.png")
+        finally:
+            browser.close()
+    assert not errors and not blocked, (errors, blocked)
 
 
 @pytest.mark.slow
