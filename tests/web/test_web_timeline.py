@@ -229,6 +229,14 @@ def test_timeline_live_and_in_the_report(live_asgi, django_user_model, monkeypat
             page.locator("#timeline").scroll_into_view_if_needed()
             page.screenshot(path=str(shots / "timeline-live.png"), full_page=False)
             print("screenshot:", shots / "timeline-live.png")
+            # CPU and memory per process: a drawn line per lane, named in the legend
+            page.wait_for_selector("#chart-proc-cpu .scatterlayer .trace .js-line")
+            for chart, key in (("proc-cpu", "cpu_pct"), ("proc-mem", "rss_gb")):
+                legend = page.evaluate(f"() => [...document.querySelectorAll('#chart-{chart} .legendtext')]"
+                                       ".map(t => t.textContent)")
+                lines = page.locator(f"#chart-{chart} .scatterlayer .trace .js-line").count()
+                assert sorted(legend) == [f"proc/engine/{key}", f"proc/rank0/{key}"] and lines == 2, (legend, lines)
+            page.screenshot(path=str(shots / "timeline-live-full.png"), full_page=True)
 
             r = client.post(f"/api/runs/{rid}/stop", "{}", content_type="application/json")
             assert r.status_code in (200, 202), r.content
