@@ -9,7 +9,15 @@ import pytest
 from trainer import config as C
 from trainer.metrics import JsonlSink, MemorySink, MultiSink
 from trainer.runner import Runner
-from trainer.timeline import PHASES, BusyRecorder, Span, Timeline, bound
+from trainer.timeline import (
+    PHASES,
+    BusyRecorder,
+    Span,
+    Timeline,
+    bound,
+    covered_seconds,
+    phase_seconds,
+)
 
 
 def spans_of(lane, *triples):
@@ -100,6 +108,16 @@ def test_a_timeline_nobody_takes_stays_bounded():
     for i in range(1000):
         tl.add("rank 0", "training" if i % 2 else "waiting", i, i + 0.5)
     assert len(tl._spans) <= 80 and len(tl.take()) == 10
+
+
+def test_seconds_per_phase_and_covered_seconds_read_a_run_back():
+    steps = [[{"lane": "rank 0", "phase": "training", "start": 0, "end": 4},
+              {"lane": "engine", "phase": "generating", "start": 1, "end": 3}],
+             [{"lane": "rank 0", "phase": "training", "start": 3, "end": 5}],   # overlaps the first
+             [{"lane": "rank 0", "phase": "waiting", "start": 10, "end": 11}], []]
+    assert phase_seconds(steps) == {"rank 0": {"training": 6.0, "waiting": 1.0},
+                                    "engine": {"generating": 2.0}}
+    assert covered_seconds(steps) == pytest.approx(6.0)   # [0, 5] and [10, 11]
 
 
 def test_busy_steps_coalesce_into_spans_with_their_occupancy():

@@ -15,6 +15,8 @@ sequences over engine slots, averaged over the span weighted by slots.
   coalesces steps closer than `gap_s` into one busy span, so a step of hundreds of decode steps
   costs a few spans; `take()` returns them as `(lane, start, end, occupancy)` tuples, the
   format of an engine's optional `take_busy_spans()`.
+- `phase_seconds` and `covered_seconds` read a run's steps back (the dashboard's report, a
+  benchmark's idle shares per lane).
 """
 from __future__ import annotations
 
@@ -192,3 +194,29 @@ class BusyRecorder:
         with self._lock:
             spans, self._spans = self._spans, []
         return [(self.lane, s, e, used / cap if cap else None) for s, e, used, cap in spans]
+
+
+# --- reading a run's timeline (timeline.jsonl, the dashboard's rows): lists of span dicts --------
+
+def phase_seconds(slices) -> dict[str, dict[str, float]]:
+    """{lane: {phase: seconds}} over every slice (a step's list of span dicts)."""
+    out: dict[str, dict[str, float]] = {}
+    for spans in slices:
+        for s in spans:
+            lane = out.setdefault(s["lane"], {})
+            lane[s["phase"]] = lane.get(s["phase"], 0.0) + s["end"] - s["start"]
+    return {lane: {p: round(v, 3) for p, v in phases.items()} for lane, phases in out.items()}
+
+
+def covered_seconds(slices) -> float:
+    """Wall-clock seconds the slices cover: the union of each slice's first start to last end
+    (a generator's span may reach into the next step's time; a resumed run leaves a hole). A
+    lane's time outside its spans in there is idle (or unrecorded)."""
+    cover = sorted((min(s["start"] for s in spans), max(s["end"] for s in spans))
+                   for spans in slices if spans)
+    total, reach = 0.0, float("-inf")
+    for start, end in cover:
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total

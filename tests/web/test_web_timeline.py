@@ -54,10 +54,6 @@ def test_the_api_gives_the_last_steps_or_the_whole_run_thinned(make_run, user, a
     assert report["totals"]["rank 0"] == {"generating": pytest.approx(120.0), "training": pytest.approx(150.0)}
     assert report["totals"]["rank 1"]["training"] == pytest.approx(30 * 4.4)
     assert report["extent"] == pytest.approx(30 * 9.0)   # each step's first start to last end
-    from webapp.dashboard.timeline import covered
-
-    overlapping = [[{"start": 0, "end": 4}], [{"start": 3, "end": 5}], [{"start": 10, "end": 11}]]
-    assert covered(overlapping) == pytest.approx(6.0)
     for query in ("last=0", "last=x", "max_slices=1", "max_slices=99999"):
         r = alice.get(f"/api/runs/{run.pk}/timeline?{query}")
         assert r.status_code == 400, query

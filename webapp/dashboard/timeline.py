@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from trainer.timeline import covered_seconds, phase_seconds
 from webapp.dashboard.models import TimelineSlice
 
 MAX_SPANS = 200        # per slice: the trainer sends at most a few dozen
@@ -61,8 +62,8 @@ def snapshot(run_id: int, *, last: int | None = None, max_slices: int | None = N
         rows = list(q.filter(step__gt=top - last).order_by("seq"))
     else:
         rows = list(q.order_by("seq"))
-        out["totals"] = totals(r.spans for r in rows)
-        out["extent"] = round(covered(r.spans for r in rows), 3)
+        out["totals"] = phase_seconds(r.spans for r in rows)
+        out["extent"] = round(covered_seconds(r.spans for r in rows), 3)
         if max_slices is not None and len(rows) > max_slices:
             stride = len(rows) / max_slices
             keep = {int(i * stride) for i in range(max_slices - 1)} | {len(rows) - 1}
@@ -70,25 +71,3 @@ def snapshot(run_id: int, *, last: int | None = None, max_slices: int | None = N
             rows = [rows[i] for i in sorted(keep)]
     out["slices"] = [frame(r) for r in rows]
     return out
-
-
-def covered(slices) -> float:
-    """Wall-clock seconds the slices cover: the union of each slice's first start to last end
-    (a generator's span may reach into the next step's time; a resumed run leaves a hole)."""
-    cover = sorted((min(s["start"] for s in spans), max(s["end"] for s in spans))
-                   for spans in slices if spans)
-    total, reach = 0.0, float("-inf")
-    for start, end in cover:
-        if end > reach:
-            total += end - max(start, reach)
-            reach = end
-    return total
-
-
-def totals(slices) -> dict[str, dict[str, float]]:
-    out: dict[str, dict[str, float]] = {}
-    for spans in slices:
-        for s in spans:
-            lane = out.setdefault(s["lane"], {})
-            lane[s["phase"]] = lane.get(s["phase"], 0.0) + s["end"] - s["start"]
-    return {lane: {p: round(v, 3) for p, v in phases.items()} for lane, phases in out.items()}
