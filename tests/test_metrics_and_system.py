@@ -1,4 +1,8 @@
-"""Histogram binning, percentiles, and the system sampler without a GPU."""
+"""Histogram binning, percentiles, the system sampler without a GPU, and CPU and memory per
+process."""
+import os
+import time
+
 from trainer.metrics import histogram, length_edges, percentile
 from trainer.system import SystemSampler
 
@@ -49,3 +53,16 @@ def test_cpu_utilisation_is_the_steps_own_window():
         assert "system/cpu_util" not in s.summary() and "system/ram_gb" in s.summary()
     finally:
         s.close()
+
+
+def test_process_meter_counts_cpu_seconds_per_lane():
+    from trainer.system import ProcessMeter, lane_key
+
+    meter = ProcessMeter()
+    assert meter.observe("rank 1", 10.0, 2**30, now=100.0) == {"proc/rank1/rss_gb": 1.0}   # no window yet
+    assert meter.observe("rank 1", 11.5, 2**29, now=102.0) == {"proc/rank1/rss_gb": 0.5,
+                                                                "proc/rank1/cpu_pct": 75.0}
+    assert lane_key("gen 3") == "gen3"
+    busy = meter.local({"rank 0": os.getpid()}, now=time.time())
+    assert set(busy) == {"proc/rank0/rss_gb"} and busy["proc/rank0/rss_gb"] > 0
+    assert meter.local({"gone": 2**22 + 12345}, now=time.time()) == {}   # no such process

@@ -33,6 +33,7 @@ class StepBoundary:
         self.controls, self.sink, self.driver, self.waiting = controls, sink, driver, waiting
         self.pending: list[Command] = []   # read (or requested by the trainer), not yet applied
         self._polled_at = 0.0
+        self.pauses: list[tuple[float, float]] = []   # wall-clock (start, end) of each hold here
 
     def request(self, knobs: dict, reason: dict) -> Command:
         """Queue the trainer's own knob change for the next boundary (`reason`: its rule and
@@ -61,14 +62,17 @@ class StepBoundary:
                 if cmd.kind == SET_KNOBS:
                     cfg = self.apply_knobs(step, cfg, cmd)
                 elif cmd.kind == PAUSE and not paused:
-                    paused = True
+                    paused, paused_at = True, time.time()
                     self.driver.pause()
                     self._record(step, cmd, "paused")
                 elif cmd.kind == RESUME and paused:
                     paused = False
+                    self.pauses.append((paused_at, time.time()))
                     self.driver.resume()
                     self._record(step, cmd, "resumed")
                 elif cmd.kind == STOP:
+                    if paused:
+                        self.pauses.append((paused_at, time.time()))
                     self.driver.resume()  # a paused generation worker must reach the checkpoint
                     self._record(step, cmd, "stop_requested")
                     return None

@@ -100,8 +100,11 @@ SCALARS: dict[str, str] = {
     "dist/world_size": "training processes (rank 0 the controller, every rank trains a share)",
     "dist/train_share_imbalance": "the largest training share over the mean share, in tokens (1 = even)",
 }
-# per device i: system/gpu{i}/util, system/gpu{i}/mem_gb, system/gpu{i}/power_w
-PATTERNS = {r"^system/gpu\d+/(util|mem_gb|power_w)$": "per-GPU telemetry"}
+# per device i: system/gpu{i}/util, system/gpu{i}/mem_gb, system/gpu{i}/power_w; per process
+# of the run, named by its timeline lane (rank0, rank1, engine, ...: trainer/timeline.py):
+# proc/<lane>/cpu_pct (% of one core) and proc/<lane>/rss_gb (trainer/system.py ProcessMeter)
+PATTERNS = {r"^system/gpu\d+/(util|mem_gb|power_w)$": "per-GPU telemetry",
+            r"^proc/[A-Za-z0-9_-]+/(cpu_pct|rss_gb)$": "per-process CPU (% of one core) and memory (GB)"}
 
 HISTOGRAM_AXES: dict[str, str] = {  # histogram name -> what its x axis counts
     "rollout/response_len": "response length (tokens)",
@@ -122,6 +125,8 @@ CHARTS: list[dict] = [
     {"id": "gpu-mem", "title": "GPU memory per device (GB)", "pattern": r"^system/gpu\d+/mem_gb$"},
     {"id": "gpu-power", "title": "GPU power (W): mean and per device",
      "keys": ["system/gpu_power_w"], "pattern": r"^system/gpu\d+/power_w$"},
+    {"id": "proc-cpu", "title": "CPU per process (% of one core)", "pattern": r"^proc/[^/]+/cpu_pct$"},
+    {"id": "proc-mem", "title": "Memory per process (RSS, GB)", "pattern": r"^proc/[^/]+/rss_gb$"},
     {"id": "reward", "title": "Reward and accuracy",
      "keys": ["reward/mean", "reward/accuracy", "eval/accuracy"]},
     {"id": "kl", "title": "KL to the reference (k3)", "keys": ["actor/kl"]},

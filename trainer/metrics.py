@@ -9,6 +9,8 @@ Files written by `JsonlSink` in the run directory:
   histograms.jsonl  {"step": N, "name": ..., "edges": [...], "counts": [...]}
   events.jsonl      {"step": N, "time": unix, "kind": ..., ...data}
   samples.jsonl     one recorded sample per line (trainer/inspector.py: the rollout inspector)
+  timeline.jsonl    {"step": N, "spans": [{"lane", "phase", "start", "end", "occupancy"?}, ...]}
+                    where each process's time went (trainer/timeline.py)
 """
 from __future__ import annotations
 
@@ -62,6 +64,7 @@ class MetricsSink:
     def histogram(self, step: int, name: str, hist: dict[str, Any]) -> None: ...
     def event(self, step: int, kind: str, data: dict[str, Any] | None = None) -> None: ...
     def samples(self, step: int, rows: list[dict[str, Any]]) -> None: ...
+    def timeline(self, step: int, spans: list[dict[str, Any]]) -> None: ...
     def flush(self) -> None: ...
     def close(self) -> None: ...
 
@@ -86,6 +89,10 @@ class MultiSink(MetricsSink):
         for s in self.sinks:
             s.samples(step, rows)
 
+    def timeline(self, step, spans):
+        for s in self.sinks:
+            s.timeline(step, spans)
+
     def flush(self):
         for s in self.sinks:
             s.flush()
@@ -103,6 +110,7 @@ class MemorySink(MetricsSink):
         self.histograms: list[dict[str, Any]] = []
         self.events: list[dict[str, Any]] = []
         self.sample_rows: list[dict[str, Any]] = []
+        self.timelines: list[dict[str, Any]] = []   # {"step": N, "spans": [...]}
 
     def scalars(self, step, values):
         self.steps.append({"step": step, **values})
@@ -115,6 +123,9 @@ class MemorySink(MetricsSink):
 
     def samples(self, step, rows):
         self.sample_rows.extend(rows)
+
+    def timeline(self, step, spans):
+        self.timelines.append({"step": step, "spans": list(spans)})
 
     def series(self, name: str) -> list[float]:
         return [row[name] for row in self.steps if name in row]
@@ -134,7 +145,7 @@ class JsonlSink(MetricsSink):
         d = Path(run_dir)
         d.mkdir(parents=True, exist_ok=True)
         self._files = {name: open(d / f"{name}.jsonl", "a", encoding="utf-8")
-                       for name in ("metrics", "histograms", "events", "samples")}
+                       for name in ("metrics", "histograms", "events", "samples", "timeline")}
 
     def _write(self, name, obj):
         self._files[name].write(json.dumps({k: _clean(v) for k, v in obj.items()}) + "\n")
@@ -153,6 +164,9 @@ class JsonlSink(MetricsSink):
     def samples(self, step, rows):
         for row in rows:
             self._write("samples", {**row, "step": step})
+
+    def timeline(self, step, spans):
+        self._write("timeline", {"step": step, "spans": list(spans)})
 
     def flush(self):
         for f in self._files.values():

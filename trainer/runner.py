@@ -5,13 +5,17 @@
 
 Each step: the step boundary (trainer/boundary.py: knob changes, pause, stop) -> the rollout
 driver's groups, scored (trainer/scoring.py) -> the objective's inputs (trainer/algo/) -> update
--> push weights to the engine -> metrics -> maybe evaluate / checkpoint (trainer/run_state.py).
+-> push weights to the engine -> metrics -> maybe evaluate / checkpoint (trainer/run_state.py)
+-> the step's timeline (trainer/timeline.py: where each process's time went).
 The runner never imports Django; the web app gives it a database sink and control source.
+Over 400 lines because one step's sequence (collect, update, sync, metrics) and its timing for
+the timeline read best in one place.
 """
 from __future__ import annotations
 
 import contextlib
 import copy
+import os
 import threading
 import time
 import traceback
@@ -37,8 +41,9 @@ from trainer.rollout.asynchronous import AsyncStall, CollectInterrupted
 from trainer.rollout.base import step_metrics
 from trainer.rollout.selection import PromptSelector
 from trainer.scoring import Scorer
-from trainer.system import SystemSampler
+from trainer.system import ProcessMeter, SystemSampler
 from trainer.tasks import build_task
+from trainer.timeline import CONTROLLER, Timeline, rank_lane
 
 FINISHED, STOPPED = "finished", "stopped"
 
@@ -109,6 +114,7 @@ class Runner:
         self.rollout = build_driver(self.cfg, self.engine, self.tokenizer, self.selector,
                                     self.scorer, self.lock)
         self.samples = InspectorRecorder(self.tokenizer, self.cfg.run.seed)  # the rollout inspector's
+        self.timeline = Timeline(fill={CONTROLLER: "bookkeeping"})
         self.boundary = StepBoundary(self.controls, self.sink, self.rollout,
                                      waiting=self.ranks.keepalive)
         # a step waiting for asynchronous groups gives way to a stop or pause within a second,
@@ -116,6 +122,7 @@ class Runner:
         self.rollout.interrupted = self._waiting
         self.system = (SystemSampler(use_gpu=self.device.type == "cuda")
                        if system_telemetry else None)
+        self.meter = ProcessMeter()   # CPU and memory per process (timeline lane)
 
         if ckpt_state is not None:
             run_state.restore(self, ckpt_state, ckpt_tensors)
@@ -158,6 +165,7 @@ class Runner:
         t_start = time.monotonic()
         if self.system is not None:
             self.system.start()
+            self._process_metrics([])   # the first readings: step 1 reports its CPU shares
         self.sink.event(self.step, "run_started" if self.step == 0 else "run_resumed",
                         {"max_steps": self.cfg.run.max_steps, "device": str(self.device)})
         status = FINISHED
@@ -168,6 +176,9 @@ class Runner:
             self.rollout.start(self.cfg, self.version)
             while self.step < self.cfg.run.max_steps:
                 cfg = self.boundary.cross(self.step, self.cfg)
+                for start, end in self.boundary.pauses:
+                    self.timeline.add(CONTROLLER, "paused", start, end)
+                self.boundary.pauses.clear()
                 if cfg is None:
                     status = STOPPED
                     break
@@ -180,11 +191,13 @@ class Runner:
                     self.evaluate()
                 if self.cfg.run.checkpoint_every and self.step % self.cfg.run.checkpoint_every == 0:
                     self.save_checkpoint()
+                self._record_timeline()
                 budget = self.cfg.run.time_budget_s
                 if budget and time.monotonic() - t_start >= budget:
                     self.sink.event(self.step, "time_budget_reached", {"seconds": budget})
                     break
             self.save_checkpoint()
+            self._record_timeline()
             self.sink.event(self.step, "run_" + status, self.summary())
             return status
         except AsyncStall as e:
@@ -242,7 +255,9 @@ class Runner:
         t_step = time.monotonic()
         stats0 = copy.copy(self.engine.stats)
         self.scorer.new_step()
-        result = self.rollout.collect(cfg, self.version)
+        # an asynchronous step waits for the generation worker's groups; a synchronous one generates
+        with self.timeline.span(CONTROLLER, "waiting" if self.rollout.concurrent else "generating"):
+            result = self.rollout.collect(cfg, self.version)
         engine_stats = self.engine.stats.minus(stats0)
         self._relay_engine_warnings()
         for kind, data in result.events:  # what the driver says about its step (e.g. too few groups)
@@ -250,7 +265,7 @@ class Runner:
         groups = result.groups
         self.rollout.after_step(cfg, engine_stats.idle_slot_frac())
 
-        t0 = time.monotonic()
+        t0, wall = time.monotonic(), time.time()
         seqs, adv_metrics, decoupled_loss = objective.train_sequences(groups, cfg, self.version,
                                                                       self._logprobs)
         # sharing one GPU with the trainer: hand the engine's KV cache back while training
@@ -262,7 +277,11 @@ class Runner:
         train_metrics = self.learner.train(seqs, cfg, self.tokenizer.pad_token_id,
                                            [s for g in groups for s in g.samples], decoupled_loss,
                                            chunks=mine)
-        self.ranks.gather_reports()   # the behaviour weights the other ranks measured
+        # the behaviour weights the other ranks measured, when each trained, its CPU and memory
+        ranks = self.ranks.gather_reports()
+        for rank, start, end, *_ in ranks:
+            self.timeline.add_after_wait(rank_lane(rank), "training", start, end)
+        self.timeline.add(CONTROLLER, "training", wall, time.time())
         if not all(map(_finite, train_metrics.values())):
             self.sink.event(self.step + 1, "warning", {"message": "non-finite loss or gradient; "
                                                        "the update was skipped"})
@@ -276,15 +295,17 @@ class Runner:
         if cfg.run.log_samples:
             seen = {id(g) for g in groups}  # what the step trains on, and what it scored and left
             left_out = [g for g in result.scored if id(g) not in seen]
-            self.sink.samples(self.step + 1, self.samples.record(self.step + 1, groups, left_out,
-                                                                 self.version, cfg))
+            with self.timeline.span(CONTROLLER, "recording samples"):
+                self.sink.samples(self.step + 1, self.samples.record(
+                    self.step + 1, groups, left_out, self.version, cfg))
         samples_s = time.monotonic() - t_samples
 
         t0 = time.monotonic()
         self.version += 1
-        self.engine.update_weights(self.model.state_dict(), self.version,
-                                   recompute_kv=cfg.rollout.recompute_kv_on_update)
-        self.rollout.on_new_version(self.version)
+        with self.timeline.span(CONTROLLER, "syncing weights"):
+            self.engine.update_weights(self.model.state_dict(), self.version,
+                                       recompute_kv=cfg.rollout.recompute_kv_on_update)
+            self.rollout.on_new_version(self.version)
         sync_s = time.monotonic() - t0
         self.step += 1
 
@@ -326,6 +347,7 @@ class Runner:
                                   reason={"rule": proposal.pop("kind"), **proposal})
         if self.system is not None:
             m.update(self.system.summary())
+            m.update(self._process_metrics(ranks))
         self.sink.scalars(self.step, m)
         return m
 
@@ -344,6 +366,22 @@ class Runner:
                                 histogram(lengths, length_edges(cfg.rollout.max_response_len)))
         return m
 
+    def _process_metrics(self, ranks) -> dict[str, float]:
+        """proc/<lane>/cpu_pct and rss_gb: this process, the engine's processes, the ranks'."""
+        lanes = {CONTROLLER: os.getpid(), **getattr(self.engine, "lane_pids", dict)()}
+        m = self.meter.local(lanes, time.time())
+        for rank, _, end, cpu_s, rss in ranks:
+            m.update(self.meter.observe(rank_lane(rank), cpu_s, rss, end))
+        return m
+
+    def _record_timeline(self) -> None:
+        """The spans since the last call, the generators' busy spans among them, to the sink."""
+        for lane, start, end, occupancy in getattr(self.engine, "take_busy_spans", list)():
+            self.timeline.add(lane, "generating", start, end, occupancy)
+        spans = self.timeline.take()
+        if spans:
+            self.sink.timeline(self.step, spans)
+
     def _observe_generation(self) -> None:
         """Hand the ledger the engine's count of rollout tokens (evaluations' taken out)."""
         self.rollout.ledger.observe_engine(self.engine.stats.generated_tokens - self.eval_tokens)
@@ -361,7 +399,8 @@ class Runner:
         cfg = self.cfg
         problems = self.task.eval_problems(cfg.run.eval_size)
 
-        with self._between_steps("evaluating"), self.rollout.suspended():
+        with self._between_steps("evaluating"), self.timeline.span(CONTROLLER, "evaluating"), \
+                self.rollout.suspended():
             # (the async worker shares the engine: suspended() holds it)
             before = self.engine.stats.generated_tokens
             res = evaluate(self.engine, self.tokenizer, problems, self.scorer.texts,
@@ -382,7 +421,8 @@ class Runner:
 
     # --- checkpoints --------------------------------------------------------------------------------
     def save_checkpoint(self) -> Path:
-        with self._between_steps("saving a checkpoint"), self.rollout.suspended():
+        with self._between_steps("saving a checkpoint"), \
+                self.timeline.span(CONTROLLER, "checkpointing"), self.rollout.suspended():
             # generation held: the ledger's count and the groups saved describe one moment
             self._observe_generation()
             path = run_state.save(self)

@@ -6,6 +6,9 @@ Without one: `system/cpu_util` (% of all cores) and `system/ram_gb` (this proces
 memory). `summary()` returns the mean of the samples taken since the previous call, so each
 training step reports the utilisation during that step; the CPU share is measured over exactly
 that window (busy CPU time / elapsed CPU time between two calls).
+
+Per process (`ProcessMeter`): `proc/<lane>/cpu_pct` and `proc/<lane>/rss_gb` for each process
+of the run (the timeline's lanes: rank 0, the other training ranks, an engine process).
 """
 from __future__ import annotations
 
@@ -120,3 +123,49 @@ class SystemSampler:
             self._thread.join(timeout=5)
         if self.nvml is not None:
             self.nvml.close()
+
+
+def process_usage(pid: int | None = None) -> tuple[float, int] | None:
+    """(CPU seconds used so far, resident bytes) of a process (default: this one); None when
+    it is gone."""
+    try:
+        p = psutil.Process(pid)
+        with p.oneshot():
+            t = p.cpu_times()
+            return t.user + t.system, p.memory_info().rss
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return None
+
+
+def lane_key(lane: str) -> str:
+    """A timeline lane as a metric name part: "rank 0" -> "rank0"."""
+    return "".join(c for c in lane if c.isalnum() or c in "_-")
+
+
+class ProcessMeter:
+    """CPU and memory per process of the run, one series per timeline lane (trainer/timeline.py):
+    `proc/<lane>/cpu_pct` (% of one core, 100 = one core busy, as `top` counts) over the time
+    since that lane's previous reading, and `proc/<lane>/rss_gb`. Readings come from psutil for
+    processes on this machine (`local`) or from the process itself (`observe`: a training rank
+    sends its own with its report, so it works across machines)."""
+
+    def __init__(self):
+        self._last: dict[str, tuple[float, float]] = {}   # lane -> (wall time, CPU seconds)
+
+    def observe(self, lane: str, cpu_s: float, rss_bytes: int, now: float) -> dict[str, float]:
+        key = lane_key(lane)
+        out = {f"proc/{key}/rss_gb": rss_bytes / 2**30}
+        last = self._last.get(lane)
+        self._last[lane] = (now, cpu_s)
+        if last is not None and now - last[0] > 0.05:
+            out[f"proc/{key}/cpu_pct"] = max(0.0, 100.0 * (cpu_s - last[1]) / (now - last[0]))
+        return out
+
+    def local(self, lanes: dict[str, int], now: float) -> dict[str, float]:
+        """Readings of {lane: pid} on this machine (a process gone is left out)."""
+        out: dict[str, float] = {}
+        for lane, pid in lanes.items():
+            usage = process_usage(pid)
+            if usage is not None:
+                out.update(self.observe(lane, *usage, now))
+        return out

@@ -18,7 +18,9 @@ Rank 0 talks to the others with one `broadcast_object` per message:
 - TRAIN: the config (knob changes reach every rank with the step they apply to), the step, the
   decoupled-loss settings; then each rank's share by `scatter_object_list`; after the update the
   figures each rank wrote into its sequences' reports (the behaviour weights the rollout
-  inspector shows) come back with `gather_object`.
+  inspector shows) come back with `gather_object`, with the wall-clock start and end of each
+  rank's update (the run's timeline: trainer/timeline.py) and the rank's CPU seconds and
+  resident memory (trainer/system.py's ProcessMeter).
 - IDLE: a keep-alive while rank 0 has nothing for them (paused, an asynchronous step waiting for
   groups, an evaluation): their wait is a collective, bounded by RLPILOT_DIST_TIMEOUT_S.
 - END: the run is over (its status); the ranks leave their loop.
@@ -29,6 +31,7 @@ import dataclasses
 import time
 
 from trainer.learner import TrainSequence
+from trainer.system import process_usage
 
 TRAIN, IDLE, END = "train", "idle", "end"
 KEEPALIVE_S = 30.0   # well inside RLPILOT_DIST_TIMEOUT_S (default 1800 s)
@@ -91,19 +94,22 @@ class Controller:
         self.sent = seqs
         return [[s for _, s in part] for part in per_rank[0]]
 
-    def gather_reports(self) -> None:
-        """After the update: the other ranks' report figures into rank 0's sequences."""
+    def gather_reports(self) -> list[tuple]:
+        """After the update: the other ranks' report figures into rank 0's sequences. Returns
+        (rank, start, end, CPU seconds, resident bytes) of each other rank: its update's
+        wall-clock start and end, its process's usage after it."""
         if self.world.size == 1:
-            return
+            return []
         import torch.distributed as dist
 
         got: list = [None] * self.world.size
-        dist.gather_object([], got, dst=0)
-        for part in got[1:]:
+        dist.gather_object(([], None), got, dst=0)
+        for part, _ in got[1:]:
             for i, report in part:
                 if self.sent[i].report is not None:
                     self.sent[i].report.update(report)
         self.sent = []
+        return [(r, *got[r][1]) for r in range(1, self.world.size)]
 
     def keepalive(self) -> None:
         """Tell the waiting ranks rank 0 is alive (at most every KEEPALIVE_S)."""
@@ -138,6 +144,7 @@ def follow(world, learner, pad_id: int, on_step=None) -> str:
         if on_step is not None:
             on_step(step, cfg)
         chunks = [[s for _, s in part] for part in mine]
+        start = time.time()
         learner.train([s for c in chunks for s in c], cfg, pad_id, [], decoupled_loss, chunks=chunks)
         reports = [(i, s.report) for part in mine for i, s in part if s.report]
-        dist.gather_object(reports, None, dst=0)
+        dist.gather_object((reports, (start, time.time(), *(process_usage() or (0.0, 0)))), None, dst=0)

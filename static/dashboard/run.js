@@ -124,6 +124,9 @@
     } else if (m.type === "samples") {   // a step's samples, as summaries
       if (inspector) inspector.onFrame(m);
       return;
+    } else if (m.type === "timeline") {   // a step's spans (static/dashboard/timeline.js)
+      if (window.RLTimeline && RLTimeline.live) RLTimeline.live.onFrame(m);
+      return;
     }
     scheduleDraw();
   }
@@ -174,6 +177,7 @@
       markChange(d.change_id, "pending", "pending: " + describe(m.kind, d), true);
     } else if (m.kind === "rewound") {
       rewind(d.step || 0);
+      if (window.RLTimeline && RLTimeline.live) RLTimeline.live.rewind(d.step || 0);
     } else if (m.kind === "auto_staleness") {   // the trainer moved η itself
       for (const k in (d.changes || {})) state.knobs[k] = d.changes[k].new;
       state.annotations.push({ step: m.step, text: describe(m.kind, d) });

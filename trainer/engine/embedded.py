@@ -35,6 +35,7 @@ import torch
 
 from trainer.engine.base import ABORT, LENGTH, SEGMENT, STOP, EngineStats, RolloutEngine, Sample
 from trainer.engine.decoder import Decoder
+from trainer.timeline import BusyRecorder
 
 
 def slots_from_free_memory(decoder: Decoder, max_seq_len: int, fraction: float = 0.5, *,
@@ -82,6 +83,7 @@ class EmbeddedEngine(RolloutEngine):
         self.version = 0
         self.stats = EngineStats()
         self.lock = threading.RLock()  # step() and update_weights() never interleave
+        self.busy = BusyRecorder("engine")  # its steps, for the run's timeline
         self.queue: deque[Sample] = deque()
         self.slots: list[Sample] = []      # active samples, slot i holds slots[i]
         self.cached: list[int] = []        # cached positions per active slot
@@ -120,14 +122,21 @@ class EmbeddedEngine(RolloutEngine):
         with self.lock:
             if self.cache is None:  # released for training: take it back before generating
                 self.reacquire_memory()
-            t0 = time.perf_counter()
+            t0, wall = time.perf_counter(), time.time()
+            used, capacity = self.stats.slot_steps_used, self.stats.slot_steps_capacity
             out = self._admit()
             t1 = time.perf_counter()
             self.stats.admit_s += t1 - t0
             if self.slots:
                 out.extend(self._decode())
                 self.stats.decode_s += time.perf_counter() - t1
+            self.busy.record(wall, time.time(), self.stats.slot_steps_used - used,
+                             self.stats.slot_steps_capacity - capacity)
             return out
+
+    def take_busy_spans(self) -> list[tuple[str, float, float, float | None]]:
+        """(lane, start, end, occupancy) of the steps since the last call (trainer/timeline.py)."""
+        return self.busy.take()
 
     def abort(self, request_ids: Iterable[int] | None = None,
               keep_cache: bool = False) -> list[Sample]:

@@ -143,7 +143,8 @@ def _serve(conn: Connection) -> None:
                     parts = engine.abort(msg[1], keep_cache=msg[2])
                     for s in parts:
                         live.pop(s.request_id, None)
-                    conn.send(("aborted", [_state(s) for s in parts], engine.stats.astuple()))
+                    conn.send(("aborted", [_state(s) for s in parts], engine.stats.astuple(),
+                               engine.take_busy_spans()))
                 elif kind == "weights":
                     engine.update_weights(shared.tensors, msg[1], recompute_kv=msg[2])
                     conn.send(("weights_loaded", msg[1]))
@@ -165,7 +166,8 @@ def _serve(conn: Connection) -> None:
                 for s in done:
                     live.pop(s.request_id, None)
                 if done:
-                    conn.send(("finished", [_state(s) for s in done], engine.stats.astuple()))
+                    conn.send(("finished", [_state(s) for s in done], engine.stats.astuple(),
+                               engine.take_busy_spans()))
         except (EOFError, OSError):
             return  # the parent is gone (or closed the socket): exit, leave nothing behind
         except BaseException:
@@ -229,6 +231,7 @@ class ProcessEngine(RolloutEngine):
         self.live: dict[int, Sample] = {}   # submitted, not yet returned
         self._done: list[Sample] = []       # finished samples not yet handed out by step()
         self._replies: list[tuple] = []     # answers to abort / weights / ready
+        self._busy: list[tuple] = []        # the child's busy spans, for take_busy_spans()
         # the async worker thread and the trainer thread both talk to the child
         self._recv_lock, self._send_lock = threading.Lock(), threading.Lock()
         state = model.state_dict() if weights is None else weights
@@ -280,6 +283,7 @@ class ProcessEngine(RolloutEngine):
             raise EngineError("the engine process failed:\n" + msg[1])
         if msg[0] in ("finished", "aborted"):
             self.stats = EngineStats(*msg[2])
+            self._busy.extend(msg[3])   # the child's engine steps (the run's timeline)
             out = []
             for st in msg[1]:
                 s = self.live.pop(st["request_id"], None)
@@ -359,6 +363,17 @@ class ProcessEngine(RolloutEngine):
         self._send(("abort", ids, keep_cache))
         _, parts = self._expect("aborted", 60)
         return parts
+
+    def lane_pids(self) -> dict[str, int]:
+        """{timeline lane: pid} of the process that generates (per-process CPU and memory)."""
+        return {"engine": self.proc.pid}
+
+    def take_busy_spans(self) -> list[tuple[str, float, float, float | None]]:
+        """The child's busy spans (lane, start, end, occupancy) it reported since the last call:
+        they come with its finished samples."""
+        with self._recv_lock:
+            spans, self._busy = self._busy, []
+        return spans
 
     def update_weights(self, named_tensors, version: int, recompute_kv: bool = False) -> None:
         items = named_tensors.items() if isinstance(named_tensors, dict) else named_tensors

@@ -17,7 +17,7 @@ from django.utils import timezone
 from django.views.decorators.csrf import csrf_exempt
 
 from trainer import config as config_mod
-from webapp.dashboard import actions, inspector, policy, reports, streams, sweep, validation
+from webapp.dashboard import actions, inspector, policy, reports, streams, sweep, timeline, validation
 from webapp.dashboard.models import ApiToken, KnobChange, Run, Status
 
 log = logging.getLogger(__name__)
@@ -234,6 +234,29 @@ def run_metrics(request, body, run_id: int):
     if errors:
         return error(400, "bad query", errors)
     return JsonResponse(streams.metrics_snapshot(run, keys, after, max_points))
+
+
+@api("GET")
+def run_timeline(request, body, run_id: int):
+    """Where each process's time went (webapp/dashboard/timeline.py): `?last=N` the last N
+    steps (the live page), else the whole run thinned to `max_slices` steps (default 150)."""
+    run = get_run_or_404(run_id)
+    errors, params = {}, {}
+    for name, lo, hi in (("last", 1, 1000), ("max_slices", 2, 2000)):
+        raw = request.GET.get(name)
+        if raw in (None, ""):
+            continue
+        try:
+            params[name] = int(raw)
+            if not lo <= params[name] <= hi:
+                raise ValueError
+        except ValueError:
+            errors[name] = f"expected an integer in [{lo}, {hi}]"
+    if errors:
+        return error(400, "bad query", errors)
+    if "last" not in params:
+        params.setdefault("max_slices", 150)
+    return JsonResponse(timeline.snapshot(run.pk, **params))
 
 
 @api("GET")

@@ -1,8 +1,8 @@
 """A run is a row; everything the browser shows about it is rows too.
 
-MetricPoint, HistogramSnapshot, RunEvent and RolloutSample share one per-run sequence (`Run.last_seq`): a
-scalar batch (one step), a histogram snapshot, an event and a step's batch of rollout samples each
-take one sequence number, and
+MetricPoint, HistogramSnapshot, RunEvent, RolloutSample and TimelineSlice share one per-run sequence
+(`Run.last_seq`): a scalar batch (one step), a histogram snapshot, an event, a step's batch of
+rollout samples and a step's timeline each take one sequence number, and
 a client's cursor is the last sequence number it has seen. Sequence numbers are allocated and
 their rows inserted in one transaction holding the run's row lock, so they commit in order and
 a reader that asks for `seq > cursor` never misses nor repeats a row.
@@ -169,6 +169,18 @@ class RolloutSample(models.Model):
     class Meta:
         indexes = [models.Index(fields=["run", "seq"]), models.Index(fields=["run", "step"]),
                    models.Index(fields=["run", "length"]), models.Index(fields=["run", "reward"])]
+
+
+class TimelineSlice(models.Model):
+    """Where each process's time went during one step (trainer/timeline.py): `spans` is a list
+    of {"lane", "phase", "start", "end", "occupancy"?} in wall-clock seconds, a few dozen at most."""
+    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="timeline")
+    seq = models.BigIntegerField()
+    step = models.IntegerField()
+    spans = models.JSONField(default=list)
+
+    class Meta:
+        indexes = [models.Index(fields=["run", "seq"]), models.Index(fields=["run", "step"])]
 
 
 class KnobChange(models.Model):

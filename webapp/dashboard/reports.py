@@ -19,6 +19,7 @@ from trainer import checkpoint
 from trainer import config as config_mod
 from trainer.rollout.ledger import REASONS as _WASTE
 from webapp.dashboard import inspector, streams
+from webapp.dashboard import timeline as run_timeline
 from webapp.dashboard.actions import run_dir
 from webapp.dashboard.models import HistogramSnapshot, MetricPoint, RolloutSample, Run, RunEvent, Status
 from webapp.dashboard.spreadsheet_safe import SafeWriter
@@ -379,6 +380,8 @@ def export_json(run: Run) -> dict[str, Any]:
             "events": [{"seq": e.seq, "step": e.step, "kind": e.kind, "time": e.time.isoformat(),
                         "data": e.data} for e in RunEvent.objects.filter(run_id=run.pk).order_by("seq")],
             "knob_timeline": [{**k, "time": k["time"].isoformat()} for k in knob_timeline(run)],
+            "timeline": [{"step": t["step"], "spans": t["spans"]}
+                         for t in run_timeline.snapshot(run.pk)["slices"]],   # every step's spans
             # every sample but its per-token arrays (the samples CSV has those: they can be large)
             "samples": list(inspector.export_rows(run.pk, per_token=False))}
 
@@ -450,6 +453,8 @@ def export_html(run: Run, max_points: int = 2000) -> str:
         "css": (static / "dashboard" / "style.css").read_text(),
         "plotly_js": _inline_script((static / "vendor" / "plotly.min.js").read_text()),
         "charts_js": _inline_script((static / "dashboard" / "charts.js").read_text()),
+        "timeline_js": _inline_script((static / "dashboard" / "timeline.js").read_text()),
+        "timeline_data": run_timeline.snapshot(run.pk, max_slices=150),
         "data": {"points": snap["points"], "histograms": snap["histograms"],
                  "events": snap["events"], "config": run.config, "knobs": run.knobs},
     })

@@ -5,8 +5,8 @@ from typing import Any, Iterable
 
 from django.db.models import ExpressionWrapper, F, IntegerField, Max, Min
 
-from webapp.dashboard import inspector, lifecycle
-from webapp.dashboard.models import HistogramSnapshot, MetricPoint, Run, RunEvent
+from webapp.dashboard import inspector, lifecycle, timeline
+from webapp.dashboard.models import HistogramSnapshot, MetricPoint, Run, RunEvent, TimelineSlice
 
 BATCH = 500   # sequence numbers per backlog chunk
 
@@ -52,6 +52,8 @@ def messages_after(run_id: int, cursor: int, upto: int | None = None,
                          "counts": h.counts, "cursor": h.seq}
     for e in RunEvent.objects.filter(run_id=run_id, seq__gt=cursor, seq__lte=hi):
         by_seq[e.seq] = event_message(e)
+    for t in TimelineSlice.objects.filter(run_id=run_id, seq__gt=cursor, seq__lte=hi):
+        by_seq[t.seq] = timeline.frame(t)   # a step's spans (webapp/dashboard/timeline.py)
     # a step's rollout samples, as compact summaries (GET /api/runs/<id>/samples/<id> has the rest)
     for seq, rows in inspector.summary_rows(run_id, cursor, hi).items():
         by_seq[seq] = {"type": "samples", "step": rows[0]["step"], "samples": rows, "cursor": seq}

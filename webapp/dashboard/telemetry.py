@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 class DbSink(MetricsSink):
     """Writes a run's rows from a background thread, so the trainer only pays for a queue put.
 
-    scalars(), histogram() and samples() are buffered; flush() (called at every step boundary by the
+    scalars(), histogram(), samples() and timeline() are buffered; flush() (called at every step boundary by the
     control source, and by event()) hands the buffer to the writer thread, which inserts it in
     one transaction (sequence-numbered) and then rings the doorbell. drain() waits until
     everything handed over is in the database; close() drains and stops the thread."""
@@ -75,6 +75,12 @@ class DbSink(MetricsSink):
             return
         with self.lock:
             self.buffer.append(Record("samples", step, "", {"rows": rows}))
+
+    def timeline(self, step: int, spans: list[dict[str, Any]]) -> None:
+        """A step's timeline: buffered like a histogram, one row (cleaned by the actions layer)."""
+        if spans:
+            with self.lock:
+                self.buffer.append(Record("timeline", step, "", {"spans": list(spans)}))
 
     def event(self, step: int, kind: str, data: dict[str, Any] | None = None) -> None:
         with self.lock:

@@ -30,6 +30,7 @@ urlpatterns = [
     path("api/runs", api.runs),
     path("api/runs/<id:run_id>", api.run_detail),
     path("api/runs/<id:run_id>/metrics", api.run_metrics),
+    path("api/runs/<id:run_id>/timeline", api.run_timeline),
     path("api/runs/<id:run_id>/samples", api.run_samples),
     path("api/runs/<id:run_id>/samples/<id:sample_id>", api.run_sample),
     path("api/runs/<id:run_id>/export", api.run_export),

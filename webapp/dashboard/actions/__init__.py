@@ -13,8 +13,9 @@ stale-run sweep and the management commands all go through these functions, by n
   alert_state.py  a run's active alerts; a run whose worker was lost
 
 The package sits low in the import graph: it imports the models, lifecycle.py, errors.py,
-validation.py and policy.py (which never import it), inspector.py, doorbell.py and the Celery app, and
-none of the modules that call it; alerts.py and sweep.py hand it what it needs as arguments.
+validation.py and policy.py (which never import it), inspector.py, timeline.py, doorbell.py and
+the Celery app, and none of the modules that call it; alerts.py and sweep.py hand it what it
+needs as arguments.
 Callers use `from webapp.dashboard import actions; actions.launch_run(...)`.
 """
 from webapp.dashboard.actions.alert_state import change_alerts, clear_alert, interrupt_lost_run

@@ -16,8 +16,16 @@ from typing import Any, Callable, Iterable
 from django.db import transaction
 from django.utils import timezone
 
-from webapp.dashboard import doorbell, inspector, lifecycle
-from webapp.dashboard.models import HistogramSnapshot, KnobChange, MetricPoint, RolloutSample, Run, RunEvent
+from webapp.dashboard import doorbell, inspector, lifecycle, timeline
+from webapp.dashboard.models import (
+    HistogramSnapshot,
+    KnobChange,
+    MetricPoint,
+    RolloutSample,
+    Run,
+    RunEvent,
+    TimelineSlice,
+)
 
 # Latest values kept on the run row for the runs list ("key figures").
 KEY_FIGURES = ("reward/accuracy", "reward/mean", "rollout/response_len/mean", "actor/kl",
@@ -47,10 +55,11 @@ def _scalar(v: Any) -> float | None:
 
 @dataclass
 class Record:
-    kind: str                  # "points" | "histogram" | "event" | "samples" | "status"
+    kind: str                  # "points" | "histogram" | "event" | "samples" | "timeline" | "status"
     step: int
     name: str = ""             # histogram name or event kind
-    # points / event data / {edges, counts} / {"rows": [sample dict, ...]} / {"status", "message"?}
+    # points / event data / {edges, counts} / {"rows": [sample dict, ...]} / {"spans": [...]}
+    # / {"status", "message"?}
     values: dict[str, Any] = field(default_factory=dict)
 
 
@@ -65,6 +74,7 @@ class Batch:
         self.hists: list[HistogramSnapshot] = []
         self.events: list[RunEvent] = []
         self.rollouts: list[RolloutSample] = []
+        self.slices: list[TimelineSlice] = []
         self.outcomes: list[tuple[str, bool, int, str]] = []   # knob changes applied / rejected
 
     def next_seq(self) -> int:
@@ -107,6 +117,12 @@ def _samples(b: Batch, r: Record) -> None:
                                   for row in (rows if isinstance(rows, list) else [])) if x)
 
 
+def _timeline(b: Batch, r: Record) -> None:
+    """A step's timeline (webapp/dashboard/timeline.py): its well-formed spans, one row."""
+    b.slices.append(TimelineSlice(run_id=b.run.pk, seq=b.next_seq(), step=r.step,
+                                  spans=timeline.clean_spans(r.values.get("spans"))))
+
+
 def _event(b: Batch, r: Record) -> None:
     b.add_event(r.step, r.name, r.values)
     handler = EVENT_HANDLERS.get(r.name)
@@ -128,7 +144,8 @@ def _status(b: Batch, r: Record) -> None:
 
 
 HANDLERS: dict[str, Callable[[Batch, Record], None]] = {
-    "points": _points, "histogram": _histogram, "samples": _samples, "event": _event, "status": _status,
+    "points": _points, "histogram": _histogram, "samples": _samples, "timeline": _timeline,
+    "event": _event, "status": _status,
 }
 
 
@@ -201,6 +218,8 @@ def _insert(b: Batch) -> None:
         HistogramSnapshot.objects.bulk_create(b.hists)
     if b.events:
         RunEvent.objects.bulk_create(b.events)
+    if b.slices:
+        TimelineSlice.objects.bulk_create(b.slices)
     for change_id, ok, step, message in b.outcomes:
         KnobChange.objects.filter(run_id=b.run.pk, change_id=change_id).update(
             status=KnobChange.APPLIED if ok else KnobChange.REJECTED, applied_step=step,

@@ -17,7 +17,7 @@ from webapp.dashboard.actions.alert_state import clear_alert
 from webapp.dashboard.actions.launch import enqueue, run_dir
 from webapp.dashboard.actions.rows import Record, append, clean_json, set_status, status_record
 from webapp.dashboard.errors import Conflict, Forbidden, Invalid
-from webapp.dashboard.models import HistogramSnapshot, KnobChange, MetricPoint, RolloutSample, Run
+from webapp.dashboard.models import HistogramSnapshot, KnobChange, MetricPoint, RolloutSample, Run, TimelineSlice
 
 log = logging.getLogger(__name__)
 
@@ -135,6 +135,7 @@ def rewind(run_id: int, step: int, from_checkpoint: bool) -> int:
         MetricPoint.objects.filter(run_id=run_id, step__gt=step).delete()
         HistogramSnapshot.objects.filter(run_id=run_id, step__gt=step).delete()
         RolloutSample.objects.filter(run_id=run_id, step__gt=step).delete()
+        TimelineSlice.objects.filter(run_id=run_id, step__gt=step).delete()
         return append(run_id, [Record("event", step, "rewound",
                                       {"step": step, "from_checkpoint": from_checkpoint})], {"step": step})
 
