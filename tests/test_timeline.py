@@ -176,11 +176,12 @@ def test_a_one_process_run_has_the_controller_and_the_engine_lanes(tmp_path, tin
     assert written == memory.timelines
     # CPU and memory per process: the asynchronous preset's engine has its own
     lanes = ["rank0", "engine"] if preset == "async" else ["rank0"]
-    for row in memory.steps:
-        if "train/policy_version" in row:
-            assert all(0 < row[f"proc/{lane}/rss_gb"] < 64 and row[f"proc/{lane}/cpu_pct"] >= 0
-                       for lane in lanes), row
-            assert not any(k.startswith("proc/") and k.split("/")[1] not in lanes for k in row), row
+    steps = [row for row in memory.steps if "train/policy_version" in row]
+    for row in steps:   # CPU shares need a window over 50 ms: a very short step may have none
+        assert all(0 < row[f"proc/{lane}/rss_gb"] < 64 and row.get(f"proc/{lane}/cpu_pct", 0) >= 0
+                   for lane in lanes), row
+        assert not any(k.startswith("proc/") and k.split("/")[1] not in lanes for k in row), row
+    assert all(any(f"proc/{lane}/cpu_pct" in row for row in steps) for lane in lanes)
 
 
 def test_a_pause_is_a_span_on_the_controller_lane(tmp_path, tiny_overrides):

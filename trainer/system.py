@@ -156,8 +156,10 @@ class ProcessMeter:
         key = lane_key(lane)
         out = {f"proc/{key}/rss_gb": rss_bytes / 2**30}
         last = self._last.get(lane)
+        if last is not None and now - last[0] <= 0.05:
+            return out   # too short a window to say (CPU time counts in ticks): the next one will
         self._last[lane] = (now, cpu_s)
-        if last is not None and now - last[0] > 0.05:
+        if last is not None:
             out[f"proc/{key}/cpu_pct"] = max(0.0, 100.0 * (cpu_s - last[1]) / (now - last[0]))
         return out
 

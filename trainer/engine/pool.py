@@ -157,6 +157,21 @@ class EnginePool(RolloutEngine):
                     "engine/generators_alive": len(self._live()),
                     "engine/lost_tokens": self.lost_tokens}
 
+    def _lane(self, m: _Member) -> str:
+        """The timeline lane of a member (trainer/timeline.py): "engine" for a pool of one."""
+        return "engine" if len(self.members) == 1 else f"engine {m.index}"
+
+    def lane_pids(self) -> dict[str, int]:
+        """{timeline lane: pid} of each live generation process (per-process CPU and memory)."""
+        with self._lock:
+            return {self._lane(m): m.engine.proc.pid for m in self._live()}
+
+    def take_busy_spans(self) -> list[tuple[str, float, float, float | None]]:
+        """Every live process's busy spans since the last call, each on its own lane."""
+        with self._lock:
+            return [(self._lane(m), start, end, occupancy) for m in self._live()
+                    for _, start, end, occupancy in m.engine.take_busy_spans()]
+
     def pids(self) -> dict[int, int]:
         """Member index -> pid of its child, for the live members."""
         with self._lock:
