@@ -3,8 +3,9 @@
 Variants, each the CLI in a process tree of its own (`python -m trainer run`, or under torchrun),
 same preset, steps and seed, interleaved over `--reps` rounds (round r on seed + r):
 
-- `1_process`: everything in one process (the embedded engine in it);
-- `2_train`: two training ranks, rank 0 the controller with the embedded engine;
+- `1_process`: everything in one process (the embedded engine in it; an asynchronous preset's
+  generation in a thread, `async.worker=thread`);
+- `2_train`: two training ranks, rank 0 the controller with the embedded engine in it (the same);
 - `1_gen_2_train`: two training ranks and one generation process (`cluster.gen_procs=1`).
 
 Reported per variant (medians over rounds, from the runs' metrics.jsonl, so process start-up and
@@ -34,6 +35,7 @@ from trainer.bench.common import ratio, summarise
 NAME = "scale"
 HELP = "one process vs two training ranks vs two ranks + a generation process"
 LAYOUTS = {"1_process": (1, 0), "2_train": (2, 0), "1_gen_2_train": (2, 1)}
+IN_PROCESS = ["async.worker=thread"]   # gen_procs=0: no engine process of its own either
 
 
 def add_arguments(p) -> None:
@@ -60,7 +62,8 @@ def command(preset: str, out: Path, train_procs: int, gen_procs: int, overrides:
 
 def run_variant(name: str, args, seed: int, log=print) -> dict:
     train_procs, gen_procs = LAYOUTS[name]
-    overrides = [*args.set, f"run.max_steps={args.steps}", f"run.seed={seed}",
+    overrides = [*(IN_PROCESS if gen_procs == 0 else []), *args.set,
+                 f"run.max_steps={args.steps}", f"run.seed={seed}",
                  f"model.threads={args.threads}", f"async.worker_threads={args.threads}",
                  "run.eval_every=0", "run.checkpoint_every=0"]
     with tempfile.TemporaryDirectory(prefix="rlpilot-bench-scale-") as d:
