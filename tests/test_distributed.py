@@ -294,9 +294,10 @@ def _resume_worker(rank, port, run_dir, steps):
     run_dir = Path(run_dir)
     runner = Runner(_mode_config("all", steps), run_dir, resume=True,
                     sink=JsonlSink(run_dir / f"resumed{rank}"), system_telemetry=False)
+    reference = _digest(runner.learner.reference)   # the KL's reference: the base model, not the resumed policy
     with runner:
         status = runner.run()
-    torch.save({"status": status, "final": _digest(runner.model),
+    torch.save({"status": status, "final": _digest(runner.model), "reference": reference,
                 "start": getattr(runner, "prompts", None) and runner.prompts.cursor},
                run_dir / f"resumed{rank}.pt")
     _finish()
@@ -320,10 +321,44 @@ def test_checkpoints_resume_on_another_number_of_processes(tmp_path):
     _spawn(_resume_worker, _free_port(), str(tmp_path), 5)               # step 5 on 2 ranks
     r0, r1 = (torch.load(tmp_path / f"resumed{r}.pt", weights_only=False) for r in (0, 1))
     assert r0["status"] == r1["status"] == "finished" and r0["final"] == r1["final"]
+    from trainer.model import load_model
+    base = _digest(load_model("builtin", torch.device("cpu"), torch.float32))
+    assert r0["reference"] == r1["reference"] == base
     assert [r["step"] for r in _rows(tmp_path / "resumed0" / "metrics.jsonl")] == [5]
     state, _ = checkpoint.load(checkpoint.latest(tmp_path))
     assert state["step"] == 5 and state["config"]["cluster"]["train_procs"] == 2
     assert state["config"]["optim"]["lr"] == LR
+
+
+def _failing_worker(rank, port, run_dir):
+    from trainer.runner import Runner
+
+    _join(rank, 2, port)
+    run_dir = Path(run_dir)
+    runner = Runner(_mode_config("sync"), run_dir, sink=JsonlSink(run_dir / f"sink{rank}"),
+                    system_telemetry=False)
+    if rank == 0:   # a failure between two updates: the other rank is waiting for a message
+        def broken():
+            raise OSError("disk full")
+
+        runner.save_checkpoint = broken
+    try:
+        runner.run()
+        error = None
+    except Exception as e:
+        error = f"{type(e).__name__}: {e}"
+    runner.close()
+    torch.save({"error": error, "step": runner.step}, run_dir / f"rank{rank}.pt")
+    _finish()
+
+
+@pytest.mark.slow
+def test_when_rank_0_fails_the_other_ranks_end_with_an_error_not_a_hang(tmp_path):
+    _spawn(_failing_worker, _free_port(), str(tmp_path))
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1))
+    assert r0 == {"error": "OSError: disk full", "step": 1}
+    assert r1["error"] == "RuntimeError: rank 0 (the controller) failed: its error is in its log"
+    assert r1["step"] == 0   # it trained step 1: a training rank counts the steps before the one it trains
 
 
 def test_a_single_process_world_is_the_identity():

@@ -260,7 +260,9 @@ def test_each_generation_process_gets_a_gpu_of_its_own_when_there_are_enough(mon
     from trainer.engine import generation_device
 
     cuda = torch.device("cuda", 0)
-    monkeypatch.setenv("WORLD_SIZE", "2")           # two training ranks on cuda:0 and cuda:1
+    # two machines, two training ranks on each (cuda:0 and cuda:1 here): this machine's count
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
     assert [generation_device(cuda, i, 2) for i in range(2)] == [torch.device("cuda", 2),
                                                                   torch.device("cuda", 3)]

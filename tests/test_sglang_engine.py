@@ -528,3 +528,40 @@ def test_a_server_back_after_an_update_takes_requests_once_it_has_the_current_we
     eng.generate(samples)
     assert b2.generate_calls > 0 and all(set(s.versions) == {2} for s in samples)
     assert any("takes requests after the next weight update" in w for w in eng.take_warnings())
+
+
+def test_requests_go_to_the_server_with_the_fewest_outstanding_tokens(builtin, server, engines):
+    _, tok = builtin
+    a, b = server(step_delay_s=0.02), server(step_delay_s=0.02)
+    eng = engines(f"{a.url},{b.url}", tok)
+    long = Sample(ids(tok, LONG), SamplingParams(temperature=0.0, max_new_tokens=200))
+    short = [Sample(ids(tok, "[1,2]="), SamplingParams(max_new_tokens=10)) for _ in range(3)]
+    eng.submit([long])
+    first = eng._tickets[long.request_id].server
+    eng.submit(short)   # 10 + 10 + 10 outstanding tokens stay under the long answer's 200
+    assert {eng._tickets[s.request_id].server.url for s in short} == {
+        (b if first.url == a.url else a).url}
+    assert first.outstanding == 200 and first.inflight == 1
+    while eng.num_pending:
+        eng.step()
+    assert all(srv.outstanding == 0 and srv.inflight == 0 for srv in eng.servers)
+
+
+def test_a_server_waiting_for_weights_gets_them_when_the_last_generating_one_dies(
+        builtin, server, engines, tmp_path):
+    model, tok = builtin
+    a, b = server(), server()
+    eng = engines(f"{a.url},{b.url}", tok, model, weights_dir=tmp_path, rejoin_backoff_s=0.2,
+                  down_timeout_s=30)
+    eng.update_weights(model.state_dict(), version=1)
+    port = b.port
+    b.close()
+    eng.generate([Sample(ids(tok, "[1,2]="), SamplingParams(max_new_tokens=20)) for _ in range(4)])
+    b2 = server(port=port)
+    wait_until(lambda: (eng.step(), eng.servers[1].stale)[1], timeout=10)
+    a.close()                                     # the only server with version 1 goes
+    samples = [Sample(ids(tok, "[3,4]="), SamplingParams(max_new_tokens=20)) for _ in range(4)]
+    eng.generate(samples)                         # b gets version 1 from the engine's host copy
+    assert b2.weight_version == "1" and not eng.servers[1].stale
+    assert b2.generate_calls > 0 and all(set(s.versions) == {1} for s in samples)
+    assert any("back in service with weights version 1" in w for w in eng.take_warnings())

@@ -11,8 +11,7 @@ A step that waits for groups (asynchronous rollout) asks `interrupted()`: it rea
 without applying them and says whether a stop or pause waits, so the step can give its groups
 back and come here at once instead of waiting for groups that may never come. With several
 training processes only rank 0 (the controller) has a boundary; the config it goes on with
-reaches the other ranks with the step's update (trainer/training_ranks.py), and `waiting` keeps
-them told while it holds here or waits for groups.
+reaches the other ranks with the step's update (trainer/training_ranks.py).
 """
 from __future__ import annotations
 
@@ -28,9 +27,8 @@ INTERRUPT_POLL_S = 0.25  # how often a waiting step reads the controls
 
 
 class StepBoundary:
-    def __init__(self, controls: ControlSource, sink: MetricsSink, driver: Driver,
-                 waiting=lambda: None):
-        self.controls, self.sink, self.driver, self.waiting = controls, sink, driver, waiting
+    def __init__(self, controls: ControlSource, sink: MetricsSink, driver: Driver):
+        self.controls, self.sink, self.driver = controls, sink, driver
         self.pending: list[Command] = []   # read (or requested by the trainer), not yet applied
         self._polled_at = 0.0
         self.pauses: list[tuple[float, float]] = []   # wall-clock (start, end) of each hold here
@@ -45,7 +43,6 @@ class StepBoundary:
     def interrupted(self) -> bool:
         """Is a stop or pause waiting? Reads the controls (at most every INTERRUPT_POLL_S) and
         keeps what it read for `cross`. Cheap enough to call in a wait loop."""
-        self.waiting()
         now = time.monotonic()
         if now - self._polled_at >= INTERRUPT_POLL_S:
             self._polled_at = now
@@ -79,7 +76,6 @@ class StepBoundary:
             if not paused:
                 return cfg
             self.sink.flush()
-            self.waiting()
             time.sleep(PAUSED_POLL_S)
 
     def apply_knobs(self, step: int, cfg: config_mod.Config, cmd: Command) -> config_mod.Config:

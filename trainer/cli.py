@@ -31,6 +31,9 @@ def _cmd_run(args) -> int:
     relaunched = _relaunch_under_torchrun(args)
     if relaunched is not None:
         return relaunched
+    from trainer.launch import die_with_launcher
+
+    die_with_launcher()   # a rank of the torchrun the lines above started: it dies with torchrun
     ok = False
     try:
         rc = _run(args)

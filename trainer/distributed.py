@@ -201,27 +201,6 @@ def world() -> World:
     return _WORLD if _WORLD is not None else init()
 
 
-def is_main() -> bool:
-    return world().is_main
-
-
-def rank() -> int:
-    return world().rank
-
-
-def barrier() -> None:
-    world().barrier()
-
-
-def all_reduce_metrics(d: dict[str, float]) -> dict[str, float]:
-    """Sum of every value over the ranks (same keys on every rank)."""
-    return world().all_sum_dict(d)
-
-
-def broadcast_object(obj, src: int = 0):
-    return world().broadcast_object(obj, src)
-
-
 def destroy(sync: bool = True) -> int:
     """Leave the process group (if this module joined or wrapped one) and forget the world;
     returns the world size it had (1 if none). `sync`: first wait until every rank is here, so

@@ -69,6 +69,12 @@ class Learner:
         # data parallel (trainer/distributed.py): a World of K > 1 processes; token counts and
         # gradients are summed over them so the loss is the token mean of the global batch
         self.dist = dist if dist is not None and dist.size > 1 else None
+        # the reference is this process's model as given, copied before DDP's wrap replaces a
+        # training rank's weights with rank 0's (which, resumed, are no longer the reference)
+        self.reference = None
+        if track_reference:
+            self.reference = reference if reference is not None else copy.deepcopy(model)
+            self.reference.eval().requires_grad_(False)
         self.ddp = None  # the DistributedDataParallel wrapper the update's forward runs through
         if self.dist is not None:
             from torch.nn.parallel import DistributedDataParallel
@@ -76,10 +82,6 @@ class Learner:
             # DDP broadcasts rank 0's weights and all-reduces the gradients, bucketed and
             # overlapped with the backward pass, at the last micro-batch of each mini-batch
             self.ddp = DistributedDataParallel(model, device_ids=self.dist.ddp_device_ids())
-        self.reference = None
-        if track_reference:
-            self.reference = reference if reference is not None else copy.deepcopy(model)
-            self.reference.eval().requires_grad_(False)
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay,
                                            betas=(0.9, 0.999), eps=1e-8)
 

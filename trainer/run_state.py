@@ -2,9 +2,10 @@
 
 The file format (safetensors + tagged JSON, no pickle) is trainer/checkpoint.py; this module
 says what of a Runner goes in: the step and policy version, the data cursor, the counters, the
-best/last evaluation, the config with its knob values, the optimizer, the sampling RNG (every
-rank's under data parallelism), the rollout driver's state (APRIL's buffer, the asynchronous
-queue) and GRESO's per-prompt history.
+best/last evaluation, the config with its knob values, the optimizer, the sampling RNG (one
+stream per generation process), the rollout driver's state (APRIL's buffer, the asynchronous
+queue) and GRESO's per-prompt history. Rank 0 (the controller) holds all of it: the other
+training ranks hold nothing of their own (trainer/training_ranks.py).
 """
 from __future__ import annotations
 

@@ -45,7 +45,7 @@ from trainer.system import ProcessMeter, SystemSampler
 from trainer.tasks import build_task
 from trainer.timeline import CONTROLLER, Timeline, rank_lane
 
-FINISHED, STOPPED = "finished", "stopped"
+FINISHED, STOPPED, FAILED = "finished", "stopped", "failed"
 
 
 class Runner:
@@ -115,8 +115,7 @@ class Runner:
                                     self.scorer, self.lock)
         self.samples = InspectorRecorder(self.tokenizer, self.cfg.run.seed)  # the rollout inspector's
         self.timeline = Timeline(fill={CONTROLLER: "bookkeeping"})
-        self.boundary = StepBoundary(self.controls, self.sink, self.rollout,
-                                     waiting=self.ranks.keepalive)
+        self.boundary = StepBoundary(self.controls, self.sink, self.rollout)
         # a step waiting for asynchronous groups gives way to a stop or pause within a second,
         # and says at once what its engine reports (e.g. every generator gone: it waits)
         self.rollout.interrupted = self._waiting
@@ -160,7 +159,7 @@ class Runner:
     # --- the loop -----------------------------------------------------------------------------------
     def run(self) -> str:
         if not self.is_controller:   # a training rank: rank 0 sends each step's share
-            return training_ranks.follow(self.dist, self.learner, self.tokenizer.pad_token_id,
+            return training_ranks.follow(self.ranks, self.learner, self.tokenizer.pad_token_id,
                                          on_step=self._follow_step)
         t_start = time.monotonic()
         if self.system is not None:
@@ -201,6 +200,7 @@ class Runner:
             self.sink.event(self.step, "run_" + status, self.summary())
             return status
         except AsyncStall as e:
+            status = FAILED
             # a step boundary: the state is consistent, so keep it; a resume rebases the
             # admission counters and continues from here
             with contextlib.suppress(Exception):
@@ -209,13 +209,14 @@ class Runner:
                                                  "resumable_from_step": self.step})
             raise
         except BaseException as e:
+            status = FAILED
             self.sink.event(self.step, "error", {"message": f"{type(e).__name__}: {e}",
                                                  "traceback": traceback.format_exc(limit=8)})
             raise
         finally:
-            self.rollout.close()  # no generation thread outlives run()
             with contextlib.suppress(Exception):   # the training ranks leave their loop
                 self.ranks.end(status)
+            self.rollout.close()  # no generation thread outlives run()
             if self.system is not None:
                 self.system.close()
             self.sink.flush()
@@ -274,7 +275,8 @@ class Runner:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         mine = self.ranks.share(seqs, cfg, self.step + 1, decoupled_loss)  # theirs sent
-        train_metrics = self.learner.train(seqs, cfg, self.tokenizer.pad_token_id,
+        train_metrics = self.learner.train([s for c in mine for s in c], cfg,
+                                           self.tokenizer.pad_token_id,
                                            [s for g in groups for s in g.samples], decoupled_loss,
                                            chunks=mine)
         # the behaviour weights the other ranks measured, when each trained, its CPU and memory

@@ -14,27 +14,33 @@ its share through DistributedDataParallel. The loss is the token mean over the w
 (trainer/learner.py all-reduces the token count), so the update equals the one-process update
 on the same batch up to float rounding.
 
-Rank 0 talks to the others with one `broadcast_object` per message:
+Rank 0 talks to the others over a channel of its own: a gloo group (CPU objects, whatever the
+training backend) whose collectives wait up to CHANNEL_TIMEOUT, so the other ranks may wait as
+long as rank 0 needs -- a long evaluation, a pause, an asynchronous step waiting for groups,
+generators all down -- while the training collectives keep RLPILOT_DIST_TIMEOUT_S. One
+`broadcast_object` per message:
 - TRAIN: the config (knob changes reach every rank with the step they apply to), the step, the
   decoupled-loss settings; then each rank's share by `scatter_object_list`; after the update the
   figures each rank wrote into its sequences' reports (the behaviour weights the rollout
   inspector shows) come back with `gather_object`, with the wall-clock start and end of each
   rank's update (the run's timeline: trainer/timeline.py) and the rank's CPU seconds and
   resident memory (trainer/system.py's ProcessMeter).
-- IDLE: a keep-alive while rank 0 has nothing for them (paused, an asynchronous step waiting for
-  groups, an evaluation): their wait is a collective, bounded by RLPILOT_DIST_TIMEOUT_S.
-- END: the run is over (its status); the ranks leave their loop.
+- END: the run is over (its status); the ranks leave their loop ("failed": they raise, so
+  torchrun reports the failure). Rank 0 sends no END when it fails in the middle of an update:
+  the others are then inside the update's collectives, and a message would not match them; it
+  exits instead, and torchrun stops the others.
 """
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import time
 
 from trainer.learner import TrainSequence
 from trainer.system import process_usage
 
-TRAIN, IDLE, END = "train", "idle", "end"
-KEEPALIVE_S = 30.0   # well inside RLPILOT_DIST_TIMEOUT_S (default 1800 s)
+TRAIN, END = "train", "end"
+CHANNEL_TIMEOUT = datetime.timedelta(days=7)   # a paused run may wait that long for its person
 
 
 def mini_batches(seqs: list, n: int) -> list[list]:
@@ -64,9 +70,15 @@ class Controller:
     method does nothing."""
 
     def __init__(self, world):
+        """Every rank makes one (the channel's group is made collectively)."""
         self.world = world
-        self._last_message = time.monotonic()
         self.imbalance = 1.0   # the last step's largest share over the mean share, in tokens
+        self.in_update = False  # between sending the shares and gathering the reports
+        self.channel = None
+        if world.size > 1:
+            import torch.distributed as dist
+
+            self.channel = dist.new_group(backend="gloo", timeout=CHANNEL_TIMEOUT)
 
     def share(self, seqs: list[TrainSequence], cfg, step: int, decoupled_loss) -> list[list[TrainSequence]]:
         """Rank 0's own share of each mini-batch, after sending theirs to the other ranks."""
@@ -88,9 +100,10 @@ class Controller:
         mean = sum(tokens) / k
         self.imbalance = max(tokens) / mean if mean else 1.0
         self._send((TRAIN, cfg, step, decoupled_loss))
+        self.in_update = True
         out = [None]
         dist.scatter_object_list(out, [[[(i, _portable(s)) for i, s in part] for part in rank]
-                                       for rank in per_rank], src=0)
+                                       for rank in per_rank], src=0, group=self.channel)
         self.sent = seqs
         return [[s for _, s in part] for part in per_rank[0]]
 
@@ -103,7 +116,8 @@ class Controller:
         import torch.distributed as dist
 
         got: list = [None] * self.world.size
-        dist.gather_object(([], None), got, dst=0)
+        dist.gather_object(([], None), got, dst=0, group=self.channel)
+        self.in_update = False
         for part, _ in got[1:]:
             for i, report in part:
                 if self.sent[i].report is not None:
@@ -111,35 +125,36 @@ class Controller:
         self.sent = []
         return [(r, *got[r][1]) for r in range(1, self.world.size)]
 
-    def keepalive(self) -> None:
-        """Tell the waiting ranks rank 0 is alive (at most every KEEPALIVE_S)."""
-        if self.world.size > 1 and time.monotonic() - self._last_message >= KEEPALIVE_S:
-            self._send((IDLE,))
-
     def end(self, status: str) -> None:
-        if self.world.size > 1:
+        """The run is over: the other ranks leave their loop. Not in the middle of an update
+        (see the module docstring): the caller's error ends this process, and torchrun the rest."""
+        if self.world.size > 1 and not self.in_update:
             self._send((END, status))
 
     def _send(self, message) -> None:
-        self.world.broadcast_object(message)
-        self._last_message = time.monotonic()
+        import torch.distributed as dist
+
+        dist.broadcast_object_list([message], src=0, group=self.channel)
 
 
-def follow(world, learner, pad_id: int, on_step=None) -> str:
+def follow(controller: Controller, learner, pad_id: int, on_step=None) -> str:
     """A training rank's whole run: train each share rank 0 sends until it says END; returns
-    the run's status. `on_step(step, cfg)` is told each step before its update (tests)."""
+    the run's status (raises when rank 0 failed). `on_step(step, cfg)` is told each step before
+    its update (the runner keeps rank 0's config and step)."""
     import torch.distributed as dist
 
+    group = controller.channel
     while True:
-        message = world.broadcast_object(None)
-        kind = message[0]
-        if kind == END:
+        box: list = [None]
+        dist.broadcast_object_list(box, src=0, group=group)
+        message = box[0]
+        if message[0] == END:
+            if message[1] == "failed":
+                raise RuntimeError("rank 0 (the controller) failed: its error is in its log")
             return message[1]
-        if kind != TRAIN:
-            continue
         _, cfg, step, decoupled_loss = message
         box = [None]
-        dist.scatter_object_list(box, None, src=0)
+        dist.scatter_object_list(box, None, src=0, group=group)
         mine = box[0]
         if on_step is not None:
             on_step(step, cfg)
@@ -147,4 +162,5 @@ def follow(world, learner, pad_id: int, on_step=None) -> str:
         start = time.time()
         learner.train([s for c in chunks for s in c], cfg, pad_id, [], decoupled_loss, chunks=chunks)
         reports = [(i, s.report) for part in mine for i, s in part if s.report]
-        dist.gather_object((reports, (start, time.time(), *(process_usage() or (0.0, 0)))), None, dst=0)
+        dist.gather_object((reports, (start, time.time(), *(process_usage() or (0.0, 0)))), None, dst=0,
+                           group=group)

@@ -239,6 +239,9 @@ RLPILOT_DATA_ROOTS = [Path(p).resolve() for p in env_list("RLPILOT_DATA_ROOTS", 
 # may ask for. 0: the worker's GPU count when the model runs on CUDA, else its CPU count (checked
 # by the worker only; the web machine's hardware says nothing about the worker's).
 RLPILOT_MAX_TRAIN_PROCS = env_int("RLPILOT_MAX_TRAIN_PROCS", 0)
+# The most generation processes (cluster.gen_procs) a run may ask for: each holds the model twice
+# (its own copy and the shared buffer the weights arrive in).
+RLPILOT_MAX_GEN_PROCS = env_int("RLPILOT_MAX_GEN_PROCS", 4)
 # Login throttling: this many failed logins for one username from one address within the window
 # (seconds, from the first failure) and further attempts wait for the window's end. 0 = off.
 RLPILOT_LOGIN_MAX_FAILURES = env_int("RLPILOT_LOGIN_MAX_FAILURES", 5)

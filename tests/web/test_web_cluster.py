@@ -71,3 +71,11 @@ def test_the_pages_show_the_process_layout(alice, user, tiny, make_run):
         assert "1 process" in page and "training processes" not in page
     form = alice.get("/").content.decode()
     assert 'id="f-cluster.train_procs"' in form and 'id="note-cluster"' in form
+
+
+def test_too_many_generation_processes_are_refused_by_name(settings):
+    settings.RLPILOT_MAX_GEN_PROCS = 2
+    cfg = config_mod.load("all", ["cluster.gen_procs=3"])
+    assert validation.config_problems(cfg)["cluster.gen_procs"] == (
+        "at most 2 generation processes on this server (RLPILOT_MAX_GEN_PROCS); got 3")
+    assert "cluster.gen_procs" not in validation.config_problems(config_mod.load("all", ["cluster.gen_procs=2"]))

@@ -17,7 +17,7 @@ def build_engine(cfg, model, tokenizer, device, dtype, max_seq_len: int, *,
     With `cluster.gen_procs` >= 1 the embedded engine decodes in that many child processes
     (`process.ProcessEngine`) behind one `pool.EnginePool` (balanced; a child that dies is
     restarted and its samples go on elsewhere), each with `async.worker_threads` torch threads
-    and the trainer's dtype; on CUDA member i decodes on cuda:(WORLD_SIZE + i) when that many
+    and the trainer's dtype; on CUDA member i decodes on cuda:(LOCAL_WORLD_SIZE + i) when that many
     GPUs are visible, else on the trainer's device. With gen_procs = 0, `async.enabled` and
     `async.worker = "process"` make it a pool of one.
     sglang: an SGLangEngine over `cfg.rollout.sglang_urls` (checked with /health now: raises
@@ -73,9 +73,9 @@ def _process_pool(model, size: int, *, device, seed: int, **kwargs):
 
 
 def generation_device(device, index: int, size: int):
-    """Where generation process `index` of `size` decodes: on CUDA, the GPU after the training
-    ranks' (cuda:WORLD_SIZE + index) when every generation process has one, else the
-    trainer's device."""
+    """Where generation process `index` of `size` decodes: on CUDA, the GPU after this machine's
+    training ranks' (cuda:LOCAL_WORLD_SIZE + index) when every generation process has one, else
+    the trainer's device."""
     import os
 
     import torch
@@ -83,7 +83,7 @@ def generation_device(device, index: int, size: int):
     device = torch.device(device)
     if device.type != "cuda":
         return device
-    first = int(os.environ.get("WORLD_SIZE", "1"))
+    first = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
     if torch.cuda.device_count() >= first + size:
         return torch.device("cuda", first + index)
     return device

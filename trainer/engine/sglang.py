@@ -50,13 +50,15 @@ Per-token versions are the server's: `meta_info.weight_versions` spans ([{versio
 over the reply's tokens), else `meta_info.weight_version`, when it parses as a version this
 engine has published (or the version the call was sent under); else the version at dispatch.
 
-Several servers: requests go to the least loaded. A server whose /generate or weight-update
+Several servers: requests go to the one with the fewest outstanding tokens (the budgets of its
+calls in flight). A server whose /generate or weight-update
 call fails every retry is taken out of service (a warning, which the runner records as an
 event): its samples are resent to the others from their last returned token, and later updates
 skip it. It is probed (`/health`) with back-off (1 s, 2 s, ... at most 30 s) and rejoins: at
 once when no weights were published yet; else it first gets the current weights -- with the
-next update while another server is generating (the trainer may be changing the weights now),
-or at once from disk when none is (generation waits, so the trainer does too). With every server
+next update while another server is generating, or at once when none is (also a server back
+earlier and still waiting when the last generating one dies), from the host copy of the last
+update's weights this engine keeps for that (the trainer's own may change meanwhile). With every server
 out of service generation waits for one to come back (a warning) and fails with EngineError
 only after `down_timeout_s`.
 
@@ -68,6 +70,7 @@ splitting it would spread the request bookkeeping those calls share.
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import logging
@@ -124,6 +127,7 @@ class _Server:
         # requests are sent to scheme://host:port/path only: no user:password@, no ?query
         self.base = f"{parts.scheme}://{host}:{port}{parts.path.rstrip('/')}"
         self.inflight = 0
+        self.outstanding = 0   # tokens its calls in flight may still generate (their budgets)
         self.down = False   # failed every retry: no new requests, skipped by weight updates
         self.stale = False  # back in service, waiting for the current weights before requests
         self.failures = 0   # consecutive probes that found it down
@@ -252,7 +256,7 @@ class _Ticket:
     """One /generate call for one sample (a sample makes several over its life)."""
 
     __slots__ = ("sample", "server", "base_rid", "rid", "version", "user_abort", "update_abort",
-                 "n_input")
+                 "n_input", "budget")
 
     def __init__(self, sample: Sample, server: _Server, base_rid: str, version: int, n_input: int):
         self.sample, self.server, self.base_rid = sample, server, base_rid
@@ -261,6 +265,7 @@ class _Ticket:
         self.user_abort = False    # abort() asked for it: return the sample to abort's caller
         self.update_abort = False  # a weight update interrupted it: resubmit it ourselves
         self.n_input = n_input
+        self.budget = 0            # max_new_tokens of the call (the server's outstanding tokens)
 
 
 class SGLangEngine(RolloutEngine):
@@ -291,7 +296,7 @@ class SGLangEngine(RolloutEngine):
         # since when no /generate has succeeded with every server out of service, and why
         self._all_down_since: float | None = None
         self._last_down_error = ""
-        self._last_tensors: dict | None = None       # the weights of `version` (a rejoin's)
+        self._last_tensors: dict | None = None       # host copy of `version`'s weights (rejoins)
         self._weight_group = None
         self._weight_group_urls: list[str] = []
         self.last_sync_bytes = 0
@@ -419,7 +424,9 @@ class SGLangEngine(RolloutEngine):
         with self.lock:
             self._check_open()
             tensors = self._tensors_to_send(named_tensors)
-            self._last_tensors = tensors
+            # a host copy of this version for a server that rejoins when none holds it: the
+            # trainer's own tensors change with its next update, maybe while that happens
+            self._last_tensors = {k: v.detach().to("cpu", copy=True) for k, v in tensors.items()}
             for t in self._tickets.values():
                 t.update_abort = True
             paused: list[_Server] = []
@@ -593,12 +600,16 @@ class SGLangEngine(RolloutEngine):
         live = self._usable_servers()
         start = next(self._rr) % len(live)
         order = live[start:] + live[:start]
-        return min(order, key=lambda s: s.inflight)  # least loaded, round-robin among equals
+        # least outstanding tokens (a long answer weighs what it may still cost), then fewest
+        # calls; round-robin among equals
+        return min(order, key=lambda s: (s.outstanding, s.inflight))
 
     def _dispatch(self) -> None:
         if not self._usable_servers():
-            self._check_down_timeout()
-            return
+            self._refresh_stale()
+            if not self._usable_servers():
+                self._check_down_timeout()
+                return
         while self._queue and len(self._tickets) < self.max_inflight:
             s = self._queue.popleft()
             srv = self._pick_server()
@@ -615,6 +626,8 @@ class SGLangEngine(RolloutEngine):
             payload = {"input_ids": ids, "sampling_params": sp, "return_logprob": True,
                        "stream": False}
             srv.inflight += 1
+            t.budget = int(max(max_new, 1))
+            srv.outstanding += t.budget
             self._tickets[s.request_id] = t
             self.stats.prefill_tokens += len(ids)
             self._pool.submit(self._generate_worker, t, payload)
@@ -673,6 +686,7 @@ class SGLangEngine(RolloutEngine):
     def _apply(self, t: _Ticket, res: dict | None, err: BaseException | None,
                aborted_into: list[Sample] | None) -> None:
         t.server.inflight -= 1
+        t.server.outstanding -= t.budget
         s = t.sample
         if self._tickets.get(s.request_id) is not t:
             return  # orphaned by an abort that gave up waiting: the sample moved on
@@ -785,20 +799,35 @@ class SGLangEngine(RolloutEngine):
         if not self._published:
             self._warn(f"SGLang server {srv.url} is back in service")
             return
+        srv.stale = True
         if self._usable_servers():   # the next update brings it up to date
-            srv.stale = True
             self._warn(f"SGLang server {srv.url} is back; it takes requests after the next "
                        "weight update")
+        else:
+            self._refresh_stale()
+
+    def _refresh_stale(self) -> None:
+        """No server holds the current weights (the others died since): the servers back in
+        service get them now, from the host copy of the last update, rather than waiting for an
+        update that cannot come while nothing generates."""
+        stale = [srv for srv in self.servers if srv.stale and not srv.down]
+        if not stale or self._last_tensors is None:
             return
-        try:   # nothing generates, so the trainer waits too: its weights hold still
-            self._load_from_disk(self._last_tensors, self.version, [srv])
-            self._call(srv, "POST", "/flush_cache", retry=False)
+        try:
+            self._load_from_disk(self._last_tensors, self.version, stale)
         except EngineError as e:
-            srv.down, srv.failures = True, srv.failures + 1
-            srv.retry_at = time.monotonic() + self._rejoin_delay(srv.failures)
-            self._warn(f"SGLang server {srv.url} answered again but did not take the weights: {e}")
+            for srv in stale:
+                srv.down, srv.failures = True, srv.failures + 1
+                srv.retry_at = time.monotonic() + self._rejoin_delay(srv.failures)
+            self._warn(f"servers back in service did not take the weights: {e}")
             return
-        self._warn(f"SGLang server {srv.url} is back in service with weights version {self.version}")
+        for srv in stale:
+            if srv.down:   # failed the load itself (taken out again)
+                continue
+            with contextlib.suppress(EngineError):
+                self._call(srv, "POST", "/flush_cache", retry=False)
+            srv.stale = False
+            self._warn(f"SGLang server {srv.url} is back in service with weights version {self.version}")
 
     def _check_down_timeout(self) -> None:
         if self._all_down_since is None:

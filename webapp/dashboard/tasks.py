@@ -106,8 +106,8 @@ def execute(run: Run, resume: bool = False, resume_step: int | None = None,
 def train_here(rid: int, cfg: config_mod.Config, directory, resume_from_ckpt: bool) -> str:
     """Run the trainer in this process for the live run `rid`, reporting to the database, and
     end the run with its summary or its error. A one-process run does this in the Celery
-    worker; a multi-process run does it on rank 0 (`manage.py train_rank`), whose Runner
-    broadcasts the controls it reads to the other ranks."""
+    worker; a multi-process run does it on rank 0 (`manage.py train_rank`), the controller: it
+    alone reads the controls, and each step's config reaches the other ranks with their share."""
     sink = DbSink(rid)
     controls = DbControlSource(rid, sink)
     heartbeat = Heartbeat(rid).start()

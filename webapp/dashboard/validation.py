@@ -211,6 +211,15 @@ def train_procs_problem(cfg: config_mod.Config, on_worker: bool) -> str | None:
     return None
 
 
+def gen_procs_problem(cfg: config_mod.Config) -> str | None:
+    """cluster.gen_procs above RLPILOT_MAX_GEN_PROCS: each generation process holds a copy of
+    the model (and one more in shared memory), so a run may not fill the worker's memory."""
+    n, limit = cfg.cluster.gen_procs, settings.RLPILOT_MAX_GEN_PROCS
+    if n > limit:
+        return f"at most {limit} generation processes on this server (RLPILOT_MAX_GEN_PROCS); got {n}"
+    return None
+
+
 def config_problems(cfg: config_mod.Config, on_worker: bool = False) -> dict[str, str]:
     """What a run's config may not do on this server: {dotted key: message}. Checked at launch
     from the web and again by the worker (`on_worker`: with its own settings and machine)
@@ -219,6 +228,9 @@ def config_problems(cfg: config_mod.Config, on_worker: bool = False) -> dict[str
     problem = train_procs_problem(cfg, on_worker)
     if problem:
         errors["cluster.train_procs"] = problem
+    problem = gen_procs_problem(cfg)
+    if problem:
+        errors["cluster.gen_procs"] = problem
     r = cfg.rollout
     allowed = _sglang_allowed()
     if r.engine == "sglang" or r.sglang_urls.strip():

@@ -3,8 +3,8 @@ as torchrun runs it on every rank (tasks.train_under_torchrun starts torchrun; d
 
 Rank 0 does what a one-process run does in the Celery worker (tasks.train_here: the database
 sink and control source, the heartbeat, the run's end with its summary or error); the other
-ranks run the same Runner, which gives them a null sink and null controls (rank 0 broadcasts
-the controls at each step boundary). Exits 0 when the run ended as it should (finished or
+ranks run the same Runner, which gives them a null sink and null controls (rank 0 reads the
+controls; each step's config comes with their share of the update). Exits 0 when the run ended as it should (finished or
 stopped), non-zero otherwise, so torchrun stops the other ranks."""
 from __future__ import annotations
 
