@@ -168,7 +168,8 @@ def test_a_one_process_run_has_the_controller_and_the_engine_lanes(tmp_path, tin
     # the in-process engine takes new weights in place (well under MIN_SPAN_S); the asynchronous
     # preset's engine process copies them
     expected = ({"waiting", "syncing weights"} if preset == "async" else {"generating"})
-    assert expected | {"training", "recording samples", "evaluating", "checkpointing"} <= phases["rank 0"]
+    # ("recording samples" too, when it lasts the 1 ms a span must last: not on every machine)
+    assert expected | {"training", "evaluating", "checkpointing"} <= phases["rank 0"]
     assert phases["engine"] == {"generating"}
     occupancy = [s["occupancy"] for t in memory.timelines for s in t["spans"] if "occupancy" in s]
     assert occupancy and all(0 < o <= 1 for o in occupancy)

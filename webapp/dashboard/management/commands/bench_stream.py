@@ -252,6 +252,9 @@ class _TimedSink:
     def samples(self, step, rows):
         self._timed(self.inner.samples, step, rows)
 
+    def timeline(self, step, spans):
+        self._timed(self.inner.timeline, step, spans)
+
     def flush(self):
         self._timed(self.inner.flush)
 
