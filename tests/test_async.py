@@ -736,3 +736,15 @@ def test_no_knob_value_puts_more_samples_in_flight_than_four_rounds_of_the_engin
     assert status == "finished" and r.step == 3
     assert seen and max(running) == 16  # reached the cap (guard), never more
     assert max(sink.series("async/running_groups")) <= 16
+
+
+def test_dynamic_sampling_that_finds_no_signal_lets_groups_through_and_says_so_once(tmp_path):
+    # top_p 0.01 (its least): every answer of a group alike, so every group is zero-variance
+    r, sink, status = run(tmp_path, ["async.enabled=true", "rollout.dynamic_sampling=true",
+                                     "rollout.top_p=0.01", "rollout.max_sampling_rounds=1"])
+    assert status == "finished" and r.step == 3
+    warnings = [e for e in sink.events if e["kind"] == "warning"
+                and "dynamic sampling found no group" in e["message"]]
+    assert len(warnings) == 1 and "6 in a row" in warnings[0]["message"]   # 1 round x B = 6
+    assert sum(sink.series("rollout/trained_tokens")) == 0        # nothing with signal to train
+    assert sum(sink.series("rollout/waste/zero_variance")) > 0    # and the ledger says where it went

@@ -111,6 +111,8 @@ class AsyncDriver(Driver):
         self.ledger = TokenLedger()
         self._filtered_tokens = 0            # dropped by dynamic sampling, not yet in the ledger
         self._filtered_in_a_row = 0          # groups dynamic sampling filtered since one was queued
+        self._gave_up = 0                    # zero-variance groups queued after that many in a row
+        self.said_gave_up = False            # a warning said so; reset by a knob change
 
     def held_tokens(self) -> int:
         with self.cond:
@@ -185,6 +187,7 @@ class AsyncDriver(Driver):
         """New knob values (eta, caps...) take effect at the worker's next admission."""
         with self.cond:
             self.cfg = cfg
+            self.said_gave_up = False   # new knob values: giving up is news again
             self.cond.notify_all()
 
     def on_new_version(self, version: int) -> None:
@@ -250,7 +253,23 @@ class AsyncDriver(Driver):
                           "async/trainer_wait_s": waited,
                           "rollout/effective_groups": len(taken),
                           "rollout/groups_started": counts.groups_started}
+        result.events = self._give_up_warning(cfg)
         return result
+
+    def _give_up_warning(self, cfg) -> list[tuple[str, dict]]:
+        """Once until the knobs change: dynamic sampling found no signal in
+        max_sampling_rounds x B groups in a row and let zero-variance groups through."""
+        with self.cond:
+            gave_up, self._gave_up = self._gave_up, 0
+        if not gave_up or self.said_gave_up:
+            return []
+        self.said_gave_up = True
+        n = cfg.rollout.max_sampling_rounds * cfg.rollout.rollout_batch_size
+        return [("warning", {"message": (
+            f"dynamic sampling found no group with different rewards in {n} in a row "
+            f"(rollout.max_sampling_rounds x rollout.rollout_batch_size) and let {gave_up} "
+            "zero-variance group(s) through, which train nothing; answers may all be alike "
+            "(rollout.temperature, rollout.top_p) or the task too easy or too hard")})]
 
     def _take(self, taken: list[Group], B: int, cfg, version: int) -> None:
         """Move queued groups to `taken` (oldest first) until it holds B; a group older than eta
@@ -462,6 +481,8 @@ class AsyncDriver(Driver):
                     self.counts.discarded_tokens += g.tokens()
                     self._filtered_tokens += g.tokens()
                     continue
+                if dynamic and filtered(g):
+                    self._gave_up += 1
                 self._filtered_in_a_row = 0
                 self.queue.append(g)
                 self.accepted += 1
