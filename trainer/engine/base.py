@@ -64,6 +64,13 @@ class Sample:
     def remaining(self) -> int:
         return self.params.max_new_tokens - len(self.response_ids)
 
+    def check_fits(self, max_seq_len: int) -> None:
+        """Refuse a sample whose prompt plus token budget exceeds an engine's sequence length."""
+        if len(self.prompt_ids) + self.params.max_new_tokens > max_seq_len:
+            raise ValueError(f"prompt ({len(self.prompt_ids)} tokens) + max_new_tokens "
+                             f"({self.params.max_new_tokens}) exceeds the engine's "
+                             f"max_seq_len {max_seq_len}")
+
     def check(self) -> None:
         """The per-token lists must always agree."""
         n = len(self.response_ids)

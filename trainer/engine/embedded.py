@@ -97,11 +97,7 @@ class EmbeddedEngine(RolloutEngine):
         with self.lock:
             for s in samples:
                 s.check()
-                total = len(s.prompt_ids) + s.params.max_new_tokens
-                if total > self.max_seq_len:
-                    raise ValueError(f"prompt ({len(s.prompt_ids)} tokens) + max_new_tokens "
-                                     f"({s.params.max_new_tokens}) exceeds the engine's "
-                                     f"max_seq_len {self.max_seq_len}")
+                s.check_fits(self.max_seq_len)
                 if not s.prompt_ids:
                     raise ValueError("empty prompt")
                 s.finish_reason = None

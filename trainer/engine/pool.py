@@ -213,10 +213,7 @@ class EnginePool(RolloutEngine):
         batch = list(samples)
         for s in batch:
             s.check()
-            if len(s.prompt_ids) + s.params.max_new_tokens > self.max_seq_len:
-                raise ValueError(f"prompt ({len(s.prompt_ids)} tokens) + max_new_tokens "
-                                 f"({s.params.max_new_tokens}) exceeds the engine's "
-                                 f"max_seq_len {self.max_seq_len}")
+            s.check_fits(self.max_seq_len)
             s.finish_reason, s.segment_tokens = None, 0
         with self._lock:
             self._check_alive()

@@ -330,10 +330,7 @@ class ProcessEngine(RolloutEngine):
         batch = []
         for s in samples:
             s.check()
-            if len(s.prompt_ids) + s.params.max_new_tokens > self.max_seq_len:
-                raise ValueError(f"prompt ({len(s.prompt_ids)} tokens) + max_new_tokens "
-                                 f"({s.params.max_new_tokens}) exceeds the engine's "
-                                 f"max_seq_len {self.max_seq_len}")
+            s.check_fits(self.max_seq_len)
             s.finish_reason = None
             self.live[s.request_id] = s
             batch.append({"prompt_ids": s.prompt_ids, "response_ids": s.response_ids,
