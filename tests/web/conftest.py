@@ -248,6 +248,22 @@ def browser_login(page, base_url: str, username: str, password: str) -> None:
     page.wait_for_selector("#launch-form")
 
 
+def submit_launch_form(page, fields: dict[str, str]) -> int:
+    """Fill the launch form's config fields (dotted keys), submit it and wait for the new run's
+    page; returns the run's id (a refused form fails with the form's own field errors)."""
+    import re
+
+    for key, value in fields.items():
+        page.fill("#f-" + key.replace(".", "\\."), value)
+    page.click("#launch-submit")
+    try:
+        page.wait_for_url(re.compile(r"/runs/\d+/$"), timeout=60_000)
+    except Exception:
+        raise AssertionError("the launch form refused the run: "
+                             f"{page.locator('.field-error').all_inner_texts()}") from None
+    return int(re.search(r"/runs/(\d+)/", page.url).group(1))
+
+
 def make_run(owner, status="running", max_steps=100, **fields):
     """A run row without a task (for tests that drive rows directly)."""
     from trainer import config as config_mod

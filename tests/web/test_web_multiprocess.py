@@ -18,7 +18,7 @@ import time
 
 import psutil
 import pytest
-from conftest import browser_login
+from conftest import browser_login, submit_launch_form
 from test_web_e2e import ARGS, CHROMIUM, DRAWN
 
 from webapp.dashboard.models import KnobChange, MetricPoint, Run, RunEvent
@@ -131,15 +131,7 @@ def test_a_multi_process_run_from_the_form(preset, cluster, layout, engine_procs
             page.evaluate("document.querySelectorAll('details.section').forEach(d => d.open = true)")
             expect(page.locator("#note-cluster")).to_contain_text("torchrun")
             expect(page.locator("#f-cluster\\.gen_procs")).to_be_visible()
-            for key, value in form.items():
-                page.fill("#f-" + key.replace(".", "\\."), value)
-            page.click("#launch-submit")
-            try:
-                page.wait_for_url(re.compile(r"/runs/\d+/$"), timeout=60_000)
-            except Exception:
-                raise AssertionError("the launch form refused the run: "
-                                     f"{page.locator('.field-error').all_inner_texts()}") from None
-            rid = int(re.search(r"/runs/(\d+)/", page.url).group(1))
+            rid = submit_launch_form(page, form)
             config = Run.objects.get(pk=rid).config["cluster"]
             asked = {k: v for k, v in cluster.items() if k.startswith("cluster.")}
             assert {f"cluster.{k}": str(v) for k, v in config.items() if f"cluster.{k}" in asked} == asked

@@ -17,7 +17,7 @@ import socket
 import time
 
 import pytest
-from conftest import _TMP, Proc, _test_db_env, browser_login
+from conftest import _TMP, Proc, _test_db_env, browser_login, submit_launch_form
 from test_web_e2e import ARGS, CHROMIUM, DRAWN
 
 from trainer import gguf_import
@@ -139,15 +139,7 @@ def test_a_run_on_a_real_sglang_server_from_the_browser(sglang_server, sglang_si
             page.select_option("#f-rollout\\.engine", "sglang")
             page.fill("#f-rollout\\.sglang_urls", sglang_server.url)
             page.fill("#f-model\\.path", str(MODEL_DIR))
-            for key, value in FORM.items():
-                page.fill("#f-" + key.replace(".", "\\."), value)
-            page.click("#launch-submit")
-            try:
-                page.wait_for_url(re.compile(r"/runs/\d+/$"), timeout=60_000)
-            except Exception:
-                raise AssertionError("the launch form refused the run: "
-                                     f"{page.locator('.field-error').all_inner_texts()}") from None
-            run = Run.objects.get(pk=int(re.search(r"/runs/(\d+)/", page.url).group(1)))
+            run = Run.objects.get(pk=submit_launch_form(page, FORM))
             assert run.config["rollout"]["engine"] == "sglang"
             assert run.config["rollout"]["sglang_urls"] == sglang_server.url
             assert run.config["model"]["path"] == str(MODEL_DIR)
