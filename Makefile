@@ -26,8 +26,8 @@ run: $(STAMP)
 # on 127.0.0.1; they fail loudly if the servers are down).
 test: $(STAMP) chromium sglang sglang-model
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest
-	RLPILOT_TEST_SETUP=redis $(BIN)/python -m pytest tests/web
+	$(BIN)/python -m pytest --durations=25
+	RLPILOT_TEST_SETUP=redis $(BIN)/python -m pytest tests/web --durations=25
 
 # Headless Chromium for the browser test (Debian's package; never `playwright install`).
 CHROMIUM := /usr/bin/chromium

@@ -2,7 +2,9 @@
 (They measure; tests never assert their timings.)"""
 import argparse
 
-from trainer.bench import april, asynchronous, common, greso, learn
+import pytest
+
+from trainer.bench import april, asynchronous, common, greso, learn, pilot
 from trainer.rollout.ledger import REASONS
 
 TINY = ["rollout.rollout_batch_size=4", "rollout.n_samples_per_prompt=4",
@@ -134,3 +136,25 @@ def test_bench_scale_runs_each_layout_from_the_cli_and_reports_its_overhead():
     assert {"weight_sync_s_per_step", "weight_sync_bytes_per_step", "gen_or_wait_s_per_step",
             "train_s_per_step", "trained_token_share"} <= set(two) and two["step_s"] > 0
     assert out["ratio"]["step_time_2_train"] == round(two["step_s"] / one["step_s"], 3)
+
+
+@pytest.mark.slow
+def test_bench_pilot_compares_the_autopilot_with_the_poor_setting_and_the_grid():
+    out = pilot.run(args(cases="async_eta0,april_no_oversample", every=1, steps=8,
+                         set=[*TINY, "april.segment_max_tokens=16"]), log=lambda *a: None)
+    for case, (_, _, _, _, bounds, grid) in pilot.CASES.items():
+        res = out[case]
+        assert set(res) == {"poor", "autopilot", *(name for name, _ in grid), "ratio"}
+        assert res["ratio"]["best_grid"] in {name for name, _ in grid}
+        assert set(res["ratio"]) >= {"autopilot_throughput_vs_best", "autopilot_accuracy_delta",
+                                     "poor_throughput_vs_best", "poor_accuracy_delta"}
+        key, lo_hi = bounds.split("=")
+        lo, hi = (int(x) for x in lo_hi.split(".."))
+        changes = res["autopilot"]["autopilot_changes"]
+        for _step, knob, _old, new, _undone in changes:   # only the bounded knob's moves stay in range
+            assert knob != key or lo <= new <= hi, changes
+        assert len({step for step, *_ in changes}) == len(changes)   # one change a step at most (every=1)
+        assert "autopilot_changes" not in res["poor"] or not res["poor"]["autopilot_changes"]
+    # guard: at eta = 0 the trainer waits on generation from the first steps, so the autopilot moved
+    # eta (the bound checks above saw a change)
+    assert any(knob == "async.max_staleness" for _, knob, *_ in out["async_eta0"]["autopilot"]["autopilot_changes"])

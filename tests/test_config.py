@@ -7,8 +7,9 @@ from trainer import config as C
 def test_every_param_declares_type_default_and_help():
     names = set()
     for p in C.schema():
-        assert p.help and p.type in (bool, int, float, str)
-        assert p.coerce(p.default) == p.default, p.name  # defaults are valid
+        assert p.help and p.type in (bool, int, float, str, list)
+        default = list(p.default) if p.type is list else p.default   # a list's spec holds a tuple
+        assert p.coerce(p.default) == default, p.name  # defaults are valid
         names.add(p.name)
     assert {"optim.lr", "optim.grad_clip", "algo.kl_coef", "rollout.temperature",
             "algo.overlong_penalty"} <= {p.name for p in C.knobs()}
@@ -30,6 +31,7 @@ def test_override_types_are_coerced_from_cli_strings():
     ("model.device=tpu", "model.device", "one of 'auto', 'cpu', 'cuda'"),
     ("algo.overlong_penalty=maybe", "algo.overlong_penalty", "true or false"),
     ("rollout.temperature=nan", "rollout.temperature", "a number"),
+    ("run.report_to=comet", "run.report_to", "unknown name 'comet'; expected a list of distinct names"),
 ])
 def test_bad_values_name_the_key_and_the_allowed_values(override, key, fragment):
     with pytest.raises(C.ConfigError) as e:

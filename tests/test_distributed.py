@@ -9,67 +9,26 @@ processes on the gloo backend, rank 0 the controller.
   (rank 0 samples what one process samples); checkpoints resume with another number of processes;
 - the CLI under torchrun.
 """
-import hashlib
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+from ranks import TINY, KnobsAt, digest, finish, free_port, join, rows, sequences, spawn
 
 from trainer import config as C
 from trainer import distributed, training_ranks
-from trainer.controls import SET_KNOBS, Command, ControlSource
-from trainer.learner import Learner, TrainSequence
+from trainer.learner import Learner
 from trainer.metrics import JsonlSink
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = ["rollout.rollout_batch_size=4", "rollout.n_samples_per_prompt=4",
-        "rollout.max_response_len=48", "rollout.max_slots=16", "run.eval_every=0",
-        "run.checkpoint_every=0", "run.reward_workers=0", "model.threads=1"]
 pytestmark = pytest.mark.timeout(180)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _join(rank: int, size: int, port: int) -> None:
-    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(size), "LOCAL_RANK": str(rank),
-                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                       "RLPILOT_DIST_TIMEOUT_S": "90"})
-    torch.set_num_threads(1)
-
-
-def _spawn(fn, *args) -> None:
-    mp.spawn(fn, args=args, nprocs=2, join=True)
-
-
-def _finish() -> None:
-    """Leave the group and end the process as the CLI does (distributed.exit_process: gloo
-    threads may abort a process in interpreter shutdown)."""
-    distributed.destroy()
-    distributed.exit_process(0)
-
-
 # --- the update ------------------------------------------------------------------------------------
-
-def _sequences(n=12, seed=0) -> list[TrainSequence]:
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(n):
-        p, r = int(torch.randint(2, 8, (1,), generator=g)), int(torch.randint(1, 24, (1,), generator=g))
-        ids = torch.randint(4, 30, (p + r,), generator=g).tolist()
-        old = (-0.5 - 2 * torch.rand(r, generator=g)).tolist()
-        out.append(TrainSequence(ids[:p], ids[p:], old, float(torch.randn(1, generator=g)), 1.0))
-    return out
-
 
 SPLITS = [(slice(0, 9), slice(9, 12)), (slice(0, 12), slice(12, 12))]  # uneven; rank 1 empty
 KW = dict(pad_id=0, lr=1e-3, grad_clip=0.5, clip_low=0.2, clip_high=0.28, kl_coef=0.1,
@@ -85,7 +44,7 @@ def _learner(world=None):
 
 
 def _updates(learner, pick):
-    seqs, out = _sequences(), []
+    seqs, out = sequences(), []
     for split in SPLITS:
         metrics = learner.update(seqs[pick(split)], **KW)
         grads = {n: p.grad.clone() for n, p in learner.model.named_parameters()}
@@ -94,16 +53,16 @@ def _updates(learner, pick):
 
 
 def _update_worker(rank, port, out_dir):
-    _join(rank, 2, port)
+    join(rank, 2, port)
     world = distributed.init("cpu")
     assert world.size == 2 and world.backend == "gloo"
     steps, weights = _updates(_learner(world), lambda split: split[rank])
     torch.save({"steps": steps, "weights": weights}, Path(out_dir) / f"rank{rank}.pt")
-    _finish()
+    finish()
 
 
 def test_update_split_over_two_ranks_equals_the_single_process_update(tmp_path):
-    _spawn(_update_worker, _free_port(), str(tmp_path))
+    spawn(_update_worker, free_port(), str(tmp_path))
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
     single_steps, single_weights = _updates(_learner(), lambda split: slice(0, 12))
     for name in single_weights:  # the ranks apply the same averaged gradients: bit-identical
@@ -139,26 +98,6 @@ def test_shares_balance_tokens_longest_first():
     assert training_ranks.mini_batches(list("abcdefg"), 3) == [list("adg"), list("be"), list("cf")]
 
 
-class KnobsAt(ControlSource):
-    """One knob change, read once the run has finished `after` steps (whenever it polls)."""
-
-    def __init__(self, after: int, knobs: dict):
-        self.after, self.knobs, self.sent, self.runner = after, knobs, False, None
-
-    def poll(self):
-        if self.sent or self.runner is None or self.runner.step < self.after:
-            return []
-        self.sent = True
-        return [Command(SET_KNOBS, knobs=self.knobs)]
-
-
-def _digest(model) -> str:
-    h = hashlib.sha256()
-    for _, p in sorted(model.named_parameters()):
-        h.update(p.detach().contiguous().numpy().tobytes())
-    return h.hexdigest()
-
-
 MODES = {  # mode: (preset, settings that make each technique act within 3 tiny steps)
     "sync": ("demo", []),
     "april": ("april", ["april.segment_max_tokens=12"]),
@@ -178,7 +117,7 @@ def _mode_config(mode: str, steps: int = 3):
 def _mode_worker(rank, port, run_dir, mode):
     from trainer.runner import Runner
 
-    _join(rank, 2, port)
+    join(rank, 2, port)
     run_dir = Path(run_dir)
     controls = KnobsAt(1, {"optim.lr": LR})   # read by rank 0 only
     runner = Runner(_mode_config(mode), run_dir, sink=JsonlSink(run_dir / f"sink{rank}"),
@@ -194,7 +133,7 @@ def _mode_worker(rank, port, run_dir, mode):
             return draw, problem
 
         def step():
-            seen.append((runner.step + 1, runner.cfg.optim.lr, _digest(runner.model)))
+            seen.append((runner.step + 1, runner.cfg.optim.lr, digest(runner.model)))
             return train_step()
 
         runner.prompts.next, runner.train_step = next_prompt, step
@@ -202,25 +141,21 @@ def _mode_worker(rank, port, run_dir, mode):
         follow_step = runner._follow_step
 
         def follow(step, cfg):
-            seen.append((step, cfg.optim.lr, _digest(runner.model)))
+            seen.append((step, cfg.optim.lr, digest(runner.model)))
             follow_step(step, cfg)
 
         runner._follow_step = follow
     with runner:
         status = runner.run()
-    torch.save({"status": status, "seen": seen, "draws": draws, "final": _digest(runner.model)},
+    torch.save({"status": status, "seen": seen, "draws": draws, "final": digest(runner.model)},
                run_dir / f"rank{rank}.pt")
-    _finish()
-
-
-def _rows(path: Path) -> list[dict]:
-    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+    finish()
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", list(MODES))
 def test_every_mode_trains_over_two_ranks_with_one_controller(tmp_path, mode):
-    _spawn(_mode_worker, _free_port(), str(tmp_path), mode)
+    spawn(_mode_worker, free_port(), str(tmp_path), mode)
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1))
     assert r0["status"] == r1["status"] == "finished"
     # both ranks hold the same weights before every step and at the end, and see the same
@@ -233,21 +168,21 @@ def test_every_mode_trains_over_two_ranks_with_one_controller(tmp_path, mode):
     assert r0["draws"] and len(r0["draws"]) == len(set(r0["draws"]))
     assert r1["draws"] == []
     # only rank 0 reports
-    assert not _rows(tmp_path / "sink1" / "metrics.jsonl") and not _rows(tmp_path / "sink1" / "events.jsonl")
-    rows = _rows(tmp_path / "sink0" / "metrics.jsonl")
-    assert [r["step"] for r in rows] == [1, 2, 3]
-    assert all(r["dist/world_size"] == 2 and r["dist/train_share_imbalance"] >= 1.0 for r in rows)
-    assert sum(r["rollout/trained_tokens"] for r in rows) > 0
-    events = _rows(tmp_path / "sink0" / "events.jsonl")
+    assert not rows(tmp_path / "sink1" / "metrics.jsonl") and not rows(tmp_path / "sink1" / "events.jsonl")
+    metrics = rows(tmp_path / "sink0" / "metrics.jsonl")
+    assert [r["step"] for r in metrics] == [1, 2, 3]
+    assert all(r["dist/world_size"] == 2 and r["dist/train_share_imbalance"] >= 1.0 for r in metrics)
+    assert sum(r["rollout/trained_tokens"] for r in metrics) > 0
+    events = rows(tmp_path / "sink0" / "events.jsonl")
     assert [e["step"] for e in events if e["kind"] == "knob_applied"] == [1]
     if mode == "april":   # the segment limit parks answers: partial rollouts happened
-        assert sum(r.get("april/parked", 0) for r in rows) > 0
+        assert sum(r.get("april/parked", 0) for r in metrics) > 0
     if mode in ("greso", "all"):
-        assert all("greso/skip_rate" in r for r in rows)
+        assert all("greso/skip_rate" in r for r in metrics)
     if mode in ("async", "all"):   # the staleness bound over the whole system
         eta = _mode_config(mode).async_.max_staleness
-        assert all(r["async/staleness/max"] <= eta for r in rows)
-        samples = _rows(tmp_path / "sink0" / "samples.jsonl")
+        assert all(r["async/staleness/max"] <= eta for r in metrics)
+        samples = rows(tmp_path / "sink0" / "samples.jsonl")
         trained = [x for x in samples if x["trained"] and x["advantage"]]
         assert trained and all(x["staleness"] <= eta for x in trained)
         assert all(x["tis_weight"] is not None for x in trained if _mode_config(mode).async_.prox_logp
@@ -264,13 +199,13 @@ def test_a_synchronous_run_over_two_ranks_equals_the_one_process_run(tmp_path, m
     from trainer.model import load_model
     from trainer.runner import Runner
 
-    _spawn(_mode_worker, _free_port(), str(tmp_path / "two"), mode)
+    spawn(_mode_worker, free_port(), str(tmp_path / "two"), mode)
     with Runner(_mode_config(mode), tmp_path / "one", sink=JsonlSink(tmp_path / "one"),
                 controls=KnobsAt(1, {"optim.lr": LR}), system_telemetry=False) as runner:
         runner.controls.runner = runner
         runner.run()
-    two = _rows(tmp_path / "two" / "sink0" / "metrics.jsonl")
-    one = _rows(tmp_path / "one" / "metrics.jsonl")
+    two = rows(tmp_path / "two" / "sink0" / "metrics.jsonl")
+    one = rows(tmp_path / "one" / "metrics.jsonl")
     first = next((i for i, r in enumerate(one) if r["rollout/trained_tokens"]), None)
     assert first is not None, "no step trained anything: the comparison proves nothing"
     for step in range(first + 1):
@@ -290,17 +225,17 @@ def test_a_synchronous_run_over_two_ranks_equals_the_one_process_run(tmp_path, m
 def _resume_worker(rank, port, run_dir, steps):
     from trainer.runner import Runner
 
-    _join(rank, 2, port)
+    join(rank, 2, port)
     run_dir = Path(run_dir)
     runner = Runner(_mode_config("all", steps), run_dir, resume=True,
                     sink=JsonlSink(run_dir / f"resumed{rank}"), system_telemetry=False)
-    reference = _digest(runner.learner.reference)   # the KL's reference: the base model, not the resumed policy
+    reference = digest(runner.learner.reference)   # the KL's reference: the base model, not the resumed policy
     with runner:
         status = runner.run()
-    torch.save({"status": status, "final": _digest(runner.model), "reference": reference,
+    torch.save({"status": status, "final": digest(runner.model), "reference": reference,
                 "start": getattr(runner, "prompts", None) and runner.prompts.cursor},
                run_dir / f"resumed{rank}.pt")
-    _finish()
+    finish()
 
 
 @pytest.mark.slow
@@ -311,20 +246,20 @@ def test_checkpoints_resume_on_another_number_of_processes(tmp_path):
     from trainer import checkpoint
     from trainer.runner import Runner
 
-    _spawn(_mode_worker, _free_port(), str(tmp_path), "all")            # steps 1-3 on 2 ranks
+    spawn(_mode_worker, free_port(), str(tmp_path), "all")            # steps 1-3 on 2 ranks
     alone = _mode_config("all", steps=4)
     alone.cluster.gen_procs, alone.async_.worker = 0, "thread"
     with Runner(alone, tmp_path, resume=True, sink=JsonlSink(tmp_path / "one"),
                 system_telemetry=False) as one:                         # step 4 on 1 process
         assert one.step == 3 and one.cfg.optim.lr == LR                  # the knob value resumed
         assert one.run() == "finished" and one.step == 4
-    _spawn(_resume_worker, _free_port(), str(tmp_path), 5)               # step 5 on 2 ranks
+    spawn(_resume_worker, free_port(), str(tmp_path), 5)               # step 5 on 2 ranks
     r0, r1 = (torch.load(tmp_path / f"resumed{r}.pt", weights_only=False) for r in (0, 1))
     assert r0["status"] == r1["status"] == "finished" and r0["final"] == r1["final"]
     from trainer.model import load_model
-    base = _digest(load_model("builtin", torch.device("cpu"), torch.float32))
+    base = digest(load_model("builtin", torch.device("cpu"), torch.float32))
     assert r0["reference"] == r1["reference"] == base
-    assert [r["step"] for r in _rows(tmp_path / "resumed0" / "metrics.jsonl")] == [5]
+    assert [r["step"] for r in rows(tmp_path / "resumed0" / "metrics.jsonl")] == [5]
     state, _ = checkpoint.load(checkpoint.latest(tmp_path))
     assert state["step"] == 5 and state["config"]["cluster"]["train_procs"] == 2
     assert state["config"]["optim"]["lr"] == LR
@@ -333,7 +268,7 @@ def test_checkpoints_resume_on_another_number_of_processes(tmp_path):
 def _failing_worker(rank, port, run_dir):
     from trainer.runner import Runner
 
-    _join(rank, 2, port)
+    join(rank, 2, port)
     run_dir = Path(run_dir)
     runner = Runner(_mode_config("sync"), run_dir, sink=JsonlSink(run_dir / f"sink{rank}"),
                     system_telemetry=False)
@@ -349,12 +284,12 @@ def _failing_worker(rank, port, run_dir):
         error = f"{type(e).__name__}: {e}"
     runner.close()
     torch.save({"error": error, "step": runner.step}, run_dir / f"rank{rank}.pt")
-    _finish()
+    finish()
 
 
 @pytest.mark.slow
 def test_when_rank_0_fails_the_other_ranks_end_with_an_error_not_a_hang(tmp_path):
-    _spawn(_failing_worker, _free_port(), str(tmp_path))
+    spawn(_failing_worker, free_port(), str(tmp_path))
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1))
     assert r0 == {"error": "OSError: disk full", "step": 1}
     assert r1["error"] == "RuntimeError: rank 0 (the controller) failed: its error is in its log"
@@ -365,7 +300,7 @@ def test_a_single_process_world_is_the_identity():
     w = distributed.World()
     assert w.all_sum(3) == 3 and w.broadcast_object([1]) == [1] and w.main_only(lambda: 7) == 7
     ctl = training_ranks.Controller(w)
-    seqs = _sequences(5)
+    seqs = sequences(5)
     assert ctl.share(seqs, C.load("demo", ["optim.mini_batches=2"]), 1, None) == [seqs[0::2], seqs[1::2]]
 
 

@@ -252,3 +252,32 @@ def test_adapt_counts_only_prompts_with_history():
     second = [("a", [1.0, 1.0]), ("d", [1.0, 0.0]), ("e", [0.0, 0.0])]
     assert f.adapt_from_groups(second, CFG) == 2
     assert f.p_easy == pytest.approx(0.49) and f.p_hard == pytest.approx(0.51)
+
+
+def test_skips_are_judged_when_their_prompt_is_rolled_out_again():
+    f = GresoFilter(p_easy=0.0, p_hard=0.0, seed=0)   # keep probability = p_floor: nearly always skip
+    floor = GresoConfig(p_floor=0.0)
+    f.record("a", 1, [1.0, 1.0])                      # easy
+    f.record("b", 1, [0.0, 0.0])                      # hard
+    for _ in range(3):
+        assert f.decide("a", floor).skip and f.decide("b", floor).skip
+    assert f.decide("c", floor).skip is False          # no history: kept, never judged
+    assert f.take_skip_judgements() == (0, 0)          # nothing rolled out again yet
+    f.record("a", 5, [1.0, 0.0])                       # a's next group had signal: 3 wrong skips
+    f.record("b", 5, [0.0, 0.0])                       # b's had none: 3 right ones
+    f.record("c", 5, [1.0, 0.0])
+    assert f.take_skip_judgements() == (3, 3)
+    assert f.take_skip_judgements() == (0, 0)          # taken once
+    f.decide("a", floor)                               # a was mixed last: kept, not skipped
+    f.record("a", 6, [1.0, 1.0])
+    assert f.take_skip_judgements() == (0, 0)
+
+
+def test_pending_skips_survive_a_checkpoint():
+    f = GresoFilter(p_easy=0.0, seed=0)
+    f.record("a", 1, [1.0, 1.0])
+    assert f.decide("a", GresoConfig(p_floor=0.0)).skip
+    g = GresoFilter()
+    g.load_state_dict(json.loads(json.dumps(f.state_dict())))
+    g.record("a", 2, [0.0, 1.0])
+    assert g.take_skip_judgements() == (1, 0)

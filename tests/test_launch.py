@@ -106,6 +106,8 @@ def test_layout_text():
     assert launch.layout_text(1, 0) == "1 process"
     assert launch.layout_text(2, 1) == "2 training processes + 1 generation process"
     assert launch.layout_text(1, 2) == "1 training process + 2 generation processes"
+    assert launch.layout_text(2, 1, "fsdp") == "2 training processes (model sharded) + 1 generation process"
+    assert launch.layout_text(1, 1, "fsdp") == "1 training process + 1 generation process"   # nothing to shard
 
 
 def test_torchrun_dies_with_its_sigkilled_parent(tmp_path, rank_script):

@@ -374,3 +374,37 @@ def test_two_servers_share_requests_and_a_killed_one_hands_its_requests_over(
     warnings = [e for e in sink.events if e["kind"] == "warning"]
     assert any(second.url in e["message"] and "out of service" in e["message"]
                for e in warnings), sink.events
+
+
+def test_a_server_ends_with_the_process_that_started_it_even_when_that_one_is_killed(model_dir):
+    """SIGKILL the process that started a server: its whole group (launcher, scheduler,
+    detokenizer -- the CPU scheduler spins a core even idle) is gone soon after (group_guard.py)."""
+    import contextlib
+    import os
+    import subprocess
+    import sys
+
+    code = ("import sys, time\nfrom trainer.engine.sglang_server import SGLangServer\n"
+            f"s = SGLangServer({str(model_dir)!r}).start()\nprint(s.proc.pid, flush=True)\ntime.sleep(600)\n")
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                              cwd=Path(__file__).resolve().parents[1])
+    group = None
+    try:
+        group = int(parent.stdout.readline())
+
+        def members() -> int:
+            ps = subprocess.run(["ps", "-eo", "pgid="], capture_output=True, text=True).stdout.split()
+            return sum(1 for g in ps if int(g) == group)
+
+        assert members() >= 3, "the server's scheduler and detokenizer are not in its group"
+        parent.kill()
+        parent.wait()
+        deadline = time.monotonic() + 60
+        while members() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert members() == 0, "the server outlived the process that started it"
+    finally:
+        parent.kill()
+        if group is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(group, 9)

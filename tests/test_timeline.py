@@ -204,19 +204,20 @@ def test_a_pause_is_a_span_on_the_controller_lane(tmp_path, tiny_overrides):
 
 
 def _two_rank_worker(rank, port, run_dir):
-    from test_distributed import _finish, _join, _mode_config
+    from ranks import finish, join
+    from test_distributed import _mode_config
 
-    _join(rank, 2, port)
+    join(rank, 2, port)
     with Runner(_mode_config("sync"), run_dir, sink=JsonlSink(Path(run_dir) / f"sink{rank}")) as runner:
         status = runner.run()
     (Path(run_dir) / f"status{rank}").write_text(status)
-    _finish()
+    finish()
 
 
 def test_two_training_ranks_each_have_a_lane(tmp_path):
-    from test_distributed import _free_port, _spawn
+    from ranks import free_port, spawn
 
-    _spawn(_two_rank_worker, _free_port(), str(tmp_path))
+    spawn(_two_rank_worker, free_port(), str(tmp_path))
     assert (tmp_path / "status0").read_text() == (tmp_path / "status1").read_text() == "finished"
     rows = [json.loads(x) for x in Path(tmp_path / "sink0" / "timeline.jsonl").read_text().splitlines()]
     phases = check_lanes(rows, 3)

@@ -3,7 +3,9 @@
 Commands arrive from a `ControlSource` (trainer/controls.py) at any time but are applied only
 here, between two steps, so a change never lands in the middle of one. Every knob change goes
 this one way, whoever asks: a person (dashboard, CLI) or the trainer itself (`request`, e.g.
-`async.auto_staleness` moving eta, `requested_by="auto"`). A change is validated as a whole
+`async.auto_staleness` moving eta, `requested_by="auto"`; the autopilot, `requested_by="autopilot"`).
+At a boundary the trainer's own changes apply first, so a person's change to the same knob wins.
+A change is validated as a whole
 (every key or none, the config's cross-field rules) and recorded as
 a `knob_applied` or `knob_rejected` event with who asked, as is every pause, resume and stop.
 
@@ -16,9 +18,10 @@ reaches the other ranks with the step's update (trainer/training_ranks.py).
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 from trainer import config as config_mod
-from trainer.controls import AUTO, PAUSE, RESUME, SET_KNOBS, STOP, Command, ControlSource
+from trainer.controls import AUTO, AUTOMATIC, PAUSE, RESUME, SET_KNOBS, STOP, Command, ControlSource
 from trainer.metrics import MetricsSink
 from trainer.rollout.base import Driver
 
@@ -29,14 +32,16 @@ INTERRUPT_POLL_S = 0.25  # how often a waiting step reads the controls
 class StepBoundary:
     def __init__(self, controls: ControlSource, sink: MetricsSink, driver: Driver):
         self.controls, self.sink, self.driver = controls, sink, driver
+        # told of every knob change applied (True) or refused (False): the autopilot listens
+        self.on_knobs: Callable[[Command, bool], None] = lambda cmd, applied: None
         self.pending: list[Command] = []   # read (or requested by the trainer), not yet applied
         self._polled_at = 0.0
         self.pauses: list[tuple[float, float]] = []   # wall-clock (start, end) of each hold here
 
-    def request(self, knobs: dict, reason: dict) -> Command:
+    def request(self, knobs: dict, reason: dict, requested_by: str = AUTO) -> Command:
         """Queue the trainer's own knob change for the next boundary (`reason`: its rule and
         the figures it saw, kept in the event)."""
-        cmd = Command(SET_KNOBS, knobs=dict(knobs), requested_by=AUTO, reason=dict(reason))
+        cmd = Command(SET_KNOBS, knobs=dict(knobs), requested_by=requested_by, reason=dict(reason))
         self.pending.append(cmd)
         return cmd
 
@@ -55,6 +60,7 @@ class StepBoundary:
         paused = False
         while True:
             commands, self.pending = self.pending + self.controls.poll(), []
+            commands.sort(key=lambda c: c.requested_by not in AUTOMATIC)   # stable: people's last
             for cmd in commands:
                 if cmd.kind == SET_KNOBS:
                     cfg = self.apply_knobs(step, cfg, cmd)
@@ -86,11 +92,13 @@ class StepBoundary:
             new_cfg, changes = config_mod.apply_knob_change(cfg, cmd.knobs)
         except config_mod.ConfigError as e:
             self.sink.event(step, "knob_rejected", {**who, "errors": e.errors})
+            self.on_knobs(cmd, False)
             return cfg
         self.driver.set_config(new_cfg)
         self.sink.event(step, "knob_applied", {
             **who, "changes": changes, "requested_at": cmd.requested_at,
             "applied_at": time.time()})
+        self.on_knobs(cmd, True)
         return new_cfg
 
     def _record(self, step: int, cmd: Command, kind: str) -> None:

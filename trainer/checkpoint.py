@@ -2,6 +2,9 @@
 
 Layout of RUN_DIR/checkpoints/step_000040/:
   model/               the policy (save_pretrained: safetensors + config + tokenizer)
+  sharded/             instead of model/'s weights, with cluster.sharding = "fsdp": the model's
+                       and the optimizer's shards, one file per training rank
+                       (torch.distributed.checkpoint; trainer/sharding.py)
   trainer.safetensors  every tensor of the trainer state: optimizer moments and steps, RNG states
   trainer.json         the rest of the trainer state (optimizer hyperparameters, the rollout buffer,
                        GRESO traces, Python RNG state ...) with a {"$tensor": KEY} placeholder
@@ -92,7 +95,9 @@ def set_rng_state(state: dict[str, Any], engine_generator: torch.Generator | Non
 
 
 def save(run_dir: str | Path, step: int, *, model, tokenizer, state: dict[str, Any],
-         tensors: dict[str, Any], keep: int = 2) -> Path:
+         tensors: dict[str, Any], keep: int = 2, write_shards=None) -> Path:
+    """`write_shards(folder)`: a sharded model's writer (its DCP shards and the optimizer's go in
+    folder/sharded; model/ then holds the tokenizer and the model's config, no weights)."""
     root = checkpoint_root(run_dir)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"{PREFIX}{step:06d}"
@@ -102,7 +107,11 @@ def save(run_dir: str | Path, step: int, *, model, tokenizer, state: dict[str, A
     tmp.mkdir()
     try:
         write_trainer_state(tmp, tensors)  # first: an unsavable value fails before the model
-        model.save_pretrained(tmp / "model", safe_serialization=True)
+        if write_shards is not None:
+            write_shards(tmp)
+            model.config.save_pretrained(tmp / "model")
+        else:
+            model.save_pretrained(tmp / "model", safe_serialization=True)
         tokenizer.save_pretrained(tmp / "model")
         (tmp / "state.json").write_text(json.dumps(state, indent=2, default=str) + "\n")
     except BaseException:

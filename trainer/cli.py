@@ -1,6 +1,8 @@
 """Command line: `python -m trainer COMMAND ...`.
 
   run PRESET_OR_FILE [--set k=v ...] [--out DIR] [--resume DIR]   train, with a progress display
+  run --fork RUN_DIR --from-step N [--set k=v ...] [--out DIR]     a new run from RUN_DIR's
+                                                    checkpoint at step N, with other settings
                                                     (cluster.train_procs=K > 1: K processes, torchrun)
   control RUN_DIR (--set k=v ... | --pause | --resume | --stop)   steer a running run
   knobs [--json]                                                   the parameter schema
@@ -10,6 +12,7 @@
   bench learn|... [--json]                                         benchmarks
   docs config [--write | --check]                                  docs/configuration.md
   samples RUN_DIR [--step N] [--worst | --longest]                 what the model wrote
+  advise RUN_DIR|EXPORT.json [--window N] [--json]                 the pilot's advice (docs/pilot.md)
   import-gguf FILE [OUT_DIR]                                       a GGUF model -> a local HF directory
   sglang-server --model DIR [--port P]                             a real SGLang server (make sglang)
 """
@@ -28,6 +31,10 @@ from trainer import config as config_mod
 def _cmd_run(args) -> int:
     from trainer import distributed
 
+    if args.autopilot is not None:   # shorthand of --set pilot.autopilot=RULES
+        args.set.append(f"pilot.autopilot={args.autopilot}")
+    if args.fork or args.from_step is not None:
+        _fork(args)   # from here on, the child is resumed like any run
     relaunched = _relaunch_under_torchrun(args)
     if relaunched is not None:
         return relaunched
@@ -43,6 +50,24 @@ def _cmd_run(args) -> int:
     if size > 1:
         distributed.exit_process(rc)
     return rc
+
+
+def _fork(args) -> None:
+    """--fork RUN_DIR --from-step N: make the child's run directory (trainer/fork.py), then turn
+    `args` into `--resume CHILD` with the same --set (torchrun's ranks get that command)."""
+    from trainer import fork
+
+    if not args.fork or args.from_step is None:
+        raise config_mod.ConfigError({"--fork": "give both --fork RUN_DIR and --from-step N"})
+    if args.resume or args.config:
+        raise config_mod.ConfigError({"--fork": "a fork starts from RUN_DIR's checkpoint: give no "
+                                      "preset and no --resume with it"})
+    parent = Path(args.fork)
+    out = args.out or f"runs/{parent.name}-fork{args.from_step}-{time.strftime('%Y%m%d-%H%M%S')}"
+    child = fork.fork_run_dir(parent, args.from_step, out, args.set, overwrite=args.overwrite)
+    print(f"forked {parent} at step {args.from_step} into {child}", flush=True)
+    args.resume, args.fork, args.from_step = str(child), None, None
+    args.argv = ["run", "--resume", str(child)] + [x for s in args.set for x in ("--set", s)]
 
 
 def _requested_train_procs(args) -> int:
@@ -80,7 +105,7 @@ def _relaunch_under_torchrun(args) -> int | None:
 
 
 def _run(args) -> int:
-    from trainer import distributed
+    from trainer import distributed, run_state
     from trainer.controls import ControlSource, FileControlSource
     from trainer.metrics import ConsoleSink, JsonlSink, MetricsSink, MultiSink
     from trainer.run_state import prepare_run_dir
@@ -93,6 +118,12 @@ def _run(args) -> int:
             raise config_mod.ConfigError({"--resume": f"{run_dir} has no config.toml: not a run directory"})
         cfg = config_mod.apply_overrides(config_mod.loads_toml(saved.read_text()), args.set)
         overridden = {config_mod.parse_override(s)[0] for s in args.set}
+        if args.set and checkpoint.list_checkpoints(run_dir):   # what the checkpoint cannot carry
+            latest = checkpoint.latest(run_dir)
+            problems = run_state.carry_problems(json.loads((latest / "state.json").read_text()),
+                                                cfg, latest)
+            if problems:
+                raise config_mod.ConfigError(problems)
     else:
         if not args.config:
             raise config_mod.ConfigError({"config": "name a preset or a .toml file (presets: "
@@ -159,7 +190,7 @@ def _cmd_knobs(args) -> int:
         return 0
     for p in specs:
         flag = " [tunable]" if p.tunable else ""
-        print(f"{p.name} = {p.default!r}  ({p.allowed()}){flag}\n    {p.help}")
+        print(f"{p.name} = {p.as_json()['default']!r}  ({p.allowed()}){flag}\n    {p.help}")
     return 0
 
 
@@ -193,7 +224,13 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
     r.add_argument("--out", help="run directory (default runs/<preset>-<time>)")
     r.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its latest checkpoint")
+    r.add_argument("--fork", metavar="RUN_DIR", help="start a NEW run (--out) from RUN_DIR's "
+                   "checkpoint at --from-step, with its config plus --set")
+    r.add_argument("--from-step", type=int, metavar="N", help="the checkpoint step --fork starts from")
     r.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
+    r.add_argument("--autopilot", metavar="RULES", help="let the autopilot apply the advice of these "
+                   "rules itself, comma-separated (staleness, april, greso, health; '' = none): "
+                   "--set pilot.autopilot=RULES; its changes are knob_applied events in events.jsonl")
     r.set_defaults(func=_cmd_run)
 
     c = sub.add_parser("control", help="steer a running run")
@@ -225,6 +262,8 @@ def build_parser() -> argparse.ArgumentParser:
     inspector_cli.add_parser(sub)
     bench.add_parser(sub)
     docs.add_parser(sub)
+    from trainer.pilot import cli as pilot_cli
+    pilot_cli.add_parser(sub)
     from trainer.engine import sglang_server
     sglang_server.add_parser(sub)
     return p

@@ -26,6 +26,8 @@ from pathlib import Path
 from typing import Any, Iterable
 
 PRESETS_PACKAGE = "trainer.presets"
+# what run.report_to may name (trainer/trackers/: one adapter each)
+TRACKERS = ("tensorboard", "wandb", "mlflow")
 
 
 class ConfigError(ValueError):
@@ -37,9 +39,12 @@ class ConfigError(ValueError):
 
 
 def param(default, *, help: str, min=None, max=None, choices=None, tunable=False):
-    """Declare one parameter. `min`/`max` are inclusive bounds."""
+    """Declare one parameter. `min`/`max` are inclusive bounds. A list parameter (default a
+    list) holds distinct items, each one of `choices` when given."""
     meta = {"help": help, "min": min, "max": max, "choices": tuple(choices) if choices else None,
             "tunable": tunable}
+    if isinstance(default, list):   # a dataclass field cannot share one mutable default
+        return field(default_factory=lambda: list(default), metadata=meta)
     return field(default=default, metadata=meta)
 
 
@@ -260,6 +265,10 @@ class RunConfig:
                              help="groups per step recorded whole for the rollout inspector, drawn at "
                              "random, besides the step's longest and shortest sample and every sample "
                              "whose reward failed (0 = record none)")
+    report_to: list[str] = param([], choices=TRACKERS,
+                                 help="trackers the run's metrics are mirrored to, besides rlpilot's "
+                                 "own: TensorBoard event files, W&B, MLflow (each needs its optional "
+                                 "package; see docs/trackers.md)")
 
 
 @dataclass
@@ -274,6 +283,36 @@ class ClusterConfig:
                            "samples go on elsewhere), each on its own GPU where there are enough "
                            "(0 = the engine runs in the controller, or in its one asynchronous "
                            "worker process, itself a pool of one)")
+    sharding: str = param("ddp", choices=["ddp", "fsdp"],
+                          help="how the training ranks hold the model: ddp = each a whole copy "
+                          "(DistributedDataParallel), fsdp = each 1/K of the weights, gradients and "
+                          "optimizer state (FSDP2 fully_shard; checkpoints sharded, through "
+                          "torch.distributed.checkpoint); fsdp needs generation off the training "
+                          "ranks (cluster.gen_procs >= 1, or SGLang servers)")
+
+
+# the pilot's rules whose advice the autopilot may apply (trainer/pilot/: one module each)
+AUTOPILOT_RULES = ("staleness", "april", "greso", "health")
+
+
+@dataclass
+class PilotConfig:
+    autopilot: list[str] = param([], choices=AUTOPILOT_RULES, tunable=True,
+                                 help="rules whose advice the autopilot applies itself, each change an "
+                                 "audited knob change by 'autopilot' (empty = advice only; a person's "
+                                 "own change to a knob wins: the autopilot leaves that knob alone)")
+    bounds: list[str] = param([], tunable=True,
+                              help="ranges the autopilot keeps knobs in, as 'key=lo..hi' items, e.g. "
+                              "'async.max_staleness=1..8' (a knob not named: its own range)")
+    every: int = param(10, min=1, max=500, tunable=True,
+                       help="steps between two autopilot changes: each change is watched over this many "
+                       "steps and undone when a guard trips")
+    guard_throughput_drop: float = param(0.15, min=0.0, max=1.0, tunable=True,
+                                         help="undo a change made for throughput when trained tokens/s "
+                                         "fell by more than this share over the steps after it")
+    guard_accuracy_drop: float = param(0.05, min=0.0, max=1.0, tunable=True,
+                                       help="undo any change when the mean accuracy (or reward) fell by "
+                                       "more than this over the steps after it")
 
 
 SECTIONS: dict[str, type] = {
@@ -287,6 +326,7 @@ SECTIONS: dict[str, type] = {
     "async": AsyncConfig,
     "run": RunConfig,
     "cluster": ClusterConfig,
+    "pilot": PilotConfig,
 }
 
 # `async` is a Python keyword: the section is [async] in TOML and dotted keys ("async.
@@ -306,6 +346,7 @@ class Config:
     async_: AsyncConfig = field(default_factory=AsyncConfig)
     run: RunConfig = field(default_factory=RunConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    pilot: PilotConfig = field(default_factory=PilotConfig)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return {name: dataclasses.asdict(self.section(name)) for name in SECTIONS}
@@ -334,7 +375,7 @@ class Config:
 # The schema, derived from the dataclasses above
 # ---------------------------------------------------------------------------------------------
 
-_TYPE_NAMES = {bool: "bool", int: "int", float: "float", str: "str"}
+_TYPE_NAMES = {bool: "bool", int: "int", float: "float", str: "str", list: "list"}
 
 
 @dataclass(frozen=True)
@@ -349,12 +390,17 @@ class ParamSpec:
     tunable: bool = False
 
     def as_json(self) -> dict[str, Any]:
-        return {"name": self.name, "type": _TYPE_NAMES[self.type], "default": self.default,
+        default = list(self.default) if self.type is list else self.default
+        return {"name": self.name, "type": _TYPE_NAMES[self.type], "default": default,
                 "min": self.min, "max": self.max,
                 "choices": list(self.choices) if self.choices else None,
                 "help": self.help, "tunable": self.tunable}
 
     def allowed(self) -> str:
+        if self.type is list:
+            items = ("names from " + ", ".join(repr(c) for c in self.choices) if self.choices
+                     else "strings")
+            return f"a list of distinct {items} (a TOML list or comma-separated; empty = none)"
         if self.choices:
             return "one of " + ", ".join(repr(c) for c in self.choices)
         if self.type is bool:
@@ -369,6 +415,8 @@ class ParamSpec:
         """Return `value` as this parameter's type, or raise ConfigError naming the key."""
         err = ConfigError({self.name: f"got {short_repr(value)}; expected {self.allowed()}"})
         t = self.type
+        if t is list:
+            return self._coerce_list(value, err)
         if t is bool:
             if isinstance(value, bool):
                 out = value
@@ -423,6 +471,35 @@ class ParamSpec:
         return out
 
 
+    def _coerce_list(self, value, err: ConfigError) -> list[str]:
+        """A list, a TOML list in a string ('["a", "b"]', from the form or --set) or a
+        comma-separated string ('a, b') -> the list; every item checked, duplicates refused."""
+        if isinstance(value, str):
+            text = value.strip()
+            if text.startswith("["):
+                try:
+                    value = tomllib.loads(f"v = {text}")["v"]
+                except (tomllib.TOMLDecodeError, RecursionError):
+                    raise err from None
+            else:
+                value = [item.strip() for item in text.split(",")] if text else []
+        if not isinstance(value, (list, tuple)):
+            raise err
+        out: list[str] = []
+        for item in value:
+            if not isinstance(item, str) or not item:
+                raise ConfigError({self.name: f"item {short_repr(item)}: expected {self.allowed()}"})
+            if self.choices and item not in self.choices:
+                raise ConfigError({self.name: f"unknown name {short_repr(item)}; expected {self.allowed()}"})
+            problem = text_problem(item, MAX_TEXT_LEN)
+            if problem:
+                raise ConfigError({self.name: problem})
+            if item in out:
+                raise ConfigError({self.name: f"{item!r} is named twice"})
+            out.append(item)
+        return out
+
+
 def _split_key(key: str) -> tuple[str, str]:
     if not isinstance(key, str) or key.count(".") != 1:
         raise ConfigError({str(key): "expected a key of the form section.name, e.g. optim.lr"})
@@ -440,8 +517,10 @@ def schema() -> list[ParamSpec]:
         for section, cls in SECTIONS.items():
             for f in dataclasses.fields(cls):
                 m = f.metadata
+                default = (tuple(f.default_factory()) if f.default is dataclasses.MISSING
+                           else f.default)   # a list's default as a tuple: the spec is frozen
                 specs.append(ParamSpec(name=f"{section}.{f.name}", type=_field_type(f),
-                                       default=f.default, help=m["help"], min=m["min"], max=m["max"],
+                                       default=default, help=m["help"], min=m["min"], max=m["max"],
                                        choices=m["choices"], tunable=m["tunable"]))
         _SCHEMA = specs
     return _SCHEMA
@@ -449,7 +528,7 @@ def schema() -> list[ParamSpec]:
 
 def _field_type(f: dataclasses.Field) -> type:
     t = f.type if isinstance(f.type, type) else {"str": str, "int": int, "float": float,
-                                                   "bool": bool}[f.type]
+                                                   "bool": bool, "list[str]": list}[f.type]
     return t
 
 
@@ -625,11 +704,49 @@ def check(cfg: Config) -> None:
             parse_urls(cfg.rollout.sglang_urls)
         except ValueError as e:
             errors["rollout.sglang_urls"] = str(e)
+    in_process_generation = (cfg.rollout.engine == "embedded" and not cfg.cluster.gen_procs
+                             and not (cfg.async_.enabled and cfg.async_.worker == "process"))
+    if cfg.cluster.sharding == "fsdp" and cfg.cluster.train_procs > 1 and in_process_generation:
+        errors["cluster.sharding"] = ("fsdp leaves no training rank the whole model to generate with: "
+                                      "set cluster.gen_procs >= 1 or rollout.engine = 'sglang'")
+    try:
+        pilot_bounds(cfg.pilot.bounds)
+    except ValueError as e:
+        errors["pilot.bounds"] = str(e)
     if cfg.april.segment_max_tokens > cfg.rollout.max_response_len:
         errors["april.segment_max_tokens"] = (f"must not exceed rollout.max_response_len "
                                               f"({cfg.rollout.max_response_len})")
     if errors:
         raise ConfigError(errors)
+
+
+def pilot_bounds(items: Iterable[str]) -> dict[str, tuple[float, float]]:
+    """`pilot.bounds` as {knob: (lo, hi)}: "async.max_staleness=1..8" -> {"async.max_staleness":
+    (1, 8)}. Raises ValueError naming the item that is not a tunable number's range inside the
+    knob's own."""
+    out: dict[str, tuple[float, float]] = {}
+    for item in items:
+        key, eq, rng = item.partition("=")
+        lo_text, dots, hi_text = rng.partition("..")
+        key = key.strip()
+        if not eq or not dots:
+            raise ValueError(f"{item!r}: expected 'key=lo..hi', e.g. 'async.max_staleness=1..8'")
+        try:
+            spec = param_spec(key)
+        except ConfigError as e:
+            raise ValueError(f"{item!r}: {e.errors[key]}") from None
+        if not spec.tunable or spec.type not in (int, float):
+            raise ValueError(f"{item!r}: {key} is not a numeric knob")
+        try:
+            lo, hi = spec.coerce(lo_text.strip()), spec.coerce(hi_text.strip())
+        except ConfigError:
+            raise ValueError(f"{item!r}: each end must be {spec.allowed()}") from None
+        if lo > hi:
+            raise ValueError(f"{item!r}: the low end {lo} is above the high end {hi}")
+        if key in out:
+            raise ValueError(f"{key} is bounded twice")
+        out[key] = (lo, hi)
+    return out
 
 
 MAX_STOP_STRINGS = 16
@@ -715,6 +832,8 @@ def to_toml(cfg: Config) -> str:
 
 
 def _toml_value(v) -> str:
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
     if isinstance(v, bool):
         return "true" if v else "false"
     if isinstance(v, (int, float)):

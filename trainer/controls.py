@@ -19,7 +19,9 @@ from typing import Any
 
 SET_KNOBS, PAUSE, RESUME, STOP = "set_knobs", "pause", "resume", "stop"
 COMMANDS = (SET_KNOBS, PAUSE, RESUME, STOP)
-AUTO = "auto"  # requested_by of the trainer's own knob changes
+AUTO = "auto"  # requested_by of the trainer's own knob changes (async.auto_staleness)
+AUTOPILOT = "autopilot"  # requested_by of the autopilot's (trainer/pilot/autopilot.py)
+AUTOMATIC = (AUTO, AUTOPILOT)   # not a person's
 
 
 @dataclass

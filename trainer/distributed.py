@@ -13,10 +13,11 @@ identity, so a single-process run takes exactly the code path it always took.
 The layout (docs/scaling.md): rank 0 owns the rollout -- the engine or generation processes,
 APRIL, GRESO, dynamic sampling, asynchronous admission, the data cursor -- and reports, reads
 controls and writes checkpoints; every rank, rank 0 included, holds the policy wrapped in
-DistributedDataParallel (which broadcasts rank 0's weights when it wraps the model) and trains
-its share of each update (trainer/training_ranks.py says how the batch is cut and what rank 0
-sends). The learner all-reduces each mini-batch's token count, so each rank's loss is its share
-of the global token mean and one update equals the one-process update up to float rounding.
+DistributedDataParallel (which broadcasts rank 0's weights when it wraps the model), or a shard
+of it (`cluster.sharding = "fsdp"`: trainer/sharding.py), and trains its share of each update
+(trainer/training_ranks.py says how the batch is cut and what rank 0 sends). The learner
+all-reduces each mini-batch's token count, so each rank's loss is its share of the global token
+mean and one update equals the one-process update up to float rounding.
 Every technique and engine works with any K, and a resumed run may have another K: the
 controller's state is rank 0's, the other ranks get the weights and optimizer from it.
 
@@ -72,6 +73,14 @@ class World:
 
         out = self._reduce([float(x)], dist.ReduceOp.SUM)[0]
         return int(round(out)) if isinstance(x, int) else out
+
+    def all_max(self, x: int) -> int:
+        """The largest `x` (an int) over the ranks."""
+        if self.size == 1:
+            return x
+        import torch.distributed as dist
+
+        return int(self._reduce([float(x)], dist.ReduceOp.MAX)[0])
 
     def all_sum_dict(self, d: dict[str, float]) -> dict[str, float]:
         """Every value summed over the ranks (every rank must pass the same keys)."""

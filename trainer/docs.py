@@ -36,6 +36,7 @@ SECTION_INTRO = {
     "async": "Asynchronous training, AReaL style (see algorithms.md).",
     "run": "Length of the run, seeds, checkpoints, evaluation, the reward pool.",
     "cluster": "Processes: training ranks under torchrun and generation processes (see scaling.md).",
+    "pilot": "The autopilot: which rules' advice it applies itself, its bounds, pace and guards (see pilot.md).",
 }
 
 # The switches that turn a technique on, for the preset summaries.
@@ -68,7 +69,10 @@ while the run goes on). The command line, the launch form, the live-tuning panel
   dashboard's tuning panel, the WebSocket or `POST /api/runs/<id>/knobs`. A change is applied
   whole or not at all and recorded as a `knob_applied` event (old -> new, who, at which step) or
   a `knob_rejected` one. Everything else is fixed for the run's life (a resume may still
-  `--set` it).
+  `--set` it, and a fork, `run --fork RUN_DIR --from-step N`, starts a new run from a
+  checkpoint with any of it changed, except what the checkpoint cannot carry: `model.path`,
+  the keys that define the training problems, and the group size while it holds partial
+  rollouts; see `carry_problems` in `trainer/run_state.py`).
 - `python -m trainer knobs` prints the knobs, `--all` every parameter, `--json` the schema as
   the API serves it.
 """
@@ -174,6 +178,8 @@ def _inline_comments(toml_text: str) -> dict[str, str]:
 
 def _value(v) -> str:
     """A value as it is written in TOML (and in --set)."""
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_value(x) for x in v) + "]"
     if isinstance(v, bool):
         return "true" if v else "false"
     if isinstance(v, int):
@@ -189,6 +195,8 @@ def _value(v) -> str:
 
 
 def _allowed(p) -> str:
+    if p.type is list:
+        return "list of " + (", ".join(f"`{c}`" for c in p.choices) if p.choices else "text")
     if p.choices:
         return ", ".join(f"`{c}`" for c in p.choices)
     if p.type is bool:

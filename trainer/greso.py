@@ -24,6 +24,10 @@ such prompts tend to stay that way. GRESO skips them *before* generation, probab
    first-time prompts say nothing about whether it skips too much; counting them would drive p
    to min_p on a large dataset before any prompt recurs.
 
+4. Judge. A skip is judged when its prompt is next rolled out: wrong when that group was mixed
+   (the skipped rollout would have had signal), right otherwise (`take_skip_judgements`, the
+   `greso/wrong_skip_ratio` metric the pilot reads).
+
 DAPO dynamic sampling, which drops zero-variance groups after generation instead, is
 `trainer/rollout/dynamic.py`.
 
@@ -84,6 +88,8 @@ class GresoFilter:
         self._rng = random.Random(seed)
         # problem_id -> most recent (step, mean reward, outcome kind), oldest first
         self._traces: dict[str, deque[tuple[int, float, str]]] = {}
+        self._skipped: dict[str, int] = {}   # problem_id -> skips since its last rollout
+        self._judged = [0, 0]                # [wrong, right] skips judged since the last take
 
     # -- traces -------------------------------------------------------------------------------
 
@@ -91,6 +97,8 @@ class GresoFilter:
         """Append (step, mean reward) and the group's outcome; return the outcome kind."""
         kind = classify(rewards)
         mean = math.fsum(rewards) / len(rewards)
+        skipped = self._skipped.pop(problem_id, 0)
+        self._judged[0 if kind == MIXED else 1] += skipped
         trace = self._traces.get(problem_id)
         if trace is None:
             trace = self._traces[problem_id] = deque(maxlen=self.max_trace)
@@ -127,7 +135,16 @@ class GresoFilter:
         p = self.p_easy if kind == "easy" else self.p_hard
         keep_prob = keep_probability(p, z, cfg.p_floor)
         skip = self._rng.random() >= keep_prob     # P(skip) = 1 - keep_prob
+        if skip:
+            self._skipped[problem_id] = self._skipped.get(problem_id, 0) + 1
         return Decision(skip=skip, kind=kind, streak=z, keep_prob=keep_prob)
+
+    def take_skip_judgements(self) -> tuple[int, int]:
+        """(wrong, right): skips judged since the last call -- a skipped prompt's next group was
+        mixed (wrong: it had signal) or not (right) -- and start counting again."""
+        wrong, right = self._judged
+        self._judged = [0, 0]
+        return wrong, right
 
     # -- exploration probabilities --------------------------------------------------------------
 
@@ -167,6 +184,7 @@ class GresoFilter:
             "traces": {pid: [[step, mean, kind] for step, mean, kind in trace]
                        for pid, trace in self._traces.items()},
             "rng": [version, list(internal), gauss_next],
+            "skipped": dict(self._skipped),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -182,6 +200,7 @@ class GresoFilter:
                 trace.append((int(step), float(mean), kind))
             traces[pid] = trace
         self._traces = traces
+        self._skipped = {str(k): int(v) for k, v in (state.get("skipped") or {}).items()}
         version, internal, gauss_next = state["rng"]
         self._rng.setstate((version, tuple(internal), gauss_next))
 

@@ -68,12 +68,13 @@ def torchrun_argv(target: Sequence[str], nproc: int, *, nnodes: int = 1, node_ra
     return argv + ["--nproc_per_node", str(nproc), *target]
 
 
-def layout_text(train_procs: int, gen_procs: int) -> str:
+def layout_text(train_procs: int, gen_procs: int, sharding: str = "ddp") -> str:
     """The processes a run uses, in words (the run page): "2 training processes + 1 generation
-    process"; a one-process run is "1 process"."""
+    process", "2 training processes (model sharded) + ..."; a one-process run is "1 process"."""
     if train_procs <= 1 and gen_procs <= 0:
         return "1 process"
-    parts = [f"{train_procs} training process" + ("es" if train_procs != 1 else "")]
+    parts = [f"{train_procs} training process" + ("es" if train_procs != 1 else "")
+             + (" (model sharded)" if sharding == "fsdp" and train_procs > 1 else "")]
     if gen_procs > 0:
         parts.append(f"{gen_procs} generation process" + ("es" if gen_procs != 1 else ""))
     return " + ".join(parts)

@@ -2,7 +2,9 @@
 
 Sequences are packed into length-sorted micro-batches of at most `micro_batch_tokens` padded
 tokens; gradients accumulate so that the loss is the token mean over the whole mini-batch
-(see trainer/algo/grpo.py).
+(see trainer/algo/grpo.py). With K training processes the model is replicated (DDP) or
+sharded (FSDP2, trainer/sharding.py); sharded, every forward is a collective, so each rank runs
+as many micro-batches as the rank with the most (`_matched`: empty ones fill the gap).
 """
 from __future__ import annotations
 
@@ -46,6 +48,11 @@ class TrainSequence:
         return len(self.prompt_ids) + len(self.response_ids)
 
 
+def _padding(pad_id: int) -> TrainSequence:
+    """An empty micro-batch's one sequence: a token of weight 0 (no loss, no gradient, no figure)."""
+    return TrainSequence([pad_id], [pad_id], [0.0], 0.0, 1.0, weights=[0.0])
+
+
 def micro_batches(seqs: list[TrainSequence], max_tokens: int) -> list[list[TrainSequence]]:
     """Length-sorted groups whose padded size (rows x longest) stays within max_tokens."""
     out, cur, longest = [], [], 0
@@ -63,7 +70,7 @@ def micro_batches(seqs: list[TrainSequence], max_tokens: int) -> list[list[Train
 
 class Learner:
     def __init__(self, model, *, lr: float, weight_decay: float, track_reference: bool,
-                 reference=None, dist=None):
+                 reference=None, dist=None, sharded: bool = False):
         self.model = model
         self.device = next(model.parameters()).device
         # data parallel (trainer/distributed.py): a World of K > 1 processes; token counts and
@@ -76,7 +83,17 @@ class Learner:
             self.reference = reference if reference is not None else copy.deepcopy(model)
             self.reference.eval().requires_grad_(False)
         self.ddp = None  # the DistributedDataParallel wrapper the update's forward runs through
-        if self.dist is not None:
+        self.sharded = sharded and self.dist is not None
+        if self.sharded:
+            from trainer import sharding
+
+            full = model.state_dict() if self.dist.is_main else {}  # rank 0's, before sharding
+            sharding.shard(model, self.dist)
+            if self.reference is not None:   # the base weights on every rank: nothing to spread
+                sharding.shard(self.reference, self.dist)
+            sharding.spread_from_rank0(model, full)
+            del full
+        elif self.dist is not None:
             from torch.nn.parallel import DistributedDataParallel
 
             # DDP broadcasts rank 0's weights and all-reduces the gradients, bucketed and
@@ -113,8 +130,20 @@ class Learner:
                 behave.to(dev), vers.to(dev))
 
     def _accumulating(self, last: bool):
-        """DDP's all-reduce runs once per mini-batch, at its last micro-batch's backward."""
+        """The gradients' all-reduce (DDP) or reduce-scatter (FSDP) runs once per mini-batch, at
+        its last micro-batch's backward."""
+        if self.sharded:
+            self.model.set_requires_gradient_sync(last)
+            return contextlib.nullcontext()
         return self.ddp.no_sync() if self.ddp is not None and not last else contextlib.nullcontext()
+
+    def _matched(self, mbs: list[list[TrainSequence]], pad_id: int) -> list[list[TrainSequence]]:
+        """Sharded: `mbs` padded with empty micro-batches to the most any rank has (every forward
+        and backward of an FSDP model is a collective every rank takes part in)."""
+        if not self.sharded:
+            return mbs
+        most = self.dist.all_max(len(mbs))
+        return mbs + [[_padding(pad_id)] for _ in range(most - len(mbs))]
 
     def _empty_backward(self, pad_id: int) -> None:
         ids = torch.full((1, 1), pad_id, dtype=torch.long, device=self.device)
@@ -167,13 +196,21 @@ class Learner:
         """Per-response-token log-probabilities under the policy (or the reference)."""
         model = self.reference if reference else self.model
         out: dict[int, list[float]] = {}
-        for mb in micro_batches(seqs, max_tokens):
+        for mb in self._matched(micro_batches(seqs, max_tokens), pad_id):
             ids, attn, _, _, _, temps, _, _ = self._pack(mb, pad_id)
             logp, _ = self._token_logprobs(model, ids, attn, temps)
             for b, s in enumerate(mb):
                 start = len(s.prompt_ids) - 1
                 out[id(s)] = logp[b, start:start + len(s.response_ids)].tolist()
         return [out[id(s)] for s in seqs]
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The policy's tensors whole, for the generators (sharded: a collective, rank 0's CPU)."""
+        if self.sharded:
+            from trainer import sharding
+
+            return sharding.full_state_dict(self.model)
+        return self.model.state_dict()
 
     def kl_to_reference(self, samples, pad_id: int, max_tokens: int) -> float:
         """Mean k3 KL of the policy to the reference over the samples' response tokens."""
@@ -194,7 +231,9 @@ class Learner:
         each optimizer mini-batch (trainer/training_ranks.py), else `seqs` split here."""
         total = self.dist.all_sum(len(seqs)) if self.dist is not None else len(seqs)
         if not total:
-            if self.reference is None or not samples:
+            # sharded, the KL's forwards are collectives: the other ranks (no samples) join in
+            measured = self.dist.all_sum(len(samples)) if self.sharded else len(samples)
+            if self.reference is None or not measured:
                 return {}
             return {"actor/kl": self.kl_to_reference(samples, pad_id, cfg.optim.micro_batch_tokens)}
         return self.update(seqs, pad_id=pad_id, lr=cfg.optim.lr, grad_clip=cfg.optim.grad_clip,
@@ -229,7 +268,7 @@ class Learner:
             if total <= 0:
                 continue
             self.optimizer.zero_grad(set_to_none=True)
-            mbs = micro_batches(chunk, micro_batch_tokens)
+            mbs = self._matched(micro_batches(chunk, micro_batch_tokens), pad_id)
             if self.ddp is not None and not mbs:
                 # this rank holds no sequence of the mini-batch: one empty backward keeps it in
                 # step with the others' gradient all-reduce
@@ -239,14 +278,16 @@ class Learner:
                     loss, stats, entropy, w = self._micro_batch_loss(
                         mb, pad_id, mb_index, mini_batches, decoupled_loss, total,
                         clip_low=clip_low, clip_high=clip_high, kl_coef=kl_coef)
-                    # DDP averages the ranks' gradients; each rank's loss is its share of the
+                    # DDP and FSDP average the ranks' gradients; each rank's loss is its share of the
                     # global token mean, so the sum is wanted: scale by K
-                    (loss * (self.dist.size if self.ddp is not None else 1)).backward()
+                    (loss * (self.dist.size if self.dist is not None else 1)).backward()
                 for name, v in stats.items():
                     sums[name] += float(v)
                 sums["entropy"] += float((entropy * w).sum())
             norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(),
                                                   grad_clip if grad_clip > 0 else float("inf"))
+            if hasattr(norm, "full_tensor"):   # sharded: a replicated DTensor
+                norm = norm.full_tensor()
             grad_norms.append(float(norm))
             if torch.isfinite(norm):
                 self.optimizer.step()

@@ -83,6 +83,9 @@ SCALARS: dict[str, str] = {
     "greso/skip_rate": "share of drawn prompts skipped", "greso/skip_rate/easy": "easy ones",
     "greso/skip_rate/hard": "hard ones", "greso/p_easy": "exploration probability, easy",
     "greso/p_hard": "exploration probability, hard", "greso/prompts_sampled": "prompts drawn",
+    "greso/skips_judged": "skips judged this step: their prompt was rolled out again",
+    "greso/wrong_skip_ratio": "share of the judged skips whose prompt's next group had signal "
+    "(mixed rewards): the skipped rollout would have taught something",
     # asynchronous training
     "async/staleness/mean": "versions behind, mean over trained samples",
     "async/staleness/max": "versions behind, max", "async/max_staleness": "eta",

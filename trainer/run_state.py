@@ -2,13 +2,16 @@
 
 The file format (safetensors + tagged JSON, no pickle) is trainer/checkpoint.py; this module
 says what of a Runner goes in: the step and policy version, the data cursor, the counters, the
-best/last evaluation, the config with its knob values, the optimizer, the sampling RNG (one
+best/last evaluation, the config with its knob values, the pilot's recent rows and the
+autopilot's state, the optimizer, the sampling RNG (one
 stream per generation process), the rollout driver's state (APRIL's buffer, the asynchronous
 queue) and GRESO's per-prompt history. Rank 0 (the controller) holds all of it: the other
-training ranks hold nothing of their own (trainer/training_ranks.py).
+training ranks hold nothing of their own (trainer/training_ranks.py), except with a sharded
+model, whose model and optimizer every rank writes as DCP shards (trainer/sharding.py).
 """
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -39,16 +42,74 @@ def load_latest(run_dir: Path, cfg: config_mod.Config, keep_knobs=()):
     return path, state, tensors, cfg
 
 
+# What a checkpoint holds that only means something under the config it was written with: a
+# resume with --set and a fork refuse to change these (carry_problems).
+BOUND = {
+    "model.path": "the checkpoint holds this model's weights, tokenizer and optimizer state",
+    **{key: "the data cursor and GRESO's per-prompt history index the training problems, which "
+       "this key defines" for key in ("data.task", "data.path", "data.train_size",
+                                      "data.max_list_len", "data.length_alpha",
+                                      "data.max_operand", "run.seed")},
+}
+# ... and these only while the checkpoint holds rollout groups (APRIL's buffer, the async queue)
+BOUND_WITH_GROUPS = {
+    "rollout.n_samples_per_prompt": "they were drawn with the old group size",
+    "async.enabled": "the synchronous and asynchronous drivers keep them in different forms",
+}
+
+
+def carry_problems(state: dict, cfg: config_mod.Config, path: Path) -> dict[str, str]:
+    """{key: why} for every setting of `cfg` that the checkpoint at `path` (its state.json:
+    `state`) cannot carry: what it was written with differs in a key of BOUND, or of
+    BOUND_WITH_GROUPS while it holds rollout groups."""
+    saved = state.get("config") or {}
+
+    def was(key):
+        section, name = key.split(".", 1)
+        return (saved.get(section) or {}).get(name, cfg.get(key))
+
+    changed = {k: was(k) for k in (*BOUND, *BOUND_WITH_GROUPS) if was(k) != cfg.get(k)}
+    problems = {k: f"cannot change from {old!r} to {cfg.get(k)!r} at a checkpoint: {BOUND[k]}"
+                for k, old in changed.items() if k in BOUND}
+    grouped = [k for k in changed if k in BOUND_WITH_GROUPS]
+    if grouped:
+        n = held_groups(path)
+        for k in grouped if n else ():
+            problems[k] = (f"cannot change from {changed[k]!r} to {cfg.get(k)!r} at this checkpoint: "
+                           f"it holds {n} rollout group{'s' if n != 1 else ''} and "
+                           + BOUND_WITH_GROUPS[k])
+    return problems
+
+
+def held_groups(path: Path) -> int:
+    """Rollout groups in the checkpoint at `path` (APRIL's partial buffer, the async queue and
+    in-flight groups). Read from trainer.json as plain JSON: the tensors are not needed."""
+    if (path / checkpoint.STATE_FILE).is_file():
+        data = json.loads((path / checkpoint.STATE_FILE).read_text()).get("data") or {}
+    else:
+        data = checkpoint.read_trainer_state(path)   # the old format
+    rollout = data.get("rollout") or {}
+    groups = rollout.get("groups") or (rollout.get("buffer") or {}).get("groups") or []
+    return len(groups)
+
+
 def save(runner) -> Path:
     state = {"step": runner.step, "version": runner.version, "cursor": runner.prompts.cursor,
              "totals": runner.totals, "best_eval": runner.best_eval, "last_eval": runner.last_eval,
              "config": runner.cfg.to_dict(), "knobs": runner.cfg.knob_values(),
-             "ledger": runner.rollout.ledger.state_dict()}
-    tensors = {"optimizer": runner.learner.state_dict(),
-               "rng": checkpoint.rng_state(runner.engine.generator),
+             "ledger": runner.rollout.ledger.state_dict(),
+             "pilot": runner.pilot.state_dict(runner.cfg)}
+    tensors = {"rng": checkpoint.rng_state(runner.engine.generator),
                "rollout": runner.rollout.state_dict(), "greso": runner.greso.state_dict()}
+    shards = None
+    if runner.sharded:   # model and optimizer: every rank's shards (trainer/sharding.py)
+        def shards(folder):
+            runner.ranks.save_shards(runner.learner, folder)
+    else:
+        tensors["optimizer"] = runner.learner.state_dict()
     return checkpoint.save(runner.run_dir, runner.step, model=runner.model, tokenizer=runner.tokenizer,
-                           state=state, tensors=tensors, keep=runner.cfg.run.keep_checkpoints)
+                           state=state, tensors=tensors, keep=runner.cfg.run.keep_checkpoints,
+                           write_shards=shards)
 
 
 def restore(runner, state: dict, tensors: dict) -> None:
@@ -56,10 +117,12 @@ def restore(runner, state: dict, tensors: dict) -> None:
     runner.prompts.cursor = state["cursor"]
     runner.totals.update(state["totals"])
     runner.best_eval, runner.last_eval = state.get("best_eval"), state.get("last_eval")
-    runner.learner.load_state_dict(tensors["optimizer"])
+    if not runner.sharded:   # sharded: every rank takes its part (Runner._restore_optimizer)
+        runner.learner.load_state_dict(tensors["optimizer"])
     checkpoint.set_rng_state(tensors["rng"], runner.engine.generator)
     runner.rollout.load_state_dict(tensors.get("rollout", {}), runner.version)
     runner.rollout.ledger.load_state_dict(state.get("ledger", {}))
+    runner.pilot.load_state_dict(state.get("pilot", {}))   # absent in a checkpoint before the pilot
     if "greso" in tensors:
         runner.greso.load_state_dict(tensors["greso"])
     runner.engine.version = runner.version

@@ -25,16 +25,17 @@ from typing import Any
 import torch
 
 from trainer import config as config_mod
-from trainer import distributed, run_state, training_ranks
+from trainer import distributed, run_state, sharding, trackers, training_ranks
 from trainer.algo import objective
 from trainer.boundary import StepBoundary
-from trainer.controls import ControlSource
+from trainer.controls import AUTO, AUTOPILOT, ControlSource
 from trainer.engine import build_engine
 from trainer.evaluate import evaluate
 from trainer.inspector import InspectorRecorder
 from trainer.learner import Learner, TrainSequence
-from trainer.metrics import MetricsSink, histogram, length_edges
+from trainer.metrics import MetricsSink, MultiSink, histogram, length_edges
 from trainer.model import load_model, load_tokenizer, resolve_device, resolve_dtype
+from trainer.pilot.live import LivePilot
 from trainer.rewards.pool import RewardService
 from trainer.rollout import PromptSource, build_driver
 from trainer.rollout.asynchronous import AsyncStall, CollectInterrupted
@@ -75,13 +76,24 @@ class Runner:
         # tokens the engine generated for evaluations: the token ledger counts rollouts only
         self.eval_tokens = 0
 
-        ckpt_state = ckpt_tensors = None
+        ckpt_state = ckpt_tensors = resumed = None
         if resume and self.dist.is_main:
             path, ckpt_state, ckpt_tensors, self.cfg = run_state.load_latest(self.run_dir, self.cfg, keep_knobs)
-        self.cfg = self.dist.broadcast_object(self.cfg)   # rank 0's, knob values resumed
+            resumed = (path, sharding.is_sharded(path))   # (checkpoint, its model in DCP shards)
+        # rank 0's config (knob values resumed) and checkpoint
+        self.cfg, resumed = self.dist.broadcast_object((self.cfg, resumed))
         self.cfg.cluster.train_procs = self.dist.size     # the layout torchrun gave, recorded
+        if self.dist.size > 1:
+            config_mod.check(self.cfg)   # e.g. fsdp with the engine in rank 0: refused by name
+        self.sharded = self.dist.size > 1 and self.cfg.cluster.sharding == "fsdp"
+        # run.report_to: every record mirrored to TensorBoard / W&B / MLflow on a thread of its
+        # own (trainer/trackers/); it starts with the first record, so a failed build leaves nothing
+        self.trackers = (trackers.build(self.cfg, self.run_dir, report=self.sink)
+                         if self.dist.is_main else None)
+        if self.trackers is not None:
+            self.sink = MultiSink([self.sink, self.trackers])
         if not self.dist.is_main:
-            self._init_training_rank()
+            self._init_training_rank(resumed)
             return
         if self.cfg.model.threads:
             torch.set_num_threads(self.cfg.model.threads)
@@ -90,20 +102,24 @@ class Runner:
         self.device = self.dist.local_device(resolve_device(self.cfg.model.device))
         self.dtype = resolve_dtype(self.cfg.model.dtype, self.device)
         self.tokenizer = load_tokenizer(self.cfg.model.path)
-        policy_path = str(path / "model") if resume else self.cfg.model.path
+        # a sharded checkpoint's weights are read into the base model below (or by every rank)
+        policy_path = str(path / "model") if resume and not resumed[1] else self.cfg.model.path
         self.model = load_model(policy_path, self.device, self.dtype).eval()
         reference = None
         if resume and (self.cfg.algo.track_kl or self.cfg.algo.kl_coef > 0):
             reference = load_model(self.cfg.model.path, self.device, self.dtype)
-        self.learner = Learner(self.model, lr=self.cfg.optim.lr,
-                               weight_decay=self.cfg.optim.weight_decay,
-                               track_reference=self.cfg.algo.track_kl or self.cfg.algo.kl_coef > 0,
-                               reference=reference, dist=self.dist)
+        if resume and resumed[1] and not self.sharded:   # sharded before, whole now
+            ckpt_tensors["optimizer"] = sharding.read_whole(path, self.model)
         self.task = build_task(self.cfg, self.tokenizer)  # prompts rendered for its chat template
         self.prompts = PromptSource(self.task)
+        # before the learner: generation processes copy the model whole, which sharding splits
         self.engine = build_engine(self.cfg, self.model, self.tokenizer, self.device, self.dtype,
                                    self.task.max_sequence_len(self.tokenizer, self.cfg),
                                    weights_dir=self.run_dir / "engine_weights")
+        self.learner = Learner(self.model, lr=self.cfg.optim.lr,
+                               weight_decay=self.cfg.optim.weight_decay,
+                               track_reference=self.cfg.algo.track_kl or self.cfg.algo.kl_coef > 0,
+                               reference=reference, dist=self.dist, sharded=self.sharded)
         # prompts, GRESO state and the reward pool are shared with the async generation worker
         self.lock = threading.RLock()
         self.selector = PromptSelector(self.prompts, self.task.train_size, self.cfg, self.lock)
@@ -116,6 +132,8 @@ class Runner:
         self.samples = InspectorRecorder(self.tokenizer, self.cfg.run.seed)  # the rollout inspector's
         self.timeline = Timeline(fill={CONTROLLER: "bookkeeping"})
         self.boundary = StepBoundary(self.controls, self.sink, self.rollout)
+        self.pilot = LivePilot()   # advice events and the autopilot (trainer/pilot/)
+        self.boundary.on_knobs = self._knobs_changed
         # a step waiting for asynchronous groups gives way to a stop or pause within a second,
         # and says at once what its engine reports (e.g. every generator gone: it waits)
         self.rollout.interrupted = self._waiting
@@ -127,15 +145,32 @@ class Runner:
             run_state.restore(self, ckpt_state, ckpt_tensors)
         else:
             (self.run_dir / "config.toml").write_text(config_mod.to_toml(self.cfg))
-        # the training ranks take the resumed optimizer (DDP gave them rank 0's weights)
-        self.dist.broadcast_object(self.learner.state_dict() if ckpt_state is not None else None)
-        if self.cfg.rollout.engine != "embedded":
-            # servers hold whatever weights they were started with: push the policy's
-            self.engine.update_weights(self.model.state_dict(), self.version)
+        self._restore_optimizer(resumed, ckpt_tensors)
+        if self.cfg.rollout.engine != "embedded" or self.sharded:
+            # servers hold whatever weights they were started with, generation processes the
+            # base model's when a sharded checkpoint was resumed: push the policy's
+            self.engine.update_weights(self.learner.full_state_dict(), self.version)  # all ranks
 
-    def _init_training_rank(self) -> None:
+    def _restore_optimizer(self, resumed, tensors) -> None:
+        """Every rank: the resumed optimizer state (and a sharded checkpoint's weights). Sharded
+        now: each rank reads its shards of a sharded checkpoint, or rank 0 spreads an unsharded
+        one's; replicated: rank 0's state (run_state.restore loaded it) to the others."""
+        if self.sharded:
+            if resumed is not None and resumed[1]:
+                sharding.load(resumed[0], self.learner.model, self.learner.optimizer)
+            elif resumed is not None:
+                sharding.spread_optimizer_from_rank0(self.learner.model, self.learner.optimizer,
+                                                     tensors["optimizer"] if self.dist.is_main else None)
+            return
+        optimizer = self.dist.broadcast_object(self.learner.state_dict()
+                                               if self.dist.is_main and resumed is not None else None)
+        if optimizer is not None and not self.dist.is_main:
+            self.learner.load_state_dict(optimizer)
+
+    def _init_training_rank(self, resumed) -> None:
         """A rank > 0: the policy, its reference and the optimizer; no engine, no rollout.
-        DDP's wrap broadcasts rank 0's weights (resumed or not), then rank 0's optimizer state."""
+        DDP's wrap broadcasts rank 0's weights (resumed or not), then rank 0's optimizer state;
+        sharded, rank 0 spreads its weights, or each rank reads its shards of the checkpoint."""
         cfg = self.cfg
         if cfg.model.threads:
             torch.set_num_threads(cfg.model.threads)
@@ -146,10 +181,10 @@ class Runner:
         self.model = load_model(cfg.model.path, self.device, self.dtype).eval()
         self.learner = Learner(self.model, lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay,
                                track_reference=cfg.algo.track_kl or cfg.algo.kl_coef > 0,
-                               dist=self.dist)
-        optimizer = self.dist.broadcast_object(None)
-        if optimizer is not None:
-            self.learner.load_state_dict(optimizer)
+                               dist=self.dist, sharded=self.sharded)
+        self._restore_optimizer(resumed, None)
+        if self.sharded:
+            self.learner.full_state_dict()   # rank 0's first push to the generators
         self.engine = self.rewards = self.system = None
 
     @property
@@ -228,7 +263,9 @@ class Runner:
         self.close()
 
     def close(self) -> None:
-        """Release the engine, the reward processes and the telemetry thread."""
+        """Release the engine, the reward processes, the telemetry thread and the trackers."""
+        if self.trackers is not None:
+            self.trackers.close()   # a bounded wait; its last warnings go to the run's sink
         if self.system is not None:
             self.system.close()
         if self.rewards is not None:
@@ -305,7 +342,7 @@ class Runner:
         t0 = time.monotonic()
         self.version += 1
         with self.timeline.span(CONTROLLER, "syncing weights"):
-            self.engine.update_weights(self.model.state_dict(), self.version,
+            self.engine.update_weights(self.ranks.full_weights(self.learner), self.version,
                                        recompute_kv=cfg.rollout.recompute_kv_on_update)
             self.rollout.on_new_version(self.version)
         sync_s = time.monotonic() - t0
@@ -351,7 +388,24 @@ class Runner:
             m.update(self.system.summary())
             m.update(self._process_metrics(ranks))
         self.sink.scalars(self.step, m)
+        self._pilot_after_step(m)
         return m
+
+    def _pilot_after_step(self, m: dict) -> None:
+        """Announce new advice; queue the autopilot's move for the next boundary."""
+        advice, move = self.pilot.after_step(self.step, m, self.cfg)
+        for a in advice:
+            self.sink.event(self.step, "advice", a.as_json())
+        if move is not None:
+            self.boundary.request(move.knobs, reason=move.reason, requested_by=AUTOPILOT)
+
+    def _knobs_changed(self, cmd, applied: bool) -> None:
+        if cmd.requested_by == AUTO:   # async.auto_staleness: neither a person nor the autopilot
+            return
+        if applied:
+            self.pilot.autopilot.knob_applied(list(cmd.knobs), cmd.requested_by == AUTOPILOT)
+        elif cmd.requested_by == AUTOPILOT:
+            self.pilot.autopilot.knob_refused(list(cmd.knobs))
 
     def _step_metrics(self, cfg, result, engine_stats, step_s: float) -> dict[str, float]:
         """The rollout's metrics (common, the driver's own, GRESO's) and its histograms."""
@@ -393,8 +447,8 @@ class Runner:
 
     def _logprobs(self, seqs: list[TrainSequence], reference: bool = False) -> list[list[float]]:
         """Per-token logprobs of `seqs` under the current policy (or the reference)."""
-        return self.learner.logprobs(seqs, self.tokenizer.pad_token_id,
-                                     self.cfg.optim.micro_batch_tokens, reference=reference)
+        return self.ranks.logprobs(self.learner, seqs, self.tokenizer.pad_token_id,
+                                   self.cfg.optim.micro_batch_tokens, reference=reference)
 
     # --- evaluation ---------------------------------------------------------------------------------
     def evaluate(self) -> float:

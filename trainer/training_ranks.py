@@ -25,6 +25,11 @@ generators all down -- while the training collectives keep RLPILOT_DIST_TIMEOUT_
   inspector shows) come back with `gather_object`, with the wall-clock start and end of each
   rank's update (the run's timeline: trainer/timeline.py) and the rank's CPU seconds and
   resident memory (trainer/system.py's ProcessMeter).
+- LOGPROBS, WEIGHTS, CHECKPOINT (sharded models only, `cluster.sharding = "fsdp"`: every forward
+  and every whole-model read is then a collective of all ranks): rank 0's log-prob recomputes
+  (pi_old, the reference) cut into token-balanced shares like an update, each rank's results
+  gathered back; the whole weights for the generators after an update (they land on rank 0);
+  a checkpoint's model and optimizer shards, each rank writing its own into rank 0's folder.
 - END: the run is over (its status); the ranks leave their loop ("failed": they raise, so
   torchrun reports the failure). Rank 0 sends no END when it fails in the middle of an update:
   the others are then inside the update's collectives, and a message would not match them; it
@@ -39,7 +44,7 @@ import time
 from trainer.learner import TrainSequence
 from trainer.system import process_usage
 
-TRAIN, END = "train", "end"
+TRAIN, LOGPROBS, WEIGHTS, CHECKPOINT, END = "train", "logprobs", "weights", "checkpoint", "end"
 CHANNEL_TIMEOUT = datetime.timedelta(days=7)   # a paused run may wait that long for its person
 
 
@@ -107,6 +112,41 @@ class Controller:
         self.sent = seqs
         return [[s for _, s in part] for part in per_rank[0]]
 
+    def logprobs(self, learner, seqs: list[TrainSequence], pad_id: int, max_tokens: int,
+                 reference: bool = False) -> list[list[float]]:
+        """Per-token log-probabilities of `seqs` (learner.logprobs); sharded, every rank computes a
+        token-balanced share."""
+        if not learner.sharded:
+            return learner.logprobs(seqs, pad_id, max_tokens, reference=reference)
+        import torch.distributed as dist
+
+        cut = shares([s.length for s in seqs], self.world.size)
+        self._send((LOGPROBS, reference, max_tokens))
+        box = [None]
+        dist.scatter_object_list(box, [[_portable(seqs[i]) for i in part] for part in cut], src=0,
+                                 group=self.channel)
+        mine = learner.logprobs([seqs[i] for i in cut[0]], pad_id, max_tokens, reference=reference)
+        got: list = [None] * self.world.size
+        dist.gather_object(mine, got, dst=0, group=self.channel)
+        out: list = [None] * len(seqs)
+        for part, results in zip(cut, got):
+            for i, lp in zip(part, results):
+                out[i] = lp
+        return out
+
+    def full_weights(self, learner) -> dict:
+        """The policy's whole tensors for the generators (sharded: gathered onto rank 0)."""
+        if learner.sharded:
+            self._send((WEIGHTS,))
+        return learner.full_state_dict()
+
+    def save_shards(self, learner, folder) -> None:
+        """Sharded: every rank writes its shards of the model and optimizer into `folder`."""
+        from trainer import sharding
+
+        self._send((CHECKPOINT, str(folder)))
+        sharding.save(folder, learner.model, learner.optimizer)
+
     def gather_reports(self) -> list[tuple]:
         """After the update: the other ranks' report figures into rank 0's sequences. Returns
         (rank, start, end, CPU seconds, resident bytes) of each other rank: its update's
@@ -152,6 +192,21 @@ def follow(controller: Controller, learner, pad_id: int, on_step=None) -> str:
             if message[1] == "failed":
                 raise RuntimeError("rank 0 (the controller) failed: its error is in its log")
             return message[1]
+        if message[0] == LOGPROBS:
+            _, reference, max_tokens = message
+            box = [None]
+            dist.scatter_object_list(box, None, src=0, group=group)
+            dist.gather_object(learner.logprobs(box[0], pad_id, max_tokens, reference=reference), None,
+                               dst=0, group=group)
+            continue
+        if message[0] == WEIGHTS:
+            learner.full_state_dict()
+            continue
+        if message[0] == CHECKPOINT:
+            from trainer import sharding
+
+            sharding.save(message[1], learner.model, learner.optimizer)
+            continue
         _, cfg, step, decoupled_loss = message
         box = [None]
         dist.scatter_object_list(box, None, src=0, group=group)

@@ -151,6 +151,11 @@ HEARTBEAT_TIMEOUT_S = env_float("RLPILOT_HEARTBEAT_TIMEOUT_S", 30.0)
 CHART_MAX_POINTS = env_int("RLPILOT_CHART_MAX_POINTS", 1000)
 # rollout samples kept per run (the inspector); past it the oldest steps are thinned (0 = no cap)
 SAMPLES_PER_RUN = env_int("RLPILOT_SAMPLES_PER_RUN", 20000)
+# importing a CLI run directory from the runs page (an archive, actions/imports.py): the largest
+# upload, and the most bytes and entries it may unpack to (each JSONL file also obeys
+# RLPILOT_MAX_DATA_BYTES)
+MAX_IMPORT_BYTES = env_int("RLPILOT_MAX_IMPORT_BYTES", 2 * 2**30)
+MAX_IMPORT_FILES = env_int("RLPILOT_MAX_IMPORT_FILES", 10000)
 
 # --- the stale-run sweep (webapp/dashboard/sweep.py) -----------------------------------------------
 # A live run without a heartbeat for HEARTBEAT_TIMEOUT_S becomes `interrupted`: checked every
@@ -174,8 +179,14 @@ CELERY_TASK_ROUTES = {SWEEP_TASK: {"queue": SWEEP_QUEUE},
 
 # --- alerts (webapp/dashboard/alerts.py): evaluated as a run's metrics arrive -----------------------
 ALERT_KL_MAX = env_float("RLPILOT_ALERT_KL_MAX", 0.5)              # actor/kl above this
-ALERT_KL_RISE_PER_STEP = env_float("RLPILOT_ALERT_KL_RISE", 0.01)  # actor/kl slope over the window
-ALERT_KL_RISE_WINDOW = env_int("RLPILOT_ALERT_KL_RISE_WINDOW", 5)  # steps
+# kl_rising: actor/kl's median over the last WINDOW steps >= FACTOR x its median over the WINDOW
+# before, and >= MIN (a learning policy's KL rises too; a runaway doubles)
+ALERT_KL_RISE_FACTOR = env_float("RLPILOT_ALERT_KL_RISE_FACTOR", 2.0)
+ALERT_KL_RISE_MIN = env_float("RLPILOT_ALERT_KL_RISE_MIN", 0.25)
+ALERT_KL_RISE_WINDOW = env_int("RLPILOT_ALERT_KL_RISE_WINDOW", 20)  # steps
+if env("RLPILOT_ALERT_KL_RISE"):   # the per-step slope it set fired on healthy runs
+    raise ValueError("RLPILOT_ALERT_KL_RISE (a KL slope per step) is gone: set "
+                     "RLPILOT_ALERT_KL_RISE_FACTOR and RLPILOT_ALERT_KL_RISE_MIN (docs/dashboard.md)")
 ALERT_COLLAPSE_RATIO = env_float("RLPILOT_ALERT_COLLAPSE_RATIO", 0.95)  # all_wrong share "near 1"
 ALERT_COLLAPSE_STEPS = env_int("RLPILOT_ALERT_COLLAPSE_STEPS", 5)       # for this many steps
 # a raised alert clears only after its condition has been false for this many steps in a row, so
@@ -188,6 +199,26 @@ ALERT_STALL_MIN_S = env_float("RLPILOT_ALERT_STALL_MIN_S", 60.0)
 # an evaluation or a checkpoint between steps is no stall, for up to this long
 ALERT_STALL_PHASE_MAX_S = env_float("RLPILOT_ALERT_STALL_PHASE_MAX_S", 1800.0)
 # (the heartbeat alert uses RLPILOT_HEARTBEAT_TIMEOUT_S above)
+
+# --- Prometheus /metrics and /health (webapp/dashboard/monitoring/) --------------------------------
+# Off by default (both answer 404). On, they need `Authorization: Bearer <RLPILOT_METRICS_TOKEN>`;
+# enabling them without a token is refused unless RLPILOT_METRICS_ALLOW_NO_TOKEN says so (e.g. a
+# port only the scraper reaches): runs' names and owners are in /metrics.
+RLPILOT_METRICS_ENABLED = env_bool("RLPILOT_METRICS_ENABLED", False)
+RLPILOT_METRICS_TOKEN = env("RLPILOT_METRICS_TOKEN").strip()
+RLPILOT_METRICS_ALLOW_NO_TOKEN = env_bool("RLPILOT_METRICS_ALLOW_NO_TOKEN", False)
+METRICS_TOKEN_MIN_LEN = 16
+if RLPILOT_METRICS_TOKEN and len(RLPILOT_METRICS_TOKEN) < METRICS_TOKEN_MIN_LEN:
+    raise ValueError(f"RLPILOT_METRICS_TOKEN: {len(RLPILOT_METRICS_TOKEN)} characters; expected at least "
+                     f"{METRICS_TOKEN_MIN_LEN} (e.g. `openssl rand -hex 32`)")
+if RLPILOT_METRICS_ENABLED and not RLPILOT_METRICS_TOKEN and not RLPILOT_METRICS_ALLOW_NO_TOKEN:
+    raise ValueError("RLPILOT_METRICS_ENABLED=true needs RLPILOT_METRICS_TOKEN (the bearer token the "
+                     "scraper sends), or RLPILOT_METRICS_ALLOW_NO_TOKEN=true to serve /metrics and "
+                     "/health to anyone who reaches them")
+# /health: how long it waits for a Celery worker's ping reply when no live run's heartbeat is fresh
+RLPILOT_HEALTH_PING_TIMEOUT_S = env_float("RLPILOT_HEALTH_PING_TIMEOUT_S", 2.0)
+if not 0 < RLPILOT_HEALTH_PING_TIMEOUT_S <= 60:
+    raise ValueError(f"RLPILOT_HEALTH_PING_TIMEOUT_S={RLPILOT_HEALTH_PING_TIMEOUT_S:g}: expected seconds in (0, 60]")
 
 # --- auth and security ---------------------------------------------------------------------------
 LOGIN_URL = "login"

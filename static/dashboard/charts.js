@@ -108,8 +108,35 @@
                                       line: { color: "#9333ea", width: 1, dash: "dot" } }));
         lay.annotations = anns.map(a => ({ x: a.step, yref: "paper", y: 1, text: "⚙", hovertext: plotlyText(a.text),
                                            showarrow: false, font: { color: "#9333ea" } }));
+        if (c.highlight) lay.shapes.push(highlightShape(c.highlight));   // kept across whole redraws
       }
       return lay;
+    }
+    // A piece of advice's evidence (static/dashboard/run.js): the steps a figure covers, shaded
+    // on the chart of its metric. One highlight on the page at a time.
+    const HIGHLIGHT = "advice-evidence";
+    function highlightShape(h) {
+      return { type: "rect", name: HIGHLIGHT, xref: "x", yref: "paper", x0: h.first - 0.5, x1: h.last + 0.5,
+               y0: 0, y1: 1, layer: "below", fillcolor: "rgba(245, 158, 11, 0.22)",
+               line: { color: "rgba(217, 119, 6, 0.8)", width: 1 } };
+    }
+    function chartOf(key) {   // the drawn line chart with a trace of metric `key`
+      return charts.find(c => c.type !== "hist" && c.type !== "heat" && c.drawn && keysOf(c).indexOf(key) >= 0) || null;
+    }
+    function setHighlight(c, h) {
+      c.highlight = h;
+      const shapes = ((c.div.layout && c.div.layout.shapes) || []).filter(sh => sh.name !== HIGHLIGHT);
+      if (h) shapes.push(highlightShape(h));
+      Plotly.relayout(c.div, { shapes: shapes });
+    }
+    // highlight(key, first, last): shade steps first..last on the chart of `key` (and clear any
+    // other highlight); returns that chart's div, or null when no drawn chart shows `key`.
+    function highlight(key, first, last) {
+      const target = chartOf(key);
+      charts.forEach(function (c) { if (c.highlight && c !== target) setHighlight(c, null); });
+      if (!target) return null;
+      setHighlight(target, { first: first, last: last });
+      return target.div;
     }
     const config = () => ({ displaylogo: false, responsive: true, staticPlot: !!opts.staticPlot });
     // opts.onPick({step, min_len?, max_len?}): a click on a point of a line chart (its step), a
@@ -273,7 +300,7 @@
       addChartsForNewHistograms();
       charts.forEach(function (c) { try { drawChart(c); } catch (e) { c.drawn = null; console.error(c.id, e); } });
     }
-    return { charts: charts, draw: draw };
+    return { charts: charts, draw: draw, highlight: highlight, chartOf: key => (chartOf(key) || {}).div || null };
   }
 
   // A run snapshot (GET /api/runs/<id>/metrics) as chart state.

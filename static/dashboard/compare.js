@@ -11,6 +11,9 @@
   const chartsEl = document.getElementById("compare-charts");
   const picks = document.getElementById("metric-picks");
   const ema = document.getElementById("ema");
+  const forkLines = page.runs.filter(r => r.fork_step !== null && r.fork_step !== undefined).map(r => (
+    { type: "line", xref: "x", yref: "paper", x0: r.fork_step, x1: r.fork_step, y0: 0, y1: 1,
+      line: { dash: "dash", width: 1, color: "#888" } }));
 
   function selected() {
     return Array.from(picks.querySelectorAll("input:checked")).map(i => i.value);
@@ -27,14 +30,17 @@
         chartsEl.appendChild(div);
       }
       let n = 0;
+      // a fork's steps continue its parent's numbering (it resumed the parent's checkpoint), so
+      // x = step lines the two up from the fork step, which a dashed line marks
       const traces = page.runs.map(function (r, i) {
         const s = data[i][key] || { steps: [], values: [] };
         n += s.steps.length;
+        const fork = r.fork_step !== null && r.fork_step !== undefined ? " (fork of #" + r.parent + " @ " + r.fork_step + ")" : "";
         return { type: "scatter", mode: s.steps.length < 60 ? "lines+markers" : "lines",
-                 name: RLCharts.plotlyText("#" + r.id + " " + r.name), x: s.steps, y: RLCharts.ema(s.values, alpha), marker: { size: 4 } };
+                 name: RLCharts.plotlyText("#" + r.id + " " + r.name + fork), x: s.steps, y: RLCharts.ema(s.values, alpha), marker: { size: 4 } };
       });
       Plotly.react(div, traces, { title: { text: RLCharts.plotlyText(key), font: { size: 13 } }, margin: { l: 48, r: 20, t: 32, b: 32 },
-        legend: { orientation: "h", y: -0.2, font: { size: 10 } }, uirevision: key }, { displaylogo: false, responsive: true });
+        legend: { orientation: "h", y: -0.2, font: { size: 10 } }, uirevision: key, shapes: forkLines }, { displaylogo: false, responsive: true });
       div.setAttribute("data-npoints", String(n));
     });
   }

@@ -62,6 +62,18 @@ TINY = {"rollout.rollout_batch_size": 4, "rollout.n_samples_per_prompt": 4,
         "run.checkpoint_every": 0, "run.reward_workers": 0, "model.threads": 1}
 
 
+def pytest_collection_modifyitems(config, items):
+    """`@pytest.mark.embedded_only`: what the test proves does not depend on the setup (a page
+    drawn in the browser, a trainer-side file), so the redis pass (`make test` runs tests/web
+    twice) leaves it out; CI time goes to what PostgreSQL, Redis and their broker change."""
+    if SETUP != "redis":
+        return
+    skip = pytest.mark.skip(reason="setup-independent: proved by the embedded pass")
+    for item in items:
+        if item.get_closest_marker("embedded_only"):
+            item.add_marker(skip)
+
+
 def pytest_report_header(config):
     return f"rlpilot web setup: {SETUP} (var dir {_TMP})"
 

@@ -205,6 +205,7 @@ def test_exports_round_trip(alice, user, make_run, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.embedded_only
 def test_html_report_opens_offline_in_chromium(user, make_run, tmp_path, monkeypatch):
     from test_web_e2e import ARGS, CHROMIUM
 
@@ -426,15 +427,20 @@ def test_kl_alerts(user, make_run, settings):
                        enumerate([0.01, 0.02, 0.6, 0.7, 0.1, 0.1, 0.1], start=1)])
     assert (3, "alert", "kl_high") in got and (7, "alert_cleared", "kl_high") in got
     assert len([g for g in got if g[2] == "kl_high" and g[1] == "alert"]) == 1
-    # rising faster than 0.01 per step (over a 5-step window), while still below the maximum
+    # rising: the median of the last 5 steps (0.3) is at least twice that of the 5 before (0.05)
+    # and at least ALERT_KL_RISE_MIN (0.25), while still below the maximum
+    settings.ALERT_KL_RISE_WINDOW = 5
     run2 = make_run(user, "running")
-    got = stream(run2, [(s, {**healthy(s), "actor/kl": 0.02 * s}) for s in range(1, 12)])
-    assert got == [(6, "alert", "kl_rising")]
-    # a noisy KL whose end points rise but whose trend is flat: the least-squares slope over
-    # (0.0, 0.3, 0.0, 0.3, 0.0, 0.1) is -0.003 per step, the end points give 0.02
+    kls = [0.05, 0.05, 0.06, 0.05, 0.06, 0.1, 0.2, 0.3, 0.4, 0.45]
+    got = stream(run2, [(s, {**healthy(s), "actor/kl": kl}) for s, kl in enumerate(kls, 1)])
+    assert got == [(10, "alert", "kl_rising")]
+    ev = RunEvent.objects.get(run=run2, kind="alert", data__rule="kl_rising")
+    assert ev.data["value"] == 0.3 and ev.data["before"] == 0.05
+    assert "median 0.05 over steps 1-5, 0.3 over steps 6-10" in ev.data["message"]
+    # the steady rise of a learning policy is no alert: 0.012 per step up to 0.48 (the earlier
+    # slope rule raised it: 0.012 > 0.01 per step), the recent median never twice the earlier one
     run3 = make_run(user, "running")
-    noisy = [0.0, 0.3, 0.0, 0.3, 0.0, 0.1]
-    got = stream(run3, [(s, {**healthy(s), "actor/kl": kl}) for s, kl in enumerate(noisy, 1)])
+    got = stream(run3, [(s, {**healthy(s), "actor/kl": 0.012 * s}) for s in range(1, 41)])
     assert [g for g in got if g[2] == "kl_rising"] == []
 
 

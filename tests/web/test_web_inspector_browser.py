@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from helpers import sample_row
 
-pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow, pytest.mark.embedded_only]
 
 EVIL = '<script>window.__pwned = 1</script><img src=x onerror="window.__pwned = 2">'
 EDGES = [0, 8, 16, 24, 32, 40]

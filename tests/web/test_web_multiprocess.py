@@ -23,7 +23,8 @@ from test_web_e2e import ARGS, CHROMIUM, DRAWN
 
 from webapp.dashboard.models import KnobChange, MetricPoint, Run, RunEvent
 
-pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow, pytest.mark.timeout(300),
+              pytest.mark.embedded_only]
 
 FORM = {"rollout.rollout_batch_size": "4", "rollout.n_samples_per_prompt": "4",
         "rollout.max_response_len": "48", "rollout.max_slots": "16", "run.eval_every": "0",

@@ -26,7 +26,7 @@ from trainer.engine.sglang_server import ROOT, VENV, SGLangServer
 MODEL_DIR = ROOT / "var" / "models" / gguf_import.SMOLLM2_DIR_NAME
 
 pytestmark = [
-    pytest.mark.django_db(transaction=True), pytest.mark.slow,
+    pytest.mark.django_db(transaction=True), pytest.mark.slow, pytest.mark.embedded_only,
     pytest.mark.skipif(not (VENV / "bin" / "python").is_file(),
                        reason=f"no SGLang virtualenv at {VENV}: run `make sglang`"),
     pytest.mark.skipif(not (MODEL_DIR / "config.json").is_file(),

@@ -119,6 +119,7 @@ TOTALS = """() => [...document.querySelectorAll('#timeline-totals .barlayer .poi
 
 
 @pytest.mark.slow
+@pytest.mark.embedded_only
 def test_the_offline_report_draws_every_lane_in_order(make_run, user, tmp_path, monkeypatch):
     """Four training ranks (rank 10 after rank 2), two generators, one named with markup: the
     offline HTML export, no network."""
@@ -170,6 +171,7 @@ def test_the_offline_report_draws_every_lane_in_order(make_run, user, tmp_path, 
 
 
 @pytest.mark.slow
+@pytest.mark.embedded_only   # the live stream over Redis: test_web_e2e's story
 def test_timeline_live_and_in_the_report(live_asgi, django_user_model, monkeypatch, tmp_path, tiny,
                                           wait_until):
     from conftest import browser_login

@@ -10,11 +10,11 @@ import json
 
 
 def add_parser(sub) -> None:
-    from trainer.bench import april, asynchronous, engine, greso, learn, samples, scale
+    from trainer.bench import april, asynchronous, engine, greso, learn, pilot, samples, scale
 
     b = sub.add_parser("bench", help="benchmarks (see `bench -h`)")
     bsub = b.add_subparsers(dest="bench", required=True)
-    for module in (learn, april, greso, asynchronous, engine, samples, scale):
+    for module in (learn, april, greso, asynchronous, engine, samples, scale, pilot):
         p = bsub.add_parser(module.NAME, help=module.HELP, description=module.__doc__,
                             formatter_class=argparse.RawDescriptionHelpFormatter)
         p.add_argument("--json", action="store_true", help="print only the JSON result")

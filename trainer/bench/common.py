@@ -81,6 +81,11 @@ def train_variant(name: str, preset: str, overrides: list[str], *, steps: int, e
         "heldout_accuracy": accuracy,
     }
     out.update(waste_breakdown(ledger))
+    if cfg.pilot.autopilot:   # what the autopilot did: [step, knob, old, new, undo?]
+        out["autopilot_changes"] = [
+            [e["step"], k, ch["old"], ch["new"], bool(e.get("reason", {}).get("undo_of"))]
+            for e in sink.events if e["kind"] == "knob_applied" and e.get("requested_by") == "autopilot"
+            for k, ch in e["changes"].items()]
     if cfg.april.enabled:  # generated but never trained: its rollout time counts against APRIL
         out["buffer_tokens_at_end"] = int(runner.rollout.buffer.tokens())
     if curve_every:

@@ -6,7 +6,9 @@ same preset, steps and seed, interleaved over `--reps` rounds (round r on seed +
 - `1_process`: everything in one process (the embedded engine in it; an asynchronous preset's
   generation in a thread, `async.worker=thread`);
 - `2_train`: two training ranks, rank 0 the controller with the embedded engine in it (the same);
-- `1_gen_2_train`: two training ranks and one generation process (`cluster.gen_procs=1`).
+- `1_gen_2_train`: two training ranks and one generation process (`cluster.gen_procs=1`);
+- `1_gen_2_train_fsdp`: the same with the model sharded over the two ranks (`cluster.sharding=fsdp`:
+  every forward gathers the weights, every update gathers them whole for the generator).
 
 Reported per variant (medians over rounds, from the runs' metrics.jsonl, so process start-up and
 model loading are left out): seconds per step and its parts (generation or waiting for groups,
@@ -33,8 +35,9 @@ from pathlib import Path
 from trainer.bench.common import ratio, summarise
 
 NAME = "scale"
-HELP = "one process vs two training ranks vs two ranks + a generation process"
-LAYOUTS = {"1_process": (1, 0), "2_train": (2, 0), "1_gen_2_train": (2, 1)}
+HELP = "one process vs two training ranks (replicated or sharded) vs two ranks + a generation process"
+LAYOUTS = {"1_process": (1, 0, "ddp"), "2_train": (2, 0, "ddp"), "1_gen_2_train": (2, 1, "ddp"),
+           "1_gen_2_train_fsdp": (2, 1, "fsdp")}
 IN_PROCESS = ["async.worker=thread"]   # gen_procs=0: no engine process of its own either
 
 
@@ -52,16 +55,18 @@ def add_arguments(p) -> None:
                    help="applied to every variant")
 
 
-def command(preset: str, out: Path, train_procs: int, gen_procs: int, overrides: list[str]) -> list[str]:
+def command(preset: str, out: Path, layout: tuple[int, int, str], overrides: list[str]) -> list[str]:
     """The CLI command line of one variant (it starts torchrun itself for several ranks)."""
+    train_procs, gen_procs, sharding = layout
     cmd = [sys.executable, "-m", "trainer", "run", preset, "--out", str(out)]
-    for o in [*overrides, f"cluster.train_procs={train_procs}", f"cluster.gen_procs={gen_procs}"]:
+    for o in [*overrides, f"cluster.train_procs={train_procs}", f"cluster.gen_procs={gen_procs}",
+              f"cluster.sharding={sharding}"]:
         cmd += ["--set", o]
     return cmd
 
 
 def run_variant(name: str, args, seed: int, log=print) -> dict:
-    train_procs, gen_procs = LAYOUTS[name]
+    gen_procs = LAYOUTS[name][1]
     overrides = [*(IN_PROCESS if gen_procs == 0 else []), *args.set,
                  f"run.max_steps={args.steps}", f"run.seed={seed}",
                  f"model.threads={args.threads}", f"async.worker_threads={args.threads}",
@@ -69,7 +74,7 @@ def run_variant(name: str, args, seed: int, log=print) -> dict:
     with tempfile.TemporaryDirectory(prefix="rlpilot-bench-scale-") as d:
         out = Path(d) / "run"
         env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
-        proc = subprocess.run(command(args.preset, out, train_procs, gen_procs, overrides),
+        proc = subprocess.run(command(args.preset, out, LAYOUTS[name], overrides),
                               env=env, capture_output=True, text=True, timeout=args.timeout)
         if proc.returncode != 0:
             raise RuntimeError(f"{name} failed (exit {proc.returncode}): {proc.stderr[-2000:]}")

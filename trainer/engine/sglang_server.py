@@ -20,6 +20,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 import urllib.error
@@ -28,6 +29,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 VENV = ROOT / ".venv-sglang"
+GUARD = Path(__file__).with_name("group_guard.py")
 CPU_PATH = ROOT / "tools" / "sglang" / "cpu_path"
 FLAVOUR_FILE = "rlpilot-flavour"
 
@@ -112,7 +114,9 @@ class SGLangServer:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "wb")
         try:
-            self.proc = subprocess.Popen(self.command(), env=self.environment(), cwd=ROOT,
+            # the group ends with this process even when it is SIGKILLed (group_guard.py)
+            guarded = [sys.executable, str(GUARD), str(os.getpid()), "--", *self.command()]
+            self.proc = subprocess.Popen(guarded, env=self.environment(), cwd=ROOT,
                                          stdin=subprocess.DEVNULL, stdout=log,
                                          stderr=subprocess.STDOUT, start_new_session=True)
         finally:

@@ -48,6 +48,8 @@ import time
 from collections import deque
 
 from trainer.engine.base import SEGMENT, Sample, SamplingParams
+from trainer.pilot.staleness import STABLE, TIGHTEN, behaviour_verdict
+from trainer.pilot.thresholds import STABLE_STEPS
 from trainer.rollout import april as april_mod
 from trainer.rollout.base import Driver, Group, RolloutResult, StepCounts, new_group, sampling_params
 from trainer.rollout.dynamic import filtered
@@ -358,14 +360,14 @@ class AsyncDriver(Driver):
         a = cfg.async_
         if not a.auto_staleness or "actor/behave_imp_weight" not in tm:
             return None
-        drift = abs(tm["actor/behave_imp_weight"] - 1.0)
         capped = tm.get("actor/behave_capped_ratio", 0.0)
+        verdict = behaviour_verdict(tm["actor/behave_imp_weight"], capped)   # the pilot's eta rule's too
         new = a.max_staleness
-        if drift > 0.05 or capped > 0.01:
+        if verdict == TIGHTEN:
             new, self._stable_steps = max(0, a.max_staleness - 1), 0
-        elif drift < 0.01:
+        elif verdict == STABLE:
             self._stable_steps += 1
-            if self._stable_steps >= 5:
+            if self._stable_steps >= STABLE_STEPS:
                 new, self._stable_steps = min(a.auto_staleness_max, a.max_staleness + 1), 0
         if new == a.max_staleness:
             return None

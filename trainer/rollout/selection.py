@@ -48,7 +48,11 @@ class PromptSelector:
         if not cfg.greso.enabled:
             return {}
         drawn = counts.groups_started + counts.skipped_easy + counts.skipped_hard
-        return {"greso/skip_rate": (counts.skipped_easy + counts.skipped_hard) / max(drawn, 1),
+        with self.lock:
+            wrong, right = self.filter.take_skip_judgements()
+        judged = {"greso/skips_judged": wrong + right,
+                  **({"greso/wrong_skip_ratio": wrong / (wrong + right)} if wrong + right else {})}
+        return {**judged, "greso/skip_rate": (counts.skipped_easy + counts.skipped_hard) / max(drawn, 1),
                 "greso/skip_rate/easy": counts.skipped_easy / max(drawn, 1),
                 "greso/skip_rate/hard": counts.skipped_hard / max(drawn, 1),
                 "greso/p_easy": self.filter.p_easy, "greso/p_hard": self.filter.p_hard,

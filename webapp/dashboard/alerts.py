@@ -14,9 +14,11 @@ writes); the actions layer never imports it.
 Rules (thresholds are settings, `RLPILOT_ALERT_*`):
   staleness      async/staleness/max > async/max_staleness (eta)
   kl_high        actor/kl > ALERT_KL_MAX
-  kl_rising      actor/kl rose faster than ALERT_KL_RISE_PER_STEP per step over the window
-                 (least-squares slope of its last ALERT_KL_RISE_WINDOW + 1 values)
-  reward_collapse rollout/zero_var_ratio/all_wrong >= ALERT_COLLAPSE_RATIO for ALERT_COLLAPSE_STEPS steps
+  kl_rising      the median of actor/kl over the last ALERT_KL_RISE_WINDOW steps is at least
+                 ALERT_KL_RISE_FACTOR x its median over the window before, and at least
+                 ALERT_KL_RISE_MIN (trainer/pilot/window.py kl_rising, the pilot's KL rule too)
+  reward_collapse rollout/zero_var_ratio/all_wrong >= ALERT_COLLAPSE_RATIO for ALERT_COLLAPSE_STEPS
+                 steps, once the run has had a step under that ratio (something to collapse from)
   nan_loss       actor/pg_loss non-finite, or a trainer `warning` event about a non-finite update
   heartbeat      no heartbeat for RLPILOT_HEARTBEAT_TIMEOUT_S (the run becomes interrupted)
   stalled        no step finished for max(ALERT_STALL_FACTOR x median step time, ALERT_STALL_MIN_S)
@@ -33,6 +35,7 @@ from typing import Any, Callable
 
 from django.conf import settings
 
+from trainer.pilot.window import kl_rising, median_halves
 from webapp.dashboard import actions
 from webapp.dashboard.actions import Record
 from webapp.dashboard.models import MetricPoint, Run, Status
@@ -108,25 +111,30 @@ class Monitor:
                 kmax = settings.ALERT_KL_MAX
                 out += self._set("kl_high", kl > kmax, step, f"KL {kl:.4g} is above {kmax:g}",
                                  value=kl, threshold=kmax)
+                window = max(2, settings.ALERT_KL_RISE_WINDOW)
                 hist = [h for h in self.mem.get("kl", []) if h[0] < step] + [[step, kl]]
-                window = max(1, settings.ALERT_KL_RISE_WINDOW)
-                hist = hist[-(window + 1):]
+                hist = hist[-2 * window:]
                 self.mem["kl"] = hist
-                if len(hist) == window + 1:
-                    # least-squares slope over the window: the two end points alone made a
-                    # noisy KL (small batches) raise and clear every few steps
-                    xs, ys = [h[0] for h in hist], [h[1] for h in hist]
-                    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-                    var = sum((x - mx) ** 2 for x in xs)
-                    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var else 0.0
-                    rise = settings.ALERT_KL_RISE_PER_STEP
-                    out += self._set("kl_rising", slope > rise, step,
-                                     f"KL is rising {slope:.4g} per step over the last {window} steps "
-                                     f"(limit {rise:g})", value=slope, threshold=rise)
+                if len(hist) == 2 * window:
+                    # medians of two windows: a learning policy's KL rises too (a 5-step slope
+                    # raised 38 alerts on a healthy 400-step run), a runaway doubles
+                    factor, floor = settings.ALERT_KL_RISE_FACTOR, settings.ALERT_KL_RISE_MIN
+                    rise = kl_rising([h[1] for h in hist], factor, floor)
+                    before, recent = median_halves([h[1] for h in hist])
+                    out += self._set("kl_rising", rise is not None, step,
+                                     f"KL is rising: median {before:.3g} over steps {hist[0][0]}-"
+                                     f"{hist[window - 1][0]}, {recent:.3g} over steps {hist[window][0]}-"
+                                     f"{step} (x{factor:g} from {floor:g} up raises this)",
+                                     value=recent, before=before, threshold=factor)
         if "rollout/zero_var_ratio/all_wrong" in v:
             w = number(v["rollout/zero_var_ratio/all_wrong"])
             if w is not None and math.isfinite(w):
-                n = self.mem.get("all_wrong_steps", 0) + 1 if w >= settings.ALERT_COLLAPSE_RATIO else 0
+                # a collapse needs something to collapse from: a run that has not yet had a step
+                # with signal (a model still learning the answer format) is not collapsing
+                if w < settings.ALERT_COLLAPSE_RATIO:
+                    self.mem["had_signal"] = True
+                low = w >= settings.ALERT_COLLAPSE_RATIO and self.mem.get("had_signal", False)
+                n = self.mem.get("all_wrong_steps", 0) + 1 if low else 0
                 self.mem["all_wrong_steps"] = n
                 need = max(1, settings.ALERT_COLLAPSE_STEPS)
                 out += self._set("reward_collapse", n >= need, step,

@@ -17,7 +17,8 @@ from django.utils import timezone
 from django.views.decorators.csrf import csrf_exempt
 
 from trainer import config as config_mod
-from webapp.dashboard import actions, inspector, policy, reports, streams, sweep, timeline, validation
+from trainer.pilot.thresholds import DEFAULT as DEFAULT_THRESHOLDS
+from webapp.dashboard import actions, advice, inspector, policy, reports, streams, sweep, timeline, validation
 from webapp.dashboard.models import ApiToken, KnobChange, Run, Status
 
 log = logging.getLogger(__name__)
@@ -119,6 +120,7 @@ def run_json(run: Run, user, detail: bool = False) -> dict:
         "summary": run.summary, "error": run.error, "cursor": run.last_seq,
         "can_control": run.can_control(user), "queue": run.queue, "tags": run.tags,
         "archived": run.archived, "active_alerts": sorted(((run.alerts or {}).get("active") or {})),
+        "parent": run.parent_id, "fork_step": run.fork_step,
     }
     if detail:
         d.update({"config": run.config, "knobs": run.knobs, "desired": run.desired,
@@ -126,8 +128,10 @@ def run_json(run: Run, user, detail: bool = False) -> dict:
                   "celery_task_id": run.celery_task_id, "worker_host": run.worker_host,
                   "note": run.note, "alerts": (run.alerts or {}).get("active") or {},
                   "pending_knob_changes": [
-                      {"change_id": k.change_id, "knobs": k.knobs}
-                      for k in run.knob_changes.filter(status=KnobChange.PENDING)]})
+                      {"change_id": k.change_id, "knobs": k.knobs, "advice": k.advice}
+                      for k in run.knob_changes.filter(status=KnobChange.PENDING)],
+                  "forks": list(run.forks.order_by("pk").values_list("pk", flat=True)),
+                  "checkpoints": actions.checkpoint_steps(run)})   # the steps it can be forked from
     return d
 
 
@@ -260,6 +264,23 @@ def run_timeline(request, body, run_id: int):
 
 
 @api("GET")
+def run_advice(request, body, run_id: int):
+    """The pilot's advice on the run's last `?window=N` steps (default: the rules' own window;
+    trainer/pilot/, docs/pilot.md). Anyone logged in may read it, as for metrics."""
+    run = get_run_or_404(run_id)
+    raw = request.GET.get("window")
+    window = DEFAULT_THRESHOLDS.window
+    if raw not in (None, ""):
+        try:
+            window = int(raw)
+            if not 1 <= window <= 1000:
+                raise ValueError
+        except ValueError:
+            return error(400, "bad query", {"window": "expected an integer in [1, 1000]"})
+    return JsonResponse(advice.for_run(run, window))
+
+
+@api("GET")
 def run_samples(request, body, run_id: int):
     """The run's rollout samples, filtered and paged (samples.query: step, min_step, max_step,
     min_reward, max_reward, min_len, max_len, finish, reward_status, q, group, order, after,
@@ -335,12 +356,64 @@ def run_export(request, body, run_id: int):
     return export_response(run, fmt, request.user)
 
 
+def knob_request(body: dict) -> tuple[dict, dict | None]:
+    """(knobs, advice) of a knob change's body: the knobs object itself (`{"optim.lr": 5e-5}`),
+    or `{"knobs": {...}, "advice": {rule, reason, evidence_key}}` for a change made from the
+    pilot's advice. Knob names are dotted, so a top-level `knobs` or `advice` is the wrapped form."""
+    if "knobs" not in body and "advice" not in body:
+        return body, None
+    unknown = sorted(set(body) - {"knobs", "advice"})
+    if unknown or "knobs" not in body:
+        errors = {k: "unknown field; expected knobs, advice" for k in unknown}
+        if "knobs" not in body:
+            errors["knobs"] = 'required with advice: {"knobs": {dotted key: value}, "advice": {...}}'
+        raise actions.Invalid("the knob change is malformed", errors)
+    return body["knobs"], body.get("advice")
+
+
 @api("POST")
 def run_knobs(request, body, run_id: int):
     run = get_run_or_404(run_id)
-    change = actions.request_knobs(run, request.user, body)
+    knobs, advice_marker = knob_request(body)
+    change = actions.request_knobs(run, request.user, knobs, advice=advice_marker)
     return JsonResponse({"change_ids": [change.change_id], "change_id": change.change_id,
-                         "knobs": change.knobs, "status": "pending"}, status=202)
+                         "knobs": change.knobs, "advice": change.advice, "status": "pending"}, status=202)
+
+
+@api("POST")
+def run_advice_dismiss(request, body, run_id: int):
+    """Dismiss one piece of the run's current advice, `{"rule", "evidence_key", "window"?}`
+    (owner or staff): an `advice_dismissed` event; GET .../advice flags it `dismissed` until
+    that rule's evidence_key changes. 201 when recorded, 200 when it was already dismissed."""
+    run = get_run_or_404(run_id)
+    unknown = sorted(set(body) - {"rule", "evidence_key", "window"})
+    if unknown:
+        return error(400, "unknown fields", {k: "unknown field; expected rule, evidence_key, window"
+                                             for k in unknown})
+    window = body.get("window", DEFAULT_THRESHOLDS.window)
+    if isinstance(window, bool) or not isinstance(window, int) or not 1 <= window <= 1000:
+        return error(400, "bad window", {"window": "expected an integer in [1, 1000] (the advice's window)"})
+    if not run.can_control(request.user):   # before reading the metrics for the advice
+        raise actions.Forbidden("only the run's owner or staff can dismiss its advice")
+    current = advice.for_run(run, window)["advice"]
+    done = actions.dismiss_advice(run, request.user, body.get("rule"), body.get("evidence_key"), current)
+    return JsonResponse(done["dismissed"], status=201 if done["new"] else 200)
+
+
+@api("POST")
+def run_fork(request, body, run_id: int):
+    """A new run from this run's checkpoint at `step`, with its config plus `overrides`
+    (actions/fork.py); `name` optional."""
+    run = get_run_or_404(run_id)
+    unknown = set(body) - {"step", "overrides", "name"}
+    if unknown:
+        return error(400, "unknown fields", {k: "unknown field; expected step, overrides, name"
+                                             for k in sorted(unknown)})
+    if "step" not in body:
+        return error(400, "the run was not forked", {"step": "required: the checkpoint step to fork from"})
+    child = actions.fork_run(run, request.user, body.get("step"), body.get("overrides"), body.get("name"))
+    return JsonResponse({"id": child.pk, "status": child.status, "url": f"/runs/{child.pk}/",
+                         "parent": run.pk, "fork_step": child.fork_step}, status=201)
 
 
 def make_control(action: str):

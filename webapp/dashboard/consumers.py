@@ -35,6 +35,7 @@ from trainer.config import short_repr
 from webapp.dashboard import actions, streams, sweep
 from webapp.dashboard.doorbell import group_name
 from webapp.dashboard.models import Run
+from webapp.dashboard.monitoring import sockets
 
 log = logging.getLogger(__name__)
 
@@ -175,6 +176,7 @@ class RunConsumer(AsyncWebsocketConsumer):
             return
         self.counted_user = self.user.pk
         OPEN_SOCKETS[self.user.pk] = OPEN_SOCKETS.get(self.user.pk, 0) + 1
+        sockets.publish(sum(OPEN_SOCKETS.values()))   # GET /metrics counts the clients
         qs = parse_qs(self.scope.get("query_string", b"").decode("latin-1"))
         try:
             self.cursor = max(0, int(qs.get("after", ["0"])[-1] or 0))
@@ -196,6 +198,7 @@ class RunConsumer(AsyncWebsocketConsumer):
             else:
                 OPEN_SOCKETS.pop(self.counted_user, None)
             self.counted_user = None
+            sockets.publish(sum(OPEN_SOCKETS.values()))
         for task in (self.pump_task, self.keeper_task):
             if task is not None:
                 task.cancel()
@@ -286,6 +289,7 @@ class RunConsumer(AsyncWebsocketConsumer):
         try:
             while True:
                 self.wake.clear()
+                sockets.refresh(sum(OPEN_SOCKETS.values()))   # keeps the published count alive
                 if time.monotonic() - self.checked_at >= settings.WS_USER_RECHECK_S:
                     if not await self.user_still_valid():
                         return
@@ -344,18 +348,19 @@ class RunConsumer(AsyncWebsocketConsumer):
             await self.error("request_id: expected a string or an integer (at most 64 characters)")
             return
         if msg["type"] == "set_knobs":
-            await self.set_knobs(msg.get("knobs"), request_id)
+            await self.set_knobs(msg.get("knobs"), request_id, msg.get("advice"))
         elif msg["type"] == "ping":
             await self.send(text_data=json.dumps({"type": "pong", "cursor": self.cursor}))
         else:
             await self.error(f"unknown message type {short_repr(msg['type'])}; "
                              "expected set_knobs or ping")
 
-    async def set_knobs(self, knobs, request_id=None):
+    async def set_knobs(self, knobs, request_id=None, advice=None):
+        """A knob change (`advice`: the marker of the pilot's advice it applies, or None)."""
         if not await self.user_still_valid():   # a control message always re-checks the user
             return
         try:
-            change = await database_sync_to_async(self._request_knobs)(knobs)
+            change = await database_sync_to_async(self._request_knobs)(knobs, advice)
         except actions.ActionError as e:
             await self.error(e.message, e.errors, request_id=request_id, status=e.status)
             return
@@ -365,12 +370,12 @@ class RunConsumer(AsyncWebsocketConsumer):
             return
         await self.send(text_data=json.dumps({
             "type": "knob_ack", "change_id": change.change_id, "knobs": change.knobs,
-            "status": "pending", "request_id": request_id}))
+            "advice": change.advice, "status": "pending", "request_id": request_id}))
         self.wake.set()
 
-    def _request_knobs(self, knobs):
+    def _request_knobs(self, knobs, advice=None):
         run = Run.objects.filter(pk=self.run_id).first()
-        return None if run is None else actions.request_knobs(run, self.user, knobs)
+        return None if run is None else actions.request_knobs(run, self.user, knobs, advice=advice)
 
     async def user_still_valid(self) -> bool:
         """Read the session and the user again: logged out, deactivated, password changed

@@ -13,6 +13,7 @@ import secrets
 
 from django.conf import settings
 from django.db import models
+from django.utils import timezone
 
 from trainer.launch import layout_text
 from webapp.dashboard import lifecycle
@@ -66,9 +67,18 @@ class Run(models.Model):
     tags = models.JSONField(default=list, blank=True)     # ["april", "baseline"]
     archived = models.BooleanField(default=False, db_index=True)
     alerts = models.JSONField(default=dict, blank=True)   # {"active": {rule: {...}}, "state": {...}}
+    # a run imported from a CLI run directory (actions/imports.py): that run's fingerprint, so a
+    # second import of the same directory is recognised
+    imported_from = models.CharField(max_length=80, blank=True)
+    # a fork (actions/fork.py): the run whose checkpoint at `fork_step` it started from
+    parent = models.ForeignKey("self", null=True, blank=True, on_delete=models.SET_NULL,
+                               related_name="forks")
+    fork_step = models.IntegerField(null=True, blank=True)
 
     class Meta:
         ordering = ["-id"]
+        constraints = [models.UniqueConstraint(fields=["imported_from"], name="run_imported_once",
+                                               condition=~models.Q(imported_from=""))]
 
     def __str__(self):
         return f"run {self.pk} {self.name!r} ({self.status})"
@@ -98,7 +108,8 @@ class Run(models.Model):
         """The processes the run trains with, in words ("2 training processes + 1 generation
         process"; the pages show it next to the engine)."""
         cluster = (self.config or {}).get("cluster") or {}
-        return layout_text(int(cluster.get("train_procs", 1)), int(cluster.get("gen_procs", 0)))
+        return layout_text(int(cluster.get("train_procs", 1)), int(cluster.get("gen_procs", 0)),
+                           str(cluster.get("sharding", "ddp")))
 
 
 class MetricPoint(models.Model):
@@ -130,7 +141,8 @@ class RunEvent(models.Model):
     step = models.IntegerField()
     kind = models.CharField(max_length=64)
     data = models.JSONField(default=dict)
-    time = models.DateTimeField(auto_now_add=True)
+    # when it happened: now, or the time an imported run's files record (actions/imports.py)
+    time = models.DateTimeField(default=timezone.now)
 
     class Meta:
         indexes = [models.Index(fields=["run", "seq"])]
@@ -194,6 +206,9 @@ class KnobChange(models.Model):
     requested_at = models.DateTimeField(auto_now_add=True)
     applied_step = models.IntegerField(null=True, blank=True)
     message = models.TextField(blank=True)
+    # a change made from the pilot's advice (the live page's Apply): {rule, reason, evidence_key},
+    # handed to the trainer as the command's reason so its knob_applied event names the advice
+    advice = models.JSONField(null=True, blank=True)
 
     class Meta:
         ordering = ["id"]

@@ -1,5 +1,6 @@
-"""Past-run reports: the summary of a run, its knob timeline and checkpoints, the comparison of
-runs (config diff, summaries with ratios) and the exports (CSV, JSON, TOML, self-contained HTML).
+"""Past-run reports: the summary of a run, its knob timeline, the pilot's advice and what came of
+it, checkpoints, the comparison of runs (config diff, summaries with ratios) and the exports
+(CSV, JSON, TOML, self-contained HTML).
 Reads only; nothing here writes rows. A little over 400 lines: the summary, comparison and
 exports share the same queries."""
 from __future__ import annotations
@@ -197,6 +198,8 @@ def _num(v: Any) -> str:
         return "true" if v else "false"
     if v is None:
         return "null"
+    if isinstance(v, (list, tuple)):   # a list knob (pilot.autopilot): "[staleness, april]"
+        return "[" + ", ".join(_num(x) for x in v) + "]"
     if isinstance(v, (int, float)):
         f = float(v)
         if f != f or f in (float("inf"), float("-inf")):
@@ -215,12 +218,44 @@ def _pairs(d: dict, skip: tuple = ()) -> str:
                     for k, v in list((k, v) for k, v in d.items() if k not in skip)[:8])
 
 
-def _changes(d: dict) -> str:
+def _changes(d: dict, sep: str = ": ") -> str:
     out = []
     for k, ch in (d.get("changes") or {}).items():
         ch = ch if isinstance(ch, dict) else {}
-        out.append(f"{k}: {_num(ch.get('old'))} → {_num(ch.get('new'))}")
+        out.append(f"{k}{sep}{_num(ch.get('old'))} → {_num(ch.get('new'))}")
     return ", ".join(out)
+
+
+AUTOPILOT = "autopilot"   # requested_by of the autopilot's knob changes (trainer/pilot/)
+
+
+def _move(knob: Any, current: Any, proposed: Any) -> str:
+    """A piece of advice's move: "async.max_staleness 0 → 1", or "no knob" (advice that is no knob)."""
+    return f"{knob} {_num(current)} → {_num(proposed)}" if knob else "no knob"
+
+
+def _guard(g: Any) -> str:
+    """The guard that undid an autopilot change, as text (a name, or a dict with its message)."""
+    if isinstance(g, dict):
+        return str(g.get("message") or g.get("name") or _pairs(g))
+    return "" if g is None else str(g)
+
+
+def _applied(d: dict) -> str:
+    """A knob_applied event as a line, saying when it came from the pilot's advice: the
+    autopilot's changes and undos, a person's Apply."""
+    reason = d.get("reason") if isinstance(d.get("reason"), dict) else {}
+    if d.get("requested_by") == AUTOPILOT and reason.get("undo_of"):
+        changes = _changes(d, sep=" ")
+        guard = _guard(reason.get("guard"))
+        return f"autopilot undo: {changes}" + (f" (guard: {guard})" if guard else "")
+    if d.get("requested_by") == AUTOPILOT and reason.get("rule"):
+        why = f"{reason['rule']}: {reason['message']}" if reason.get("message") else str(reason["rule"])
+        return f"autopilot: {_changes(d, sep=' ')} ({why})"
+    if reason.get("evidence_key") and reason.get("rule") and d.get("requested_by"):
+        return f"{_changes(d)} (by {d['requested_by']}, from {reason['rule']} advice)"
+    by = f" (by {d['requested_by']})" if d.get("requested_by") else ""
+    return _changes(d) + by
 
 
 def describe_event(kind: str, data: Any) -> str:
@@ -229,11 +264,20 @@ def describe_event(kind: str, data: Any) -> str:
     d = data if isinstance(data, dict) else {}
     by = f" (by {d['requested_by']})" if d.get("requested_by") else ""
     if kind == "knob_applied":
-        return _changes(d) + by
+        return _applied(d)
     if kind == "auto_staleness":
         return _changes(d) + " (auto)"
     if kind == "knob_requested":
+        advice = d.get("advice") if isinstance(d.get("advice"), dict) else {}
+        if advice.get("rule") and d.get("requested_by"):
+            by = f" (by {d['requested_by']}, from {advice['rule']} advice)"
         return ", ".join(f"{k} = {_num(v)}" for k, v in (d.get("knobs") or {}).items()) + by
+    if kind == "advice":
+        return f"{d.get('rule') or 'pilot'}: {_move(d.get('knob'), d.get('current'), d.get('proposed'))}" + (
+            f" — {d['message']}" if d.get("message") else "")
+    if kind == "advice_dismissed":
+        return (f"dismissed {d.get('rule') or 'pilot'} advice: "
+                f"{_move(d.get('knob'), d.get('current'), d.get('proposed'))}" + by)
     if kind == "knob_rejected":
         return "; ".join(f"{k}: {v}" for k, v in (d.get("errors") or {}).items()) + by
     if kind in ("error", "warning"):
@@ -244,6 +288,11 @@ def describe_event(kind: str, data: Any) -> str:
         return f"{d.get('rule') or 'alert'} cleared"
     if kind == "checkpoint":
         return str(d.get("path") or _pairs(d))
+    if kind == "imported":   # a CLI run directory imported (actions/imports.py)
+        return f"from {d.get('source')} (by {d.get('by')})"
+    if kind == "forked":
+        changes = ", ".join(f"{k} = {_num(v)}" for k, v in (d.get("overrides") or {}).items())
+        return f"from run #{d.get('parent')} at step {d.get('step')}" + (f": {changes}" if changes else "") + by
     if kind == "status":
         return str(d.get("status", "")) + (f" — {d['message']}" if d.get("message") else "")
     return _pairs(d)
@@ -259,6 +308,92 @@ def alerts(run: Run) -> list[dict[str, Any]]:
     return [{"step": e.step, "time": e.time, "kind": e.kind, "rule": (e.data or {}).get("rule", ""),
              "message": (e.data or {}).get("message", "")}
             for e in RunEvent.objects.filter(run_id=run.pk, kind__in=("alert", "alert_cleared")).order_by("seq")]
+
+
+# --- the pilot's advice: advised, applied, dismissed, and what happened next -----------------------
+
+EFFECT_STEPS = 10   # steps before and after an applied change whose means the report compares
+EFFECT_METRICS = (("perf/trained_tokens_per_s", "trained tokens/s"),
+                  (("reward/accuracy", "reward/mean"), "accuracy"))   # accuracy, else the reward
+
+
+def _mean(run_id: int, key: str, first: int, last: int) -> tuple[float | None, int]:
+    """(mean, steps) of `key` over steps first..last (a step's missing or NaN value left out)."""
+    agg = (MetricPoint.objects.filter(run_id=run_id, key=key, step__gte=first, step__lte=last,
+                                      value__isnull=False).aggregate(avg=Avg("value"), n=Count("step", distinct=True)))
+    return agg["avg"], agg["n"]
+
+
+def change_effect(run_id: int, step: int, steps: int = EFFECT_STEPS) -> list[dict[str, Any]]:
+    """What happened after a knob change applied at `step` (it takes effect from step + 1): the
+    mean of trained tokens/s and of the accuracy (else the reward) over up to `steps` steps up to
+    `step` and over up to `steps` steps after it. One row per metric the run reported."""
+    out = []
+    for keys, label in EFFECT_METRICS:
+        for key in (keys if isinstance(keys, tuple) else (keys,)):
+            before, n_before = _mean(run_id, key, step - steps + 1, step)
+            after, n_after = _mean(run_id, key, step + 1, step + steps)
+            if n_before or n_after:
+                break
+        else:
+            continue
+        change = (after - before) / abs(before) if before and after is not None else None
+        before_steps = f"{n_before} step{'s' * (n_before != 1)}"
+        if after is None:
+            text = f"{fmt(before)} over the {before_steps} before; no step after it yet"
+        elif before is None:
+            text = f"{fmt(after)} over the {n_after} step{'s' * (n_after != 1)} after; none before it"
+        else:
+            text = (f"{fmt(before)} → {fmt(after)}" + (f" ({change:+.0%})" if change is not None else "")
+                    + f", {before_steps} before and {n_after} after")
+        out.append({"key": key, "label": label, "before": before, "after": after, "steps_before": n_before,
+                    "steps_after": n_after, "change": change, "text": text})
+    return out
+
+
+def advice_history(run: Run) -> dict[str, list[dict[str, Any]]]:
+    """The pilot on this run: what was advised when (`advice` events, the trainer's), what was
+    applied (knob_applied events whose reason names a piece of advice: a person's Apply, the
+    autopilot's changes and its undos) with what happened next (change_effect), and what was
+    dismissed (`advice_dismissed`)."""
+    advised, applied, dismissed = [], [], []
+    messages: dict[str, str] = {}
+    for e in (RunEvent.objects.filter(run_id=run.pk, kind__in=("advice", "knob_applied", "advice_dismissed"))
+              .order_by("seq")):
+        d = e.data if isinstance(e.data, dict) else {}
+        if e.kind == "advice":
+            if d.get("evidence_key") and d.get("message"):
+                messages[str(d["evidence_key"])] = str(d["message"])
+            advised.append({"step": e.step, "time": e.time, "rule": d.get("rule"), "reason": d.get("reason"),
+                            "move": _move(d.get("knob"), d.get("current"), d.get("proposed")),
+                            "message": d.get("message") or "", "confidence": d.get("confidence") or "",
+                            "evidence_key": d.get("evidence_key")})
+        elif e.kind == "advice_dismissed":
+            dismissed.append({"step": e.step, "time": e.time, "rule": d.get("rule"),
+                              "move": _move(d.get("knob"), d.get("current"), d.get("proposed")),
+                              "message": d.get("message") or "", "by": d.get("requested_by") or "",
+                              "evidence_key": d.get("evidence_key")})
+        else:
+            reason = d.get("reason") if isinstance(d.get("reason"), dict) else {}
+            key = reason.get("evidence_key") or reason.get("undo_of")
+            if not key:
+                continue   # a change no advice asked for
+            autopilot = d.get("requested_by") == AUTOPILOT
+            undo = bool(reason.get("undo_of"))
+            applied.append({
+                "step": e.step, "time": e.time, "rule": reason.get("rule") or "", "evidence_key": str(key),
+                "by": ("autopilot (undo)" if undo else "autopilot") if autopilot
+                else f"{d.get('requested_by') or 'web'} (from advice)",
+                "undo": undo, "guard": _guard(reason.get("guard")) if undo else "",
+                "changes": _changes(d, sep=" "),
+                "message": (reason.get("message") or messages.get(str(key))
+                            or str(reason.get("reason") or "").replace("_", " ")),
+                "effect": change_effect(run.pk, e.step)})
+    return {"advised": advised, "applied": applied, "dismissed": dismissed}
+
+
+def _iso(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{**r, "time": r["time"].isoformat()} for r in rows]
 
 
 def checkpoints(run: Run) -> list[dict[str, Any]]:
@@ -368,7 +503,7 @@ def run_meta(run: Run) -> dict[str, Any]:
             "created_at": run.created_at.isoformat(),
             "started_at": run.started_at.isoformat() if run.started_at else None,
             "finished_at": run.finished_at.isoformat() if run.finished_at else None,
-            "error": run.error}
+            "error": run.error, "parent": run.parent_id, "fork_step": run.fork_step}
 
 
 def export_json(run: Run) -> dict[str, Any]:
@@ -379,7 +514,8 @@ def export_json(run: Run) -> dict[str, Any]:
                            for h in HistogramSnapshot.objects.filter(run_id=run.pk).order_by("seq")],
             "events": [{"seq": e.seq, "step": e.step, "kind": e.kind, "time": e.time.isoformat(),
                         "data": e.data} for e in RunEvent.objects.filter(run_id=run.pk).order_by("seq")],
-            "knob_timeline": [{**k, "time": k["time"].isoformat()} for k in knob_timeline(run)],
+            "knob_timeline": _iso(knob_timeline(run)),
+            "advice": {part: _iso(rows) for part, rows in advice_history(run).items()},
             "timeline": [{"step": t["step"], "spans": t["spans"]}
                          for t in run_timeline.snapshot(run.pk)["slices"]],   # every step's spans
             # every sample but its per-token arrays (the samples CSV has those: they can be large)
@@ -448,6 +584,7 @@ def export_html(run: Run, max_points: int = 2000) -> str:
     snap = streams.metrics_snapshot(run, None, None, max_points, max_histograms=300, max_events=2000)
     return render_to_string("dashboard/report_export.html", {
         "run": run, "rows": summary_rows(summary(run)), "timeline": knob_timeline(run),
+        "advice": advice_history(run),
         "alerts": alerts(run), "events": event_rows(RunEvent.objects.filter(run_id=run.pk).order_by("seq")[:2000]),
         "config_toml": export_toml(run), "generated": timezone.now(), "samples": report_samples(run),
         "css": (static / "dashboard" / "style.css").read_text(),

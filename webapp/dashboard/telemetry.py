@@ -6,7 +6,8 @@ inserts them in one transaction (bulk, sequence-numbered) and then rings the run
 trainer never waits for the database.
 
 DbControlSource turns pending KnobChange rows and the run's `desired` field into trainer
-Commands (which command, lifecycle.trainer_command says).
+Commands (which command, lifecycle.trainer_command says; a change made from the pilot's advice
+carries its marker as the command's reason).
 
 Heartbeat beats for the run and evaluates the `stalled` alert. Every write here goes through the
 actions layer (webapp/dashboard/actions/); the doorbell is webapp/dashboard/doorbell.py.
@@ -201,9 +202,10 @@ class DbControlSource(ControlSource):
             for kc in (KnobChange.objects.filter(run_id=self.run_id, status=KnobChange.PENDING)
                        .exclude(change_id__in=self.seen).select_related("requested_by")):
                 self.seen.add(kc.change_id)
+                # a change applied from the pilot's advice: its marker comes back in knob_applied
                 new.append(Command(SET_KNOBS, knobs=dict(kc.knobs), id=kc.change_id,
                                    requested_by=kc.requested_by.get_username() if kc.requested_by else "web",
-                                   requested_at=kc.requested_at.timestamp()))
+                                   requested_at=kc.requested_at.timestamp(), reason=dict(kc.advice or {})))
         with self.lock:
             self.row = row if row is not None else {"deleted": True}
             self.inbox.extend(new)

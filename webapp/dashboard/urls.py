@@ -19,11 +19,13 @@ register_converter(RunIdConverter, "id")
 
 urlpatterns = [
     path("", views.runs_page, name="runs"),
+    path("runs/import", views.run_import, name="run-import"),
     path("runs/<id:run_id>/", views.run_page, name="run"),
     path("runs/<id:run_id>/delete", views.run_delete, name="run-delete"),
     path("runs/<id:run_id>/report/", views.report_page, name="run-report"),
     path("runs/<id:run_id>/annotate", views.run_annotate, name="run-annotate"),
     path("runs/<id:run_id>/checkpoints/<id:step>", views.run_checkpoint, name="run-checkpoint"),
+    path("runs/<id:run_id>/fork", views.fork_page, name="run-fork"),
     path("compare/", views.compare_page, name="compare"),
     path("api/knobs", api.knobs),
     path("api/presets", api.presets),
@@ -31,6 +33,8 @@ urlpatterns = [
     path("api/runs/<id:run_id>", api.run_detail),
     path("api/runs/<id:run_id>/metrics", api.run_metrics),
     path("api/runs/<id:run_id>/timeline", api.run_timeline),
+    path("api/runs/<id:run_id>/advice", api.run_advice),
+    path("api/runs/<id:run_id>/advice/dismiss", api.run_advice_dismiss),
     path("api/runs/<id:run_id>/samples", api.run_samples),
     path("api/runs/<id:run_id>/samples/<id:sample_id>", api.run_sample),
     path("api/runs/<id:run_id>/export", api.run_export),
@@ -39,5 +43,6 @@ urlpatterns = [
     path("api/runs/<id:run_id>/pause", api.run_pause),
     path("api/runs/<id:run_id>/resume", api.run_resume),
     path("api/runs/<id:run_id>/kill", api.run_kill),
+    path("api/runs/<id:run_id>/fork", api.run_fork),
     re_path(r"^api/", api.not_found),   # anything else under /api/: a JSON 404
 ]

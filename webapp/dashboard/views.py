@@ -28,8 +28,9 @@ def _section_notes() -> dict[str, str]:
                        f"process at the same step); {most}."}
 
 
-def _sections(errors: dict[str, str], values: dict[str, str]):
-    """The launch form's fields, grouped by section, straight from the trainer's schema."""
+def _sections(errors: dict[str, str], values: dict[str, str], base: dict | None = None):
+    """The launch form's fields, grouped by section, straight from the trainer's schema; an
+    empty field shows the value it keeps: the default, or `base`'s (the fork form: the parent's)."""
     out: dict[str, list] = {}
     for p in config_mod.schema():
         section = p.name.split(".")[0]
@@ -38,12 +39,21 @@ def _sections(errors: dict[str, str], values: dict[str, str]):
             "name": p.name, "field": FIELD_PREFIX + p.name, "type": p.as_json()["type"],
             "choices": [{"value": c, "refused": refused.get(c, "")} for c in p.choices]
                        if p.choices else None, "default": p.default,
+            "placeholder": _shown(p.default if base is None else base.get(p.name, p.default)),
             "min": p.min, "max": p.max, "help": p.help, "tunable": p.tunable,
             "allowed": p.allowed(), "value": values.get(p.name, ""), "error": errors.get(p.name, ""),
         })
     notes = _section_notes()
     return [{"name": s, "fields": f, "has_error": any(x["error"] for x in f), "note": notes.get(s, "")}
             for s, f in out.items()]
+
+
+def _shown(v):
+    """A value as the form's fields take it (TOML's true/false, not Python's True/False; a list
+    comma-separated, "(none)" when empty)."""
+    if isinstance(v, (list, tuple)):
+        return ", ".join(map(str, v)) or "(none)"
+    return ("true" if v else "false") if isinstance(v, bool) else v
 
 
 def _fmt(v) -> str:
@@ -62,11 +72,7 @@ def runs_page(request):
     if request.method == "POST":
         form = {"name": request.POST.get("name", ""), "preset": request.POST.get("preset", ""),
                 "toml": request.POST.get("toml", ""), "queue": request.POST.get("queue", "")}
-        overrides = {}
-        for key, raw in request.POST.items():
-            if key.startswith(FIELD_PREFIX) and raw.strip() != "":
-                overrides[key[len(FIELD_PREFIX):]] = raw.strip()
-                values[key[len(FIELD_PREFIX):]] = raw
+        overrides, values = _posted_fields(request.POST)
         try:
             run = actions.launch_run(request.user, form["name"], form["preset"] or None, overrides,
                                      form["toml"] if form["toml"].strip() else None,
@@ -96,8 +102,87 @@ def runs_page(request):
         "owners": sorted(set(Run.objects.values_list("owner__username", flat=True))),
         "queues": settings.RLPILOT_QUEUES, "compare_error": compare_error,
         "ended": [Status.STOPPED, Status.FINISHED, Status.FAILED, Status.INTERRUPTED],
+        "max_import_mib": settings.MAX_IMPORT_BYTES // 2**20,
     }
     return render(request, "dashboard/runs.html", ctx, status=400 if errors else 200)
+
+
+def _posted_fields(post) -> tuple[dict[str, str], dict[str, str]]:
+    """(overrides, values as typed) of a form's non-empty config fields."""
+    overrides, values = {}, {}
+    for key, raw in post.items():
+        if key.startswith(FIELD_PREFIX) and raw.strip() != "":
+            overrides[key[len(FIELD_PREFIX):]] = raw.strip()
+            values[key[len(FIELD_PREFIX):]] = raw
+    return overrides, values
+
+
+def _lineage(run: Run) -> dict:
+    """The run's parent and forks, for the pages' links."""
+    return {"parent_run": run.parent, "fork_runs": list(run.forks.order_by("pk"))}
+
+
+@login_required
+@require_http_methods(["GET", "POST"])
+def fork_page(request, run_id: int):
+    """Fork a run: a checkpoint step (those on disk) and the config fields to override; the new
+    run is queued and its page opens (actions/fork.py)."""
+    run = _get_run(run_id)
+    if not run.can_control(request.user):
+        messages.error(request, "Only the run's owner or staff can fork it (its checkpoints are theirs).")
+        return redirect("run-report", run_id=run.pk)
+    steps = actions.checkpoint_steps(run)
+    errors: dict[str, str] = {}
+    values: dict[str, str] = {}
+    chosen = request.GET.get("step") or (str(steps[-1]) if steps else "")
+    name = ""
+    if request.method == "POST":
+        overrides, values = _posted_fields(request.POST)
+        chosen, name = request.POST.get("step", ""), request.POST.get("name", "")
+        step = int(chosen) if chosen.isdigit() else chosen
+        try:
+            child = actions.fork_run(run, request.user, step, overrides, name.strip() or None)
+        except actions.Invalid as e:
+            errors = e.errors
+            messages.error(request, "The run was not forked: " + (
+                errors.get("runs", "") or "fix the fields marked below."))
+        else:
+            return redirect("run", run_id=child.pk)
+    base = reports.flatten(run.config)
+    known = set(p.name for p in config_mod.schema()) | {"name", "step"}
+    return render(request, "dashboard/fork.html", {
+        "run": run, "steps": steps, "chosen": chosen, "name": name, "errors": errors,
+        "sections": _sections(errors, values, base),
+        "other_errors": {k: v for k, v in errors.items() if k not in known},
+    }, status=400 if errors else 200)
+
+
+@login_required
+@require_POST
+def run_import(request):
+    """The runs page's upload: a CLI run directory as an archive (actions.import_archive)."""
+    try:   # refused before the body is read: an upload past the limit is never stored
+        length = int(request.META.get("CONTENT_LENGTH") or 0)
+    except ValueError:
+        length = 0
+    if length > settings.MAX_IMPORT_BYTES:
+        messages.error(request, f"Not imported: the upload is larger than the {settings.MAX_IMPORT_BYTES} "
+                                "bytes this server accepts (RLPILOT_MAX_IMPORT_BYTES).")
+        return redirect("runs")
+    upload = request.FILES.get("archive")
+    if upload is None:
+        messages.error(request, "Not imported: choose a .zip or .tar.gz of a run directory.")
+        return redirect("runs")
+    try:
+        done = actions.import_archive(request.user, upload, upload.size, upload.name,
+                                      request.POST.get("name", "").strip() or None)
+    except actions.ActionError as e:
+        messages.error(request, e.message[0].upper() + e.message[1:])
+        return redirect("runs")
+    for w in done.warnings:
+        messages.warning(request, w)
+    messages.info(request, f"Imported as run #{done.run.pk} ({done.run.status}).")
+    return redirect("run", run_id=done.run.pk)
 
 
 @login_required
@@ -114,7 +199,21 @@ def run_page(request, run_id: int):
             "owner": run.owner.get_username(), "user": request.user.get_username(),
             "active_statuses": list(ACTIVE), "allowed_actions": run.allowed_actions}
     return render(request, "dashboard/run.html", {"run": run, "page": page, "active_alerts": active_alerts(run),
-                                                  "config_toml": config_mod.to_toml(config_mod.from_dict(run.config))})
+                                                  "tracker_links": tracker_links(run),
+                                                  "config_toml": config_mod.to_toml(config_mod.from_dict(run.config)),
+                                                  **_lineage(run)})
+
+
+def tracker_links(run: Run) -> list[dict]:
+    """The web pages of the trackers the run mirrors to (run.report_to: W&B online, a remote
+    MLflow), from their `tracker_started` events; only http(s) addresses become links."""
+    out = {}
+    for data in RunEvent.objects.filter(run_id=run.pk, kind="tracker_started").order_by("seq").values_list(
+            "data", flat=True):
+        url = str((data or {}).get("url") or "")
+        if url.startswith(("https://", "http://")):
+            out[str(data.get("tracker") or "tracker")] = url   # a resume's event replaces the first
+    return [{"tracker": k, "url": v} for k, v in out.items()]
 
 
 def active_alerts(run: Run) -> list[dict]:
@@ -140,12 +239,14 @@ def report_page(request, run_id: int):
     page = {"id": run.pk, "config": run.config, "knobs": run.knobs}
     return render(request, "dashboard/report.html", {
         "run": run, "page": page, "rows": reports.summary_rows(reports.summary(run)),
-        "timeline": reports.knob_timeline(run), "alert_history": reports.alerts(run),
+        "timeline": reports.knob_timeline(run), "advice": reports.advice_history(run),
+        "alert_history": reports.alerts(run),
         "active_alerts": active_alerts(run), "events": reports.event_rows(events),
         "checkpoints": reports.checkpoints(run),
         "config_toml": config_mod.to_toml(config_mod.from_dict(run.config)),
         "can_control": run.can_control(request.user), "is_active": run.status in ACTIVE,
         "resumable": run.status in RESUMABLE, "tags_text": ", ".join(run.tags or []),
+        **_lineage(run),
     })
 
 
@@ -231,7 +332,10 @@ def compare_page(request):
         raise Http404(f"no run {missing[0]}")
     runs = [found[i] for i in ids]
     summaries = [reports.summary(r) for r in runs]
-    page = {"runs": [{"id": r.pk, "name": r.name, "status": r.status} for r in runs]}
+    # a fork's steps continue its parent's numbering (it resumes the parent's checkpoint): both
+    # are drawn at x = step, so they overlay from the fork step, marked on every chart
+    page = {"runs": [{"id": r.pk, "name": r.name, "status": r.status, "parent": r.parent_id,
+                      "fork_step": r.fork_step} for r in runs]}
     return render(request, "dashboard/compare.html", {
         "runs": runs, "rows": reports.compare_rows(runs, summaries), "diff": reports.config_diff(runs),
         "headlines": reports.headlines(runs, summaries), "page": page,

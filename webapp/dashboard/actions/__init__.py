@@ -9,16 +9,22 @@ stale-run sweep and the management commands all go through these functions, by n
   launch.py       a run's configuration, its row and its training task
   runs.py         stop / pause / resume / kill (lifecycle.py's table), notes, delete, and the
                   worker's side: rewind, heartbeat, end
+  fork.py         a new run from another run's checkpoint, with other settings
   knobs.py        validating and queueing a person's knob change
+  pilot.py        the marker of a change made from the pilot's advice; dismissing advice
   alert_state.py  a run's active alerts; a run whose worker was lost
+  imports.py      a run directory the CLI wrote, imported as a run (read by run_files.py)
 
 The package sits low in the import graph: it imports the models, lifecycle.py, errors.py,
-validation.py and policy.py (which never import it), inspector.py, timeline.py, doorbell.py and
+validation.py and policy.py (which never import it), inspector.py, timeline.py, doorbell.py,
+run_files.py and
 the Celery app, and none of the modules that call it; alerts.py and sweep.py hand it what it
 needs as arguments.
 Callers use `from webapp.dashboard import actions; actions.launch_run(...)`.
 """
 from webapp.dashboard.actions.alert_state import change_alerts, clear_alert, interrupt_lost_run
+from webapp.dashboard.actions.fork import checkpoint_steps, fork_run
+from webapp.dashboard.actions.imports import Imported, import_archive, import_run_dir
 from webapp.dashboard.actions.knobs import request_knobs, validate_knobs
 from webapp.dashboard.actions.launch import (
     TRAIN_TASK,
@@ -28,6 +34,7 @@ from webapp.dashboard.actions.launch import (
     shipped_preset,
     validate_queue,
 )
+from webapp.dashboard.actions.pilot import advice_marker, dismiss_advice, dismissed_keys
 from webapp.dashboard.actions.rows import (
     KEY_FIGURES,
     Record,
@@ -43,9 +50,10 @@ from webapp.dashboard.doorbell import group_name
 from webapp.dashboard.errors import ActionError, Conflict, Forbidden, Invalid
 
 __all__ = [
-    "ActionError", "Conflict", "Forbidden", "Invalid", "KEY_FIGURES", "Record", "TRAIN_TASK",
-    "annotate_run", "append", "build_config", "change_alerts", "clean_json", "clear_alert",
-    "control", "delete_run", "end_run", "event", "group_name", "heartbeat", "interrupt_lost_run",
-    "launch_run", "request_knobs", "rewind", "ring", "run_dir", "set_status", "shipped_preset",
-    "status_record", "validate_knobs", "validate_queue",
+    "ActionError", "Conflict", "Forbidden", "Imported", "Invalid", "KEY_FIGURES", "Record",
+    "TRAIN_TASK", "advice_marker", "annotate_run", "append", "build_config", "change_alerts",
+    "checkpoint_steps", "clean_json", "clear_alert", "control", "delete_run", "dismiss_advice",
+    "dismissed_keys", "end_run", "event", "fork_run", "group_name", "heartbeat", "import_archive",
+    "import_run_dir", "interrupt_lost_run", "launch_run", "request_knobs", "rewind", "ring",
+    "run_dir", "set_status", "shipped_preset", "status_record", "validate_knobs", "validate_queue",
 ]

@@ -1,7 +1,8 @@
 """Knob changes a person asks for: validated against the schema and the run's current config,
 queued as a pending change the control source hands the trainer at its next step boundary
 (where the trainer validates the whole change again and records `knob_applied` or
-`knob_rejected`; actions.rows turns the change's row with that event)."""
+`knob_rejected`; actions.rows turns the change's row with that event). A change made from the
+pilot's advice carries its marker (actions/pilot.py) all the way to that event."""
 from __future__ import annotations
 
 import uuid
@@ -12,6 +13,7 @@ from django.db.models import F
 
 from trainer import config as config_mod
 from webapp.dashboard import lifecycle, policy, validation
+from webapp.dashboard.actions.pilot import advice_marker
 from webapp.dashboard.actions.rows import Record, append
 from webapp.dashboard.errors import Conflict, Forbidden, Invalid
 from webapp.dashboard.models import KnobChange, Run
@@ -42,21 +44,26 @@ def validate_knobs(run: Run, knobs: Any) -> dict[str, Any]:
     return out
 
 
-def request_knobs(run: Run, user, knobs: Any) -> KnobChange:
+def request_knobs(run: Run, user, knobs: Any, advice: Any = None) -> KnobChange:
     """Queue a knob change: its row, the run's knob_version (what the control source watches)
-    and the `knob_requested` event, in one transaction."""
+    and the `knob_requested` event, in one transaction. `advice`: the {rule, reason,
+    evidence_key} of the advice the change applies (the live page's Apply), kept on the row and
+    in the event; the control source hands it to the trainer as the command's reason."""
     if not run.can_control(user):
         raise Forbidden("only the run's owner or staff can change its knobs")
     if run.status not in lifecycle.TUNABLE:
         raise Conflict(f"the run is {run.status}; knobs can change only while it is queued, "
                        "running or paused")
+    marker = advice_marker(advice)
     values = validate_knobs(run, knobs)
     with transaction.atomic():
         Run.objects.select_for_update().filter(pk=run.pk).first()  # one flood check at a time
         policy.check_knob_rate(run, user)
         change = KnobChange.objects.create(run=run, change_id=uuid.uuid4().hex[:12], knobs=values,
-                                           requested_by=user)
-        append(run.pk, [Record("event", run.step, "knob_requested", {
-            "change_id": change.change_id, "knobs": values, "requested_by": user.get_username()})],
-            {"knob_version": F("knob_version") + 1})
+                                           requested_by=user, advice=marker)
+        data = {"change_id": change.change_id, "knobs": values, "requested_by": user.get_username()}
+        if marker:
+            data["advice"] = marker
+        append(run.pk, [Record("event", run.step, "knob_requested", data)],
+               {"knob_version": F("knob_version") + 1})
     return change

@@ -74,6 +74,16 @@ def validate_queue(queue: Any) -> str:
     return queue
 
 
+def config_problems(user, cfg) -> dict[str, str]:
+    """What keeps `user` from running `cfg` here (the worker's limits, the model's source), by key."""
+    errors = validation.config_problems(cfg)
+    if "model.path" not in errors:
+        problem = policy.model_source_problem(user, cfg.model.path)
+        if problem:
+            errors["model.path"] = problem
+    return errors
+
+
 def launch_run(user, name: Any, preset: Any = None, overrides: Any = None, toml: str | None = None,
                queue: Any = None) -> Run:
     """Validate and queue a run. Raises Invalid (400: per-field errors, including what the
@@ -100,11 +110,7 @@ def launch_run(user, name: Any, preset: Any = None, overrides: Any = None, toml:
     except Invalid as e:
         errors.update(e.errors)
     else:
-        errors.update(validation.config_problems(cfg))
-        if "model.path" not in errors:
-            problem = policy.model_source_problem(user, cfg.model.path)
-            if problem:
-                errors["model.path"] = problem
+        errors.update(config_problems(user, cfg))
     if errors:
         raise Invalid("the run was not launched", validation.clip_errors(errors))
     with transaction.atomic():

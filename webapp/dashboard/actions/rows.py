@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from datetime import datetime
+from datetime import timezone as dt_timezone
 from typing import Any, Callable, Iterable
 
 from django.db import transaction
@@ -61,6 +63,9 @@ class Record:
     # points / event data / {edges, counts} / {"rows": [sample dict, ...]} / {"spans": [...]}
     # / {"status", "message"?}
     values: dict[str, Any] = field(default_factory=dict)
+    # when an event or status change happened (unix seconds), when not now: an imported run's
+    # file times (actions/imports.py)
+    time: float | None = None
 
 
 class Batch:
@@ -85,9 +90,10 @@ class Batch:
         """The run row's value of `name` as this append leaves it so far."""
         return self.fields[name] if name in self.fields else getattr(self.run, name)
 
-    def add_event(self, step: int, kind: str, data: dict[str, Any]) -> None:
+    def add_event(self, step: int, kind: str, data: dict[str, Any], at: float | None = None) -> None:
+        when = timezone.now() if at is None else datetime.fromtimestamp(at, dt_timezone.utc)
         self.events.append(RunEvent(run_id=self.run.pk, seq=self.next_seq(), step=step, kind=kind,
-                                    data=clean_json(data)))
+                                    data=clean_json(data), time=when))
 
 
 # --- one handler per record kind ----------------------------------------------------------------------
@@ -124,7 +130,7 @@ def _timeline(b: Batch, r: Record) -> None:
 
 
 def _event(b: Batch, r: Record) -> None:
-    b.add_event(r.step, r.name, r.values)
+    b.add_event(r.step, r.name, r.values, r.time)
     handler = EVENT_HANDLERS.get(r.name)
     if handler is not None:
         handler(b, r)
@@ -137,10 +143,11 @@ def _status(b: Batch, r: Record) -> None:
     data = {"status": new, "previous": previous, "desired": b.current("desired")}
     if "message" in r.values:
         data["message"] = r.values["message"]
-    b.add_event(r.step, "status", data)
+    b.add_event(r.step, "status", data, r.time)
     b.fields["status"] = new
     if new in lifecycle.ENDED:
-        b.fields.setdefault("finished_at", timezone.now())
+        b.fields.setdefault("finished_at", timezone.now() if r.time is None
+                            else datetime.fromtimestamp(r.time, dt_timezone.utc))
 
 
 HANDLERS: dict[str, Callable[[Batch, Record], None]] = {
@@ -239,25 +246,27 @@ def event(run_id: int, step: int, kind: str, data: dict | None = None, **updates
     return append(run_id, [Record("event", step, kind, data or {})], updates)
 
 
-def status_record(status: str, step: int, error: str | None = None) -> Record:
-    """The record of a status change (`error`, when given, is the status event's message)."""
+def status_record(status: str, step: int, error: str | None = None, at: float | None = None) -> Record:
+    """The record of a status change (`error`, when given, is the status event's message; `at`,
+    when given, the unix time it happened)."""
     return Record("status", step, values={"status": status} if error is None
-                  else {"status": status, "message": error})
+                  else {"status": status, "message": error}, time=at)
 
 
 def set_status(run: Run | int, status: str, *, only_from: Iterable[str] | None = None,
-               step: int | None = None, **fields) -> bool:
+               step: int | None = None, at: float | None = None, **fields) -> bool:
     """Change a run's status (and record a `status` event), with `fields` on the run row. With
-    `only_from`, do nothing unless the current status is one of those. Returns whether it
-    changed."""
+    `only_from`, do nothing unless the current status is one of those; `at`: when it happened
+    (unix seconds; default now). Returns whether it changed."""
     run_id = run if isinstance(run, int) else run.pk
     with transaction.atomic():
         cur = Run.objects.select_for_update().only("status", "step").get(pk=run_id)
         if only_from is not None and cur.status not in set(only_from):
             return False
         if status in lifecycle.ENDED:
-            fields.setdefault("finished_at", timezone.now())
-        append(run_id, [status_record(status, cur.step if step is None else step, fields.get("error"))],
+            fields.setdefault("finished_at", timezone.now() if at is None
+                              else datetime.fromtimestamp(at, dt_timezone.utc))
+        append(run_id, [status_record(status, cur.step if step is None else step, fields.get("error"), at)],
                fields)
     if isinstance(run, Run):
         run.status = status

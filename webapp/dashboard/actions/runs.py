@@ -141,10 +141,11 @@ def rewind(run_id: int, step: int, from_checkpoint: bool) -> int:
 
 
 def end_run(run_id: int, status: str, *, final_summary: dict | None = None,
-            error: str | None = None) -> bool:
+            error: str | None = None, at: float | None = None) -> bool:
     """The training task's last word on a live run: finished, stopped or failed (nothing when it is
     no longer live: killed or interrupted meanwhile). The trainer's final summary is merged into
-    the run's summary under the row lock, after the sink's last write."""
+    the run's summary under the row lock, after the sink's last write. `at`: when the run ended
+    (unix seconds; default now: an imported run's end is its files' time)."""
     if status not in lifecycle.WORKER_ENDS:
         raise ValueError(f"a run ends {', '.join(lifecycle.WORKER_ENDS)}; got {status!r}")
     fields: dict[str, Any] = {}
@@ -154,7 +155,7 @@ def end_run(run_id: int, status: str, *, final_summary: dict | None = None,
             fields["summary"] = {**(cur or {}), "final": clean_json(final_summary)}
         if error is not None:
             fields["error"] = error
-        return set_status(run_id, status, only_from=lifecycle.END_FROM, **fields)
+        return set_status(run_id, status, only_from=lifecycle.END_FROM, at=at, **fields)
 
 
 def heartbeat(run_id: int, at: datetime | None = None) -> bool:

@@ -1,0 +1,15 @@
+"""The pilot: rules that read a run's recent metrics and its config and say which knob to move,
+by how much and why (docs/pilot.md).
+
+  advice.py      `Advice` and its `Figure`s (the evidence), `propose` (a value inside a knob's range)
+  window.py      `Window`: the recent metric rows, read as series (means, trends, shares of steps)
+  thresholds.py  `Thresholds`: every rule's threshold, with its default and where it comes from
+  staleness.py   eta (async.max_staleness) -- shares its verdict with async.auto_staleness
+  april.py       over-sampling, segment limit, response length
+  greso.py       GRESO's exploration bounds
+  health.py      length hacking, entropy collapse, KL runaway
+  rules.py       `advise(rows, cfg)`: every rule over the latest window
+  cli.py         `python -m trainer advise RUN_DIR`
+
+Pure logic: no model, no torch, no Django.
+"""
