@@ -218,8 +218,16 @@ def test_a_synchronous_run_over_two_ranks_equals_the_one_process_run(tmp_path, m
     ckpt = f"checkpoints/step_{first + 1:06d}/model"
     a = load_model(str(tmp_path / "two" / ckpt), torch.device("cpu"), torch.float32)
     b = load_model(str(tmp_path / "one" / ckpt), torch.device("cpu"), torch.float32)
+    # where a weight's exact gradient is float noise (|g| ~ 1e-9), Adam's first step still moves it
+    # by up to lr x sign(g), the sign being the rounding's (test_fsdp saw it in CI): a few such
+    # weights may differ, by no more than two steps; every other weight is equal
+    apart = total = 0
     for (name, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):
-        torch.testing.assert_close(p, q, rtol=0, atol=1e-5, msg=name)
+        diff = (p - q).abs().detach()
+        assert diff.max().item() <= 2 * max(LR, _mode_config(mode).optim.lr), name
+        apart += int((diff > 1e-5).sum())
+        total += diff.numel()
+    assert apart <= total * 1e-3, f"{apart} of {total} weights differ by more than 1e-5"
 
 
 def _resume_worker(rank, port, run_dir, steps):
