@@ -205,6 +205,28 @@ def test_inside_and_the_guards_by_hand():
     assert guard_trips(before, after, for_throughput=False, throughput_drop=0.0, accuracy_drop=0.05) is None
 
 
+def test_the_accuracy_guard_trips_past_the_threshold_and_past_the_steps_noise():
+    def rows(acc):
+        return [{"step": i, "reward/accuracy": a} for i, a in enumerate(acc)]
+
+    def trips(before, after, drop=0.05):
+        return guard_trips(rows(before), rows(after), for_throughput=False, throughput_drop=0.15,
+                           accuracy_drop=drop)
+
+    # means 0.6 -> 0.5, steps 0.1 off their mean: sample variances 4 x 0.01 / 3 = 0.01333 a side,
+    # Welch's standard error sqrt(2 x 0.01333 / 4) = 0.0816, two of it 0.163 > the 0.1 fall: noise
+    noisy_before, noisy_after = [0.5, 0.7, 0.5, 0.7], [0.4, 0.6, 0.4, 0.6]
+    assert trips(noisy_before, noisy_after) is None
+    # the same fall with a tenth of the spread: two standard errors 0.0163, the 0.05 threshold decides
+    calm = trips([0.59, 0.61, 0.59, 0.61], [0.49, 0.51, 0.49, 0.51])
+    assert calm["guard"] == "accuracy" and calm["before"] == pytest.approx(0.6)
+    assert calm["after"] == pytest.approx(0.5) and calm["noise"] == pytest.approx(0.01633, abs=1e-5)
+    # a fall past the noise: 0.6 -> 0.3 (> 0.163) trips even with the wide spread
+    assert trips(noisy_before, [0.2, 0.4, 0.2, 0.4])["guard"] == "accuracy"
+    # one step a side gives no spread: the threshold alone (0.1 > 0.05 trips, 0.04 does not)
+    assert trips([0.6], [0.5])["noise"] == 0.0 and trips([0.6], [0.56]) is None
+
+
 def test_bounds_are_checked_where_a_person_sets_them():
     with pytest.raises(config_mod.ConfigError) as e:
         config_mod.load("async", ["pilot.bounds=async.max_staleness=9..1"])

@@ -26,6 +26,7 @@ evidence as the reason). Pure logic over metric rows and the config: tests drive
 """
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Any, Sequence
@@ -198,10 +199,22 @@ def guard_trips(before: Sequence[dict], after: Sequence[dict], *, for_throughput
         b, a = _values(before, name), _values(after, name)
         if b and a:
             mb, ma = statistics.fmean(b), statistics.fmean(a)
-            if mb - ma > accuracy_drop:
-                return {"guard": "accuracy", "metric": name, "before": mb, "after": ma}
+            noise = 2.0 * _standard_error_of_difference(b, a)
+            if mb - ma > max(accuracy_drop, noise):
+                return {"guard": "accuracy", "metric": name, "before": mb, "after": ma,
+                        "noise": noise}
             break
     return None
+
+
+def _standard_error_of_difference(b: Sequence[float], a: Sequence[float]) -> float:
+    """Welch's standard error of mean(b) - mean(a), from the steps' own spread: a fall within two
+    of it is the batches' noise, not the change's doing (seen with `pilot.every` = 4: a step-to-step
+    spread of 0.05 tripped a 0.05 guard on a change that did nothing). 0 with fewer than two steps
+    on a side: nothing to estimate the spread from, the threshold alone decides."""
+    if len(b) < 2 or len(a) < 2:
+        return 0.0
+    return math.sqrt(statistics.variance(b) / len(b) + statistics.variance(a) / len(a))
 
 
 def _values(rows: Sequence[dict], name: str) -> list[float]:
