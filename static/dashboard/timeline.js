@@ -18,6 +18,7 @@
     "recording samples": "#a855f7", evaluating: "#0891b2", checkpointing: "#92400e", paused: "#475569",
     bookkeeping: "#f9a8d4",
   };
+  const HOLD_MS = 10000;   // the longest a resting pointer holds the live timeline still
   const IDLE = "idle";   // the report's share chart: a lane's time outside its spans
   const PHASES = Object.keys(COLOURS);
   const OTHER = "#9ca3af";
@@ -49,6 +50,9 @@
     const note = box.querySelector("#timeline-note");
     const slices = new Map();   // cursor -> {step, spans}
     let totals = null, extent = 0, stride = 1, timer = null;
+    // A redraw removes Plotly's hover label, and a live run sends a step a second or faster: while
+    // the pointer rests on a bar, new steps wait (at most HOLD_MS) so the label can be read.
+    let held = false, pending = false, holdTimer = null, listening = false;
 
     function shown() {
       const all = [...slices.values()];
@@ -58,6 +62,7 @@
     }
     function draw() {
       timer = null;
+      if (held) { pending = true; return; }
       const rows = shown();
       if (!rows.length) return;
       box.hidden = false;
@@ -91,6 +96,11 @@
         hoverlabel: { namelength: -1 }, uirevision: "timeline",
       };
       Plotly.react(chart, traces, lay, { displaylogo: false, responsive: true });
+      if (!listening && mode === "live") {   // chart.on exists once Plotly has drawn the div
+        listening = true;
+        chart.on("plotly_hover", hold);
+        chart.on("plotly_unhover", release);
+      }
       chart.setAttribute("data-steps", String(rows.length));
       chart.setAttribute("data-first-step", String(first));
       chart.setAttribute("data-last-step", String(last));
@@ -124,6 +134,18 @@
     }
     function schedule() {
       if (!timer) timer = setTimeout(draw, 250);
+    }
+    function hold() {
+      held = true;
+      chart.setAttribute("data-held", "1");
+      clearTimeout(holdTimer);
+      holdTimer = setTimeout(release, HOLD_MS);
+    }
+    function release() {
+      held = false;
+      chart.removeAttribute("data-held");
+      clearTimeout(holdTimer);
+      if (pending) { pending = false; schedule(); }
     }
     function add(m) {
       if (!m || !Array.isArray(m.spans) || typeof m.cursor !== "number") return;

@@ -116,6 +116,25 @@ DRAWN = """() => { const gd = document.getElementById('timeline-chart');
           last: +gd.getAttribute('data-last-step')}; }"""
 TOTALS = """() => [...document.querySelectorAll('#timeline-totals .barlayer .point path')]
   .filter(p => p.getBBox().width > 0).length"""
+DRAWN_COUNT = "() => +document.getElementById('timeline').getAttribute('data-drawn')"
+HOVER_TEXT = "() => document.querySelector('#timeline-chart .hoverlayer')?.textContent || ''"
+
+
+def _hover_last_bar(page, trace: int, tries: int = 3) -> str:
+    """The hover label of the last bar of a trace, as a person's pointer finds it: a redraw
+    between finding the bar and reaching it moves the bar (the window slides), so try again."""
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
+    for _ in range(tries):
+        bar = page.locator("#timeline-chart .barlayer .trace.bars").nth(trace).locator(".point path").last
+        box = bar.bounding_box()
+        page.mouse.move(box["x"] + box["width"] / 2, box["y"] + box["height"] / 2)
+        try:
+            page.wait_for_function(f"() => ({HOVER_TEXT})().length > 0", timeout=3000)
+            return page.evaluate(HOVER_TEXT)
+        except PlaywrightTimeout:   # the pointer met no bar
+            page.mouse.move(5, 5)
+    return page.evaluate(HOVER_TEXT)
 
 
 @pytest.mark.slow
@@ -217,13 +236,15 @@ def test_timeline_live_and_in_the_report(live_asgi, django_user_model, monkeypat
             assert later["steps"] <= 20 and later["first"] >= later["last"] - 19, later
             assert sum(later["bars"]) > 0 and later["lanes"] == ["rank 0", "engine"], later
             # the hover names the lane, the phase and the engine's batch occupancy
-            gd_bars = page.locator("#timeline-chart .barlayer .trace.bars").nth(
-                later["legend"].index("generating"))
-            box = gd_bars.locator(".point path").last.bounding_box()
-            page.mouse.move(box["x"] + box["width"] / 2, box["y"] + box["height"] / 2)
-            page.wait_for_selector("#timeline-chart .hoverlayer .hovertext")
-            hover = page.evaluate("() => document.querySelector('#timeline-chart .hoverlayer').textContent")
+            hover = _hover_last_bar(page, later["legend"].index("generating"))
             assert "generating" in hover and ("occupancy" in hover or "rank 0" in hover), hover
+            # and stays readable while steps go on arriving: the chart holds still under the pointer
+            drawn, slices = page.evaluate(DRAWN_COUNT), TimelineSlice.objects.filter(run_id=rid).count()
+            page.wait_for_timeout(4000)
+            assert TimelineSlice.objects.filter(run_id=rid).count() > slices, "no step arrived: the hold proves nothing"
+            assert page.evaluate(DRAWN_COUNT) == drawn and page.evaluate(HOVER_TEXT) == hover
+            page.mouse.move(5, 5)   # the pointer leaves: the steps held back are drawn
+            page.wait_for_function(f"() => ({DRAWN_COUNT})() > {drawn}", timeout=10_000)
             page.locator("#timeline").scroll_into_view_if_needed()
             page.screenshot(path=str(shots / "timeline-live.png"), full_page=False)
             print("screenshot:", shots / "timeline-live.png")
