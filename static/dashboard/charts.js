@@ -18,6 +18,7 @@
 // annotations, hover text) goes through plotlyText(): Plotly renders a subset of HTML in those.
 (function () {
   "use strict";
+  const HOLD_MS = 10000;   // the longest a resting pointer holds a live chart still
 
   function el(tag, attrs) {
     const e = document.createElement(tag);
@@ -281,10 +282,35 @@
       pickable(c);
     }
 
+    // Any redraw (extendTraces included) removes Plotly's hover label, and a live run brings a
+    // step a second or faster: while the pointer rests on a chart's point, that chart waits (at
+    // most HOLD_MS) and catches up when the pointer leaves, so the label can be read.
+    function holdable(c) {
+      if (c.div._rlHold) return;
+      c.div._rlHold = true;
+      const release = function () {
+        clearTimeout(c.holdTimer);
+        c.held = false;
+        c.div.removeAttribute("data-held");
+        if (c.pending) { c.pending = false; drawSafely(c); }
+      };
+      c.div.on("plotly_hover", function () {
+        c.held = true;
+        c.div.setAttribute("data-held", "1");
+        clearTimeout(c.holdTimer);
+        c.holdTimer = setTimeout(release, HOLD_MS);
+      });
+      c.div.on("plotly_unhover", release);
+    }
     function drawChart(c) {
+      if (c.held) { c.pending = true; return; }
       const title = typeof c.title === "function" ? c.title() : c.title;
       if (c.type === "hist" || c.type === "heat") drawHist(c, title);
       else drawLines(c, title);
+      if (c.div.on) holdable(c);   // c.div.on exists once Plotly has drawn the div
+    }
+    function drawSafely(c) {   // one chart's failure leaves the others drawn
+      try { drawChart(c); } catch (e) { c.drawn = null; console.error(c.id, e); }
     }
     function addChartsForNewHistograms() { // a histogram without a chart of its own yet
       Object.keys(state.hists).forEach(function (name) {
@@ -298,7 +324,7 @@
     }
     function draw() {
       addChartsForNewHistograms();
-      charts.forEach(function (c) { try { drawChart(c); } catch (e) { c.drawn = null; console.error(c.id, e); } });
+      charts.forEach(drawSafely);
     }
     return { charts: charts, draw: draw, highlight: highlight, chartOf: key => (chartOf(key) || {}).div || null };
   }

@@ -117,24 +117,37 @@ DRAWN = """() => { const gd = document.getElementById('timeline-chart');
 TOTALS = """() => [...document.querySelectorAll('#timeline-totals .barlayer .point path')]
   .filter(p => p.getBBox().width > 0).length"""
 DRAWN_COUNT = "() => +document.getElementById('timeline').getAttribute('data-drawn')"
-HOVER_TEXT = "() => document.querySelector('#timeline-chart .hoverlayer')?.textContent || ''"
+HOVER_TEXT = "id => document.querySelector('#' + id + ' .hoverlayer')?.textContent || ''"
+# the screen position of a line chart's last drawn point (first trace), and how many it drew
+LAST_POINT = """id => { const gd = document.getElementById(id); gd.scrollIntoView({block: "center"});
+  const pts = gd.calcdata[0], p = pts[pts.length - 1], xa = gd._fullLayout.xaxis, ya = gd._fullLayout.yaxis;
+  const r = gd.getBoundingClientRect();
+  return {x: r.left + xa._offset + xa.c2p(p.x), y: r.top + ya._offset + ya.c2p(p.y), n: pts.length}; }"""
 
 
-def _hover_last_bar(page, trace: int, tries: int = 3) -> str:
-    """The hover label of the last bar of a trace, as a person's pointer finds it: a redraw
-    between finding the bar and reaching it moves the bar (the window slides), so try again."""
+def _hover(page, chart: str, where, tries: int = 3) -> str:
+    """The hover label of `chart` with the pointer at where() (x, y), as a person's pointer finds
+    it: a redraw between finding the point and reaching it moves the point, so try again."""
     from playwright.sync_api import TimeoutError as PlaywrightTimeout
 
     for _ in range(tries):
-        bar = page.locator("#timeline-chart .barlayer .trace.bars").nth(trace).locator(".point path").last
-        box = bar.bounding_box()
-        page.mouse.move(box["x"] + box["width"] / 2, box["y"] + box["height"] / 2)
+        page.mouse.move(*where())
         try:
-            page.wait_for_function(f"() => ({HOVER_TEXT})().length > 0", timeout=3000)
-            return page.evaluate(HOVER_TEXT)
-        except PlaywrightTimeout:   # the pointer met no bar
+            page.wait_for_function(f"() => ({HOVER_TEXT})('{chart}').length > 0", timeout=3000)
+            break
+        except PlaywrightTimeout:   # the pointer met nothing
             page.mouse.move(5, 5)
-    return page.evaluate(HOVER_TEXT)
+    return page.evaluate(HOVER_TEXT, chart)
+
+
+def _last_point(page, chart: str):
+    p = page.evaluate(LAST_POINT, chart)
+    return p["x"], p["y"]
+
+
+def _last_bar(page, trace: int):
+    box = page.locator("#timeline-chart .barlayer .trace.bars").nth(trace).locator(".point path").last.bounding_box()
+    return box["x"] + box["width"] / 2, box["y"] + box["height"] / 2
 
 
 @pytest.mark.slow
@@ -236,15 +249,27 @@ def test_timeline_live_and_in_the_report(live_asgi, django_user_model, monkeypat
             assert later["steps"] <= 20 and later["first"] >= later["last"] - 19, later
             assert sum(later["bars"]) > 0 and later["lanes"] == ["rank 0", "engine"], later
             # the hover names the lane, the phase and the engine's batch occupancy
-            hover = _hover_last_bar(page, later["legend"].index("generating"))
+            hover = _hover(page, "timeline-chart", lambda: _last_bar(page, later["legend"].index("generating")))
             assert "generating" in hover and ("occupancy" in hover or "rank 0" in hover), hover
             # and stays readable while steps go on arriving: the chart holds still under the pointer
             drawn, slices = page.evaluate(DRAWN_COUNT), TimelineSlice.objects.filter(run_id=rid).count()
             page.wait_for_timeout(4000)
             assert TimelineSlice.objects.filter(run_id=rid).count() > slices, "no step arrived: the hold proves nothing"
-            assert page.evaluate(DRAWN_COUNT) == drawn and page.evaluate(HOVER_TEXT) == hover
+            assert page.evaluate(DRAWN_COUNT) == drawn and page.evaluate(HOVER_TEXT, "timeline-chart") == hover
             page.mouse.move(5, 5)   # the pointer leaves: the steps held back are drawn
             page.wait_for_function(f"() => ({DRAWN_COUNT})() > {drawn}", timeout=10_000)
+            # so does a metric chart, which extendTraces would otherwise redraw under the label
+            hover = _hover(page, "chart-reward", lambda: _last_point(page, "chart-reward"))
+            assert "reward" in hover, hover
+            points = page.evaluate(LAST_POINT, "chart-reward")["n"]
+            slices = TimelineSlice.objects.filter(run_id=rid).count()
+            page.wait_for_timeout(4000)
+            assert TimelineSlice.objects.filter(run_id=rid).count() > slices, "no step arrived: the hold proves nothing"
+            assert page.evaluate("() => document.getElementById('chart-reward').calcdata[0].length") == points
+            assert page.evaluate(HOVER_TEXT, "chart-reward") == hover
+            page.mouse.move(5, 5)
+            page.wait_for_function(f"() => document.getElementById('chart-reward').calcdata[0].length > {points}",
+                                   timeout=10_000)
             page.locator("#timeline").scroll_into_view_if_needed()
             page.screenshot(path=str(shots / "timeline-live.png"), full_page=False)
             print("screenshot:", shots / "timeline-live.png")
