@@ -253,6 +253,18 @@ def test_length_growing_while_reward_is_flat_turns_on_the_overlong_penalty():
                 cfg_of(), health.length_hacking) is None
     assert only(series(rollout__response_len__mean=[50.0] * 10 + [65.0] * 10,
                        reward__mean=[0.5] * 10 + [0.53] * 10), cfg_of(), health.length_hacking) is None
+    # the same 30% growth as the steps' noise: lengths 20 or 80 in turn, then 35 or 95
+    # (means 50 -> 65); each half's sample variance 10 x 30^2 / 9 = 1000, Welch's standard error
+    # sqrt(2 x 1000 / 10) = 14.1, two of it 28.3 > the 15 tokens of growth: no trend
+    swinging = [20.0, 80.0] * 5 + [35.0, 95.0] * 5
+    assert Window(series(rollout__response_len__mean=swinging)).halves_noise(
+        "rollout/response_len/mean") == pytest.approx(28.28, abs=0.01)
+    assert only(series(rollout__response_len__mean=swinging, reward__mean=0.5), cfg_of(),
+                health.length_hacking) is None
+    # the same swing with twice the growth (means 50 -> 80, 30 > 28.3) is one
+    grown = [20.0, 80.0] * 5 + [50.0, 110.0] * 5
+    assert only(series(rollout__response_len__mean=grown, reward__mean=0.5), cfg_of(),
+                health.length_hacking).knob == "algo.overlong_penalty"
 
 
 def test_entropy_collapse_raises_clip_high_then_the_temperature():

@@ -26,7 +26,6 @@ evidence as the reason). Pure logic over metric rows and the config: tests drive
 """
 from __future__ import annotations
 
-import math
 import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Any, Sequence
@@ -35,7 +34,7 @@ from trainer import config as config_mod
 from trainer.pilot import rules
 from trainer.pilot.advice import Advice
 from trainer.pilot.thresholds import DEFAULT, Thresholds
-from trainer.pilot.window import Window
+from trainer.pilot.window import Window, standard_error_of_difference
 
 THROUGHPUT = "perf/trained_tokens_per_s"
 ACCURACY = ("reward/accuracy", "reward/mean")   # the first a run reports
@@ -199,22 +198,14 @@ def guard_trips(before: Sequence[dict], after: Sequence[dict], *, for_throughput
         b, a = _values(before, name), _values(after, name)
         if b and a:
             mb, ma = statistics.fmean(b), statistics.fmean(a)
-            noise = 2.0 * _standard_error_of_difference(b, a)
+            # a fall within two standard errors is the batches' noise, not the change's doing
+            # (3-step windows on batches whose accuracy moves +-0.1 a step undid a raise for nothing)
+            noise = 2.0 * standard_error_of_difference(b, a)
             if mb - ma > max(accuracy_drop, noise):
                 return {"guard": "accuracy", "metric": name, "before": mb, "after": ma,
                         "noise": noise}
             break
     return None
-
-
-def _standard_error_of_difference(b: Sequence[float], a: Sequence[float]) -> float:
-    """Welch's standard error of mean(b) - mean(a), from the steps' own spread: a fall within two
-    of it is the batches' noise, not the change's doing (seen with `pilot.every` = 4: a step-to-step
-    spread of 0.05 tripped a 0.05 guard on a change that did nothing). 0 with fewer than two steps
-    on a side: nothing to estimate the spread from, the threshold alone decides."""
-    if len(b) < 2 or len(a) < 2:
-        return 0.0
-    return math.sqrt(statistics.variance(b) / len(b) + statistics.variance(a) / len(a))
 
 
 def _values(rows: Sequence[dict], name: str) -> list[float]:

@@ -57,6 +57,10 @@ def length_hacking(w: Window, cfg, th: Thresholds) -> Advice | None:
     growth, change = length[1] / length[0] - 1, reward[1] - reward[0]
     if growth < th.length_growth or abs(change) > th.reward_flat:
         return None
+    # small batches swing the mean length 5-45 tokens step to step (the async preset on CPU): a
+    # growth the steps' own spread explains is not a trend (it advised at step 7 of such a run)
+    if length[1] - length[0] <= w.halves_noise("rollout/response_len/mean"):
+        return None
     evidence = [derived("rollout/response_len/mean", "second half over first half - 1", growth, w,
                         "rollout/response_len/mean"),
                 derived("reward/mean", "second half minus first half", change, w, "reward/mean")]

@@ -27,6 +27,15 @@ def median_halves(values: Sequence[float]) -> tuple[float, float] | None:
     return statistics.median(values[:h]), statistics.median(values[h:])
 
 
+def standard_error_of_difference(b: Sequence[float], a: Sequence[float]) -> float:
+    """Welch's standard error of mean(a) - mean(b), from each side's own step-to-step spread: a
+    difference within two of it is the batches' noise. 0 with fewer than two values on a side
+    (no spread to estimate from: the caller's threshold alone decides)."""
+    if len(b) < 2 or len(a) < 2:
+        return 0.0
+    return math.sqrt(statistics.variance(b) / len(b) + statistics.variance(a) / len(a))
+
+
 def kl_rising(values: Sequence[float], factor: float, floor: float) -> tuple[float, float] | None:
     """(earlier median, recent median) when the KL's recent half has a median at least `factor`
     times the earlier half's and at least `floor`: a runaway, not the slow rise of a learning
@@ -85,3 +94,10 @@ class Window:
             return None
         h = len(s) // 2
         return statistics.fmean(s[:h]), statistics.fmean(s[h:])
+
+    def halves_noise(self, name: str) -> float:
+        """Twice the standard error of the halves' difference (see halves): the change between
+        them that the steps' own spread explains."""
+        s = [v for _, v in self.series(name)]
+        h = len(s) // 2
+        return 2.0 * standard_error_of_difference(s[:h], s[h:])
