@@ -24,7 +24,9 @@ run: $(STAMP)
 
 # The linter, then every test; then the web tests again on PostgreSQL + Redis (DATABASE_URL / REDIS_URL, defaults
 # on 127.0.0.1; they fail loudly if the servers are down).
-test: $(STAMP) chromium sglang sglang-model
+test:
+	@# the prerequisites side by side: the two virtualenvs' installs overlap (118 s instead of 175 s fresh)
+	@$(MAKE) --no-print-directory -j2 $(STAMP) chromium sglang sglang-model
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest --durations=25
 	RLPILOT_TEST_SETUP=redis $(BIN)/python -m pytest tests/web --durations=25
