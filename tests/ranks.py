@@ -10,9 +10,9 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
-from trainer import distributed
-from trainer.controls import SET_KNOBS, Command, ControlSource
-from trainer.learner import TrainSequence
+from trainer.algo.learner import TrainSequence
+from trainer.cluster import distributed
+from trainer.run.controls import SET_KNOBS, Command, ControlSource
 
 # the tiny run of the multi-process tests: 4 prompts x 4 answers, one thread, no reward process
 TINY = ["rollout.rollout_batch_size=4", "rollout.n_samples_per_prompt=4",

@@ -8,13 +8,13 @@ import torch
 from trainer import config as C
 from trainer.algo import objective
 from trainer.engine.embedded import EmbeddedEngine
-from trainer.metrics import MemorySink
-from trainer.model import load_model, load_tokenizer
+from trainer.models.loading import load_model, load_tokenizer
+from trainer.observe.metrics import MemorySink
 from trainer.rewards.dispatch import score
 from trainer.rollout import PromptSource, april
 from trainer.rollout.base import StepRun
 from trainer.rollout.synchronous import SynchronousDriver
-from trainer.runner import Runner
+from trainer.run.runner import Runner
 from trainer.tasks.sum import SumTask
 
 

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from trainer import config as C
-from trainer.controls import PAUSE, RESUME, STOP, Command, ControlSource
-from trainer.metrics import MemorySink
+from trainer.observe.metrics import MemorySink
 from trainer.rollout.asynchronous import AsyncDriver, admission_allowed
-from trainer.runner import Runner
+from trainer.run.controls import PAUSE, RESUME, STOP, Command, ControlSource
+from trainer.run.runner import Runner
 
 BASE = ["rollout.rollout_batch_size=6", "rollout.n_samples_per_prompt=4",
         "rollout.max_response_len=64", "rollout.max_slots=16", "run.eval_every=0",
@@ -277,7 +277,7 @@ def test_no_progress_times_out_with_the_counters(monkeypatch):
 
 
 def load_builtin_tokenizer():
-    from trainer.model import load_tokenizer
+    from trainer.models.loading import load_tokenizer
 
     return load_tokenizer("builtin")
 
@@ -304,7 +304,7 @@ class AtStep(ControlSource):
 
 @pytest.mark.parametrize("worker", ["thread", "process"])
 def test_eta_lowered_to_zero_and_raised_again_keeps_training(tmp_path, worker):
-    from trainer.controls import SET_KNOBS
+    from trainer.run.controls import SET_KNOBS
 
     cfg = C.load("demo", BASE + ["async.enabled=true", f"async.worker={worker}",
                                  "async.max_staleness=2", "run.max_steps=9"])
@@ -368,7 +368,7 @@ def test_resume_with_the_process_worker_continues_from_the_restored_version(tmp_
     assert first.version == 3
     # the checkpoint holds the child's sampling RNG, moved on from the seed's (a resume
     # continues that stream instead of replaying the run's first samples)
-    from trainer import checkpoint
+    from trainer.run import checkpoint
     _, tensors = checkpoint.load(checkpoint.latest(tmp_path))
     fresh = torch.Generator().manual_seed(first.cfg.run.seed).get_state()
     assert tensors["rng"]["engine"].shape == fresh.shape
@@ -391,9 +391,9 @@ def test_resume_with_the_process_worker_continues_from_the_restored_version(tmp_
 
 
 def test_a_stall_stops_the_run_with_an_error_and_a_resumable_checkpoint(tmp_path, monkeypatch):
-    from trainer import checkpoint
     from trainer.rollout import asynchronous
     from trainer.rollout.asynchronous import AsyncStall
+    from trainer.run import checkpoint
 
     real = asynchronous.admission_allowed
     monkeypatch.setattr(asynchronous, "admission_allowed",
@@ -554,8 +554,8 @@ def _wait_wedged(r, seconds=1.5):
 
 
 def _checkpoint_groups(run_dir):
-    from trainer import checkpoint
     from trainer.rollout.april import PartialBuffer
+    from trainer.run import checkpoint
 
     state, tensors = checkpoint.load(checkpoint.latest(run_dir))
     buf = PartialBuffer()
@@ -642,8 +642,8 @@ def test_every_generated_token_is_trained_dropped_or_held_in_the_checkpoint(tmp_
     (with groups in flight): the checkpoint's ledger
     equals trained + dropped + the tokens of the groups it holds; at every step generated >=
     trained + dropped."""
-    from trainer.controls import SET_KNOBS
     from trainer.rollout.april import PartialBuffer
+    from trainer.run.controls import SET_KNOBS
 
     cfg = C.load("demo", BASE + ["async.enabled=true", f"async.worker={worker}",
                                  "async.max_staleness=2", "rollout.dynamic_sampling=true",
@@ -675,8 +675,9 @@ def test_stop_latency_in_each_state(tmp_path, monkeypatch, state):
     it (checkpoint saved, engine process gone) within seconds: printed with -s."""
     import time
 
-    from trainer import learner, run_state
-    from trainer import runner as runner_mod
+    from trainer.algo import learner
+    from trainer.run import runner as runner_mod
+    from trainer.run import state as run_state
 
     remote, sent, ref = Remote(), [], []
 

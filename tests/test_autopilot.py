@@ -11,11 +11,11 @@ import pytest
 from test_pilot_rules import STARVED, cfg_of, healthy
 
 from trainer import config as config_mod
-from trainer.boundary import StepBoundary
-from trainer.controls import AUTO, AUTOPILOT, SET_KNOBS, Command, ControlSource
-from trainer.metrics import MetricsSink
+from trainer.observe.metrics import MetricsSink
 from trainer.pilot.autopilot import Autopilot, guard_trips, inside
 from trainer.pilot.live import LivePilot
+from trainer.run.boundary import StepBoundary
+from trainer.run.controls import AUTO, AUTOPILOT, SET_KNOBS, Command, ControlSource
 
 ETA = "async.max_staleness"
 

@@ -10,9 +10,9 @@ import json
 import pytest
 
 from trainer import config as config_mod
-from trainer.controls import SET_KNOBS, Command, ControlSource
-from trainer.metrics import JsonlSink
-from trainer.runner import Runner
+from trainer.observe.metrics import JsonlSink
+from trainer.run.controls import SET_KNOBS, Command, ControlSource
+from trainer.run.runner import Runner
 
 ETA = "async.max_staleness"
 PERSON_AFTER = 11

@@ -9,13 +9,13 @@ import shutil
 import pytest
 import torch
 
-from trainer import cli
 from trainer import config as C
+from trainer.algo.learner import Learner, TrainSequence
+from trainer.cli import main as cli
 from trainer.engine.base import LENGTH, STOP, Sample, SamplingParams
 from trainer.engine.embedded import EmbeddedEngine
 from trainer.engine.stops import StopStrings
-from trainer.learner import Learner, TrainSequence
-from trainer.model import (
+from trainer.models.loading import (
     BUILTIN,
     build_char_tokenizer,
     builtin_dir,
@@ -25,9 +25,9 @@ from trainer.model import (
     require_model_dir,
     stop_token_ids,
 )
-from trainer.prompts import PromptRenderer, messages_problem
 from trainer.tasks import build_task
 from trainer.tasks.jsonl import JsonlTask
+from trainer.tasks.prompts import PromptRenderer, messages_problem
 
 # a ChatML-like template, enough to see where each part goes
 CHATML = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"

@@ -12,10 +12,10 @@ import shutil
 import pytest
 import torch
 
-from trainer import checkpoint
 from trainer import config as C
-from trainer.metrics import MemorySink
-from trainer.runner import Runner
+from trainer.observe.metrics import MemorySink
+from trainer.run import checkpoint
+from trainer.run.runner import Runner
 
 # APRIL (a partial-rollout buffer in the state) and GRESO (traces and an RNG state) make the
 # trainer state hold every kind of value a run writes

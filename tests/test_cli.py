@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from trainer.controls import FileControlSource
+from trainer.run.controls import FileControlSource
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--set", "rollout.rollout_batch_size=4", "--set", "rollout.n_samples_per_prompt=4",

@@ -1,4 +1,4 @@
-"""Several training processes (trainer/distributed.py, trainer/training_ranks.py): two CPU
+"""Several training processes (trainer/cluster/distributed.py, trainer/cluster/training_ranks.py): two CPU
 processes on the gloo backend, rank 0 the controller.
 
 - the learner: one update split over two ranks (unevenly, and with one rank holding nothing)
@@ -20,9 +20,9 @@ import torch
 from ranks import TINY, KnobsAt, digest, finish, free_port, join, rows, sequences, spawn
 
 from trainer import config as C
-from trainer import distributed, training_ranks
-from trainer.learner import Learner
-from trainer.metrics import JsonlSink
+from trainer.algo.learner import Learner
+from trainer.cluster import distributed, training_ranks
+from trainer.observe.metrics import JsonlSink
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.timeout(180)
@@ -36,7 +36,7 @@ KW = dict(pad_id=0, lr=1e-3, grad_clip=0.5, clip_low=0.2, clip_high=0.28, kl_coe
 
 
 def _learner(world=None):
-    from trainer.model import load_model
+    from trainer.models.loading import load_model
 
     torch.manual_seed(0)
     model = load_model("builtin", torch.device("cpu"), torch.float32)
@@ -115,7 +115,7 @@ def _mode_config(mode: str, steps: int = 3):
 
 
 def _mode_worker(rank, port, run_dir, mode):
-    from trainer.runner import Runner
+    from trainer.run.runner import Runner
 
     join(rank, 2, port)
     run_dir = Path(run_dir)
@@ -196,8 +196,8 @@ def test_every_mode_trains_over_two_ranks_with_one_controller(tmp_path, mode):
 def test_a_synchronous_run_over_two_ranks_equals_the_one_process_run(tmp_path, mode):
     """Rank 0 samples exactly what one process samples, and the shared update equals the whole
     one: identical up to the first update (its float rounding may then change a sampled token)."""
-    from trainer.model import load_model
-    from trainer.runner import Runner
+    from trainer.models.loading import load_model
+    from trainer.run.runner import Runner
 
     spawn(_mode_worker, free_port(), str(tmp_path / "two"), mode)
     with Runner(_mode_config(mode), tmp_path / "one", sink=JsonlSink(tmp_path / "one"),
@@ -231,7 +231,7 @@ def test_a_synchronous_run_over_two_ranks_equals_the_one_process_run(tmp_path, m
 
 
 def _resume_worker(rank, port, run_dir, steps):
-    from trainer.runner import Runner
+    from trainer.run.runner import Runner
 
     join(rank, 2, port)
     run_dir = Path(run_dir)
@@ -251,8 +251,8 @@ def test_checkpoints_resume_on_another_number_of_processes(tmp_path):
     """2 ranks + 2 generation processes -> 1 process (its engine in a thread) -> 2 ranks + 2
     generation processes, the `all` preset: each resume goes on from the last step with the
     controller's state (APRIL's buffer, GRESO, the cursor, the asynchronous queue)."""
-    from trainer import checkpoint
-    from trainer.runner import Runner
+    from trainer.run import checkpoint
+    from trainer.run.runner import Runner
 
     spawn(_mode_worker, free_port(), str(tmp_path), "all")            # steps 1-3 on 2 ranks
     alone = _mode_config("all", steps=4)
@@ -264,7 +264,7 @@ def test_checkpoints_resume_on_another_number_of_processes(tmp_path):
     spawn(_resume_worker, free_port(), str(tmp_path), 5)               # step 5 on 2 ranks
     r0, r1 = (torch.load(tmp_path / f"resumed{r}.pt", weights_only=False) for r in (0, 1))
     assert r0["status"] == r1["status"] == "finished" and r0["final"] == r1["final"]
-    from trainer.model import load_model
+    from trainer.models.loading import load_model
     base = digest(load_model("builtin", torch.device("cpu"), torch.float32))
     assert r0["reference"] == r1["reference"] == base
     assert [r["step"] for r in rows(tmp_path / "resumed0" / "metrics.jsonl")] == [5]
@@ -274,7 +274,7 @@ def test_checkpoints_resume_on_another_number_of_processes(tmp_path):
 
 
 def _failing_worker(rank, port, run_dir):
-    from trainer.runner import Runner
+    from trainer.run.runner import Runner
 
     join(rank, 2, port)
     run_dir = Path(run_dir)

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from trainer import cli, docs
+from trainer.cli import docs
+from trainer.cli import main as cli
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"

@@ -6,7 +6,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Co
 
 from trainer.engine.base import ABORT, SEGMENT, STOP, Sample, SamplingParams
 from trainer.engine.embedded import EmbeddedEngine
-from trainer.model import load_model, load_tokenizer
+from trainer.models.loading import load_model, load_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,7 @@ import torch
 
 from trainer.engine.base import Sample, SamplingParams
 from trainer.engine.embedded import EmbeddedEngine, slots_from_free_memory
-from trainer.model import load_model, load_tokenizer
+from trainer.models.loading import load_model, load_tokenizer
 
 TEXTS = ["[3,5]=", "[1,2,3,4,5,6,7,8,9,1,2,3]=", "[9]=", "[4,4,4,4]=", "[7,1,8,2,6]="]
 

@@ -15,10 +15,10 @@ from trainer import config as C
 from trainer.engine.base import SEGMENT, Sample, SamplingParams
 from trainer.engine.pool import EnginePool
 from trainer.engine.process import ProcessEngine
-from trainer.metrics import MemorySink
-from trainer.model import load_model, load_tokenizer
+from trainer.models.loading import load_model, load_tokenizer
+from trainer.observe.metrics import MemorySink
 from trainer.rollout.ledger import REASONS
-from trainer.runner import Runner
+from trainer.run.runner import Runner
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -9,7 +9,7 @@ from trainer.engine.base import SEGMENT, STOP, Sample, SamplingParams
 from trainer.engine.decoder import BUCKET_OVERHEAD, Decoder, plan_buckets
 from trainer.engine.embedded import EmbeddedEngine
 from trainer.engine.process import ProcessEngine
-from trainer.model import load_model, load_tokenizer
+from trainer.models.loading import load_model, load_tokenizer
 
 CPU = torch.device("cpu")
 

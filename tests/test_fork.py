@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer import checkpoint, fork
 from trainer import config as C
-from trainer.inspector_cli import load as load_samples
+from trainer.cli.samples import load as load_samples
+from trainer.run import checkpoint, fork
 
 pytestmark = pytest.mark.slow
 
@@ -152,7 +152,7 @@ def test_a_checkpoint_without_groups_lets_the_group_size_change(parent, tmp_path
     out, _ = parent
     ck = out / "checkpoints" / "step_000002"
     state = json.loads((ck / "state.json").read_text())
-    from trainer import run_state
+    from trainer.run import state as run_state
 
     cfg = C.apply_overrides(C.loads_toml((out / "config.toml").read_text()),
                             {"rollout.n_samples_per_prompt": 8})
@@ -197,7 +197,7 @@ def test_a_live_parent_half_written_or_rotated_checkpoint(parent, tmp_path, monk
 
 
 def test_knobs_changed_during_the_parent_carry_over_unless_overridden(parent, tmp_path):
-    from trainer import run_state
+    from trainer.run import state as run_state
 
     out, _ = parent
     changed = tmp_path / "changed"

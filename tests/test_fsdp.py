@@ -1,4 +1,4 @@
-"""Sharded training ranks (`cluster.sharding = "fsdp"`: trainer/sharding.py): two CPU processes
+"""Sharded training ranks (`cluster.sharding = "fsdp"`: trainer/cluster/sharding.py): two CPU processes
 on gloo, each holding half of every weight, gradient and Adam moment.
 
 - the learner: a sharded update (uneven shares, one rank holding nothing, so one rank runs empty
@@ -19,9 +19,9 @@ import torch
 from ranks import TINY, KnobsAt, finish, free_port, join, rows, sequences, spawn
 
 from trainer import config as C
-from trainer import distributed, sharding
-from trainer.learner import Learner
-from trainer.metrics import JsonlSink
+from trainer.algo.learner import Learner
+from trainer.cluster import distributed, sharding
+from trainer.observe.metrics import JsonlSink
 
 pytestmark = pytest.mark.timeout(300)
 SPLITS = [(slice(0, 9), slice(9, 12)), (slice(0, 12), slice(12, 12))]  # uneven; rank 1 empty
@@ -30,7 +30,7 @@ KW = dict(pad_id=0, lr=1e-3, grad_clip=0.5, clip_low=0.2, clip_high=0.28, kl_coe
 
 
 def _learner(world=None, device="cpu"):
-    from trainer.model import load_model
+    from trainer.models.loading import load_model
 
     torch.manual_seed(0)
     model = load_model("builtin", torch.device(device), torch.float32)
@@ -108,8 +108,8 @@ def _config(preset: str, steps: int, extra=()):
 
 
 def _run_worker(rank, port, run_dir, preset, steps, extra, resume, knob=True):
-    from trainer.controls import ControlSource
-    from trainer.runner import Runner
+    from trainer.run.controls import ControlSource
+    from trainer.run.runner import Runner
 
     join(rank, 2, port)
     run_dir = Path(run_dir)
@@ -145,7 +145,7 @@ def _run_worker(rank, port, run_dir, preset, steps, extra, resume, knob=True):
 
 def _whole(checkpoint_dir: Path):
     """The policy of a checkpoint: the model folder's weights, or the shards read whole."""
-    from trainer.model import load_model
+    from trainer.models.loading import load_model
 
     if sharding.is_sharded(checkpoint_dir):
         model = load_model("builtin", torch.device("cpu"), torch.float32)
@@ -197,7 +197,7 @@ def test_a_sharded_runs_updates_equal_one_process_updates_on_the_same_batches(tm
 @pytest.mark.slow
 def test_the_all_preset_sharded_and_its_checkpoints_on_other_layouts(tmp_path):
     """2 sharded ranks (steps 1-2) -> 1 process, thread engine (step 3) -> 2 sharded ranks (4)."""
-    from trainer.runner import Runner
+    from trainer.run.runner import Runner
 
     extra = ["april.segment_max_tokens=16", "async.max_inflight=8", "algo.track_kl=true",
              "async.prox_logp=recompute"]

@@ -6,10 +6,10 @@ import torch
 from trainer import config as C
 from trainer.engine.base import Sample, SamplingParams
 from trainer.engine.embedded import EmbeddedEngine
-from trainer.metrics import MemorySink
-from trainer.model import load_model, load_tokenizer
-from trainer.runner import Runner
-from trainer.system import SystemSampler
+from trainer.models.loading import load_model, load_tokenizer
+from trainer.observe.metrics import MemorySink
+from trainer.observe.system import SystemSampler
+from trainer.run.runner import Runner
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

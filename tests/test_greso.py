@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from trainer.config import GresoConfig
-from trainer.greso import Decision, GresoFilter, classify
+from trainer.rollout.greso import Decision, GresoFilter, classify
 
 CFG = GresoConfig()          # alpha 0.25, delta_p 0.01, min_p 0.05, max_p 0.95, p_floor 0.01
 

@@ -1,4 +1,4 @@
-"""The rollout inspector's record (trainer/inspector.py): which samples a step keeps, what each row
+"""The rollout inspector's record (trainer/observe/inspector.py): which samples a step keeps, what each row
 says, that runs write them through every sink, and the `samples` command."""
 from __future__ import annotations
 
@@ -8,14 +8,14 @@ import random
 import pytest
 from helpers import TINY_RUN
 
-from trainer import cli
 from trainer import config as config_mod
-from trainer.controls import SET_KNOBS, Command, ControlSource
+from trainer.cli import main as cli
 from trainer.engine.base import LENGTH, STOP, Sample
-from trainer.inspector import finish, pick, segments
-from trainer.metrics import JsonlSink, MemorySink, MultiSink
+from trainer.observe.inspector import finish, pick, segments
+from trainer.observe.metrics import JsonlSink, MemorySink, MultiSink
 from trainer.rollout.base import Group
-from trainer.runner import Runner
+from trainer.run.controls import SET_KNOBS, Command, ControlSource
+from trainer.run.runner import Runner
 from trainer.tasks.base import Problem
 
 

@@ -13,10 +13,10 @@ import pytest
 from helpers import TINY_RUN
 
 from trainer import config as C
-from trainer.controls import SET_KNOBS, STOP, Command, ControlSource
-from trainer.metrics import MemorySink
+from trainer.observe.metrics import MemorySink
 from trainer.rollout.april import over_sampling
-from trainer.runner import Runner
+from trainer.run.controls import SET_KNOBS, STOP, Command, ControlSource
+from trainer.run.runner import Runner
 
 pytestmark = pytest.mark.slow
 

@@ -1,4 +1,4 @@
-"""trainer/launch.py: torchrun's command line, and a torchrun child that cannot outlive its
+"""trainer/cluster/launch.py: torchrun's command line, and a torchrun child that cannot outlive its
 parent. The ranks here are a tiny script (no training): each writes its pid and sleeps, so the
 tests see exactly which processes torchrun started and whether they are gone.
 
@@ -20,7 +20,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from trainer import launch
+from trainer.cluster import launch
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = [pytest.mark.timeout(120),
@@ -28,7 +28,7 @@ pytestmark = [pytest.mark.timeout(120),
 
 RANK = textwrap.dedent("""
     import os, sys, time
-    from trainer.launch import die_with_launcher
+    from trainer.cluster.launch import die_with_launcher
     die_with_launcher()
     out = sys.argv[1]
     with open(os.path.join(out, f"rank{os.environ['RANK']}.pid"), "w") as f:
@@ -40,7 +40,7 @@ RANK = textwrap.dedent("""
 
 PARENT = textwrap.dedent("""
     import sys, time
-    from trainer.launch import TorchrunProcess, torchrun_argv
+    from trainer.cluster.launch import TorchrunProcess, torchrun_argv
     proc = TorchrunProcess(torchrun_argv([sys.argv[1], sys.argv[2]], nproc=2)).start()
     with open(sys.argv[2] + "/torchrun.pid", "w") as f:
         f.write(str(proc.pid))

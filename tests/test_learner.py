@@ -5,10 +5,10 @@ import copy
 import pytest
 import torch
 
+from trainer.algo.learner import Learner, TrainSequence, micro_batches
 from trainer.engine.base import Sample, SamplingParams
 from trainer.engine.embedded import EmbeddedEngine
-from trainer.learner import Learner, TrainSequence, micro_batches
-from trainer.model import load_model, load_tokenizer
+from trainer.models.loading import load_model, load_tokenizer
 
 
 def _setup():

@@ -6,9 +6,9 @@ import pytest
 from helpers import TINY_RUN
 
 from trainer import config as C
-from trainer.metrics import MemorySink
+from trainer.observe.metrics import MemorySink
 from trainer.rollout.ledger import REASONS, TokenLedger
-from trainer.runner import Runner
+from trainer.run.runner import Runner
 
 # APRIL with dynamic sampling, tiny segments, few rounds and a short version span: every reason
 # a synchronous run drops tokens for, and an evaluation whose tokens must not count

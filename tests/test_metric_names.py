@@ -1,11 +1,11 @@
-"""Every metric the trainer reports is declared once (trainer/metric_names.py), and every chart
+"""Every metric the trainer reports is declared once (trainer/observe/metric_names.py), and every chart
 of the dashboard names declared metrics."""
 import pytest
 
 from trainer import config as C
-from trainer import metric_names
-from trainer.metrics import MemorySink
-from trainer.runner import Runner
+from trainer.observe import metric_names
+from trainer.observe.metrics import MemorySink
+from trainer.run.runner import Runner
 
 TINY = ["rollout.rollout_batch_size=4", "rollout.n_samples_per_prompt=4",
         "rollout.max_response_len=48", "rollout.max_slots=16", "run.reward_workers=0",

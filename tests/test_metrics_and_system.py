@@ -3,8 +3,8 @@ process."""
 import os
 import time
 
-from trainer.metrics import histogram, length_edges, percentile
-from trainer.system import SystemSampler
+from trainer.observe.metrics import histogram, length_edges, percentile
+from trainer.observe.system import SystemSampler
 
 
 def test_histogram_counts_every_value_in_fixed_bins():
@@ -56,7 +56,7 @@ def test_cpu_utilisation_is_the_steps_own_window():
 
 
 def test_process_meter_counts_cpu_seconds_per_lane():
-    from trainer.system import ProcessMeter, lane_key
+    from trainer.observe.system import ProcessMeter, lane_key
 
     meter = ProcessMeter()
     assert meter.observe("rank 1", 10.0, 2**30, now=100.0) == {"proc/rank1/rss_gb": 1.0}   # no window yet

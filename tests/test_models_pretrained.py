@@ -19,12 +19,12 @@ import pytest
 import torch
 
 from trainer import config as C
-from trainer import gguf_import
 from trainer.engine.base import STOP, Sample, SamplingParams
 from trainer.engine.embedded import EmbeddedEngine
-from trainer.metrics import MemorySink
-from trainer.model import check_model_dir, load_model, load_tokenizer, stop_token_ids
-from trainer.prompts import PromptRenderer
+from trainer.models import gguf_import
+from trainer.models.loading import check_model_dir, load_model, load_tokenizer, stop_token_ids
+from trainer.observe.metrics import MemorySink
+from trainer.tasks.prompts import PromptRenderer
 
 pytestmark = pytest.mark.slow
 
@@ -97,8 +97,8 @@ def _check_logprobs(out):
 
 
 def test_train_two_steps_of_the_preset_with_the_chat_template_then_resume(smollm2, tmp_path):
-    from trainer import metric_names
-    from trainer.runner import Runner
+    from trainer.observe import metric_names
+    from trainer.run.runner import Runner
 
     out, _ = smollm2
     cfg = C.load("smollm2-math", [f"model.path={out}", *TINY])

@@ -10,8 +10,8 @@ from types import SimpleNamespace
 import pytest
 from helpers import TINY_RUN
 
-from trainer import cli
 from trainer import config as config_mod
+from trainer.cli import main as cli
 from trainer.pilot import april, greso, health, staleness
 from trainer.pilot.advice import propose
 from trainer.pilot.rules import advise
@@ -337,8 +337,8 @@ def test_nan_and_missing_values_are_skipped():
 # --- the command --------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def tiny_run_dir(tmp_path_factory):
-    from trainer.metrics import JsonlSink
-    from trainer.runner import Runner
+    from trainer.observe.metrics import JsonlSink
+    from trainer.run.runner import Runner
 
     d = tmp_path_factory.mktemp("advise") / "run"
     cfg = config_mod.load("demo", list(TINY_RUN) + ["run.max_steps=3"])

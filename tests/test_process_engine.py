@@ -12,7 +12,7 @@ import torch
 from trainer.engine.base import ABORT, Sample, SamplingParams
 from trainer.engine.embedded import EmbeddedEngine
 from trainer.engine.process import ProcessEngine
-from trainer.model import load_model, load_tokenizer
+from trainer.models.loading import load_model, load_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from trainer import reward_cli
+from trainer.cli import reward as reward_cli
 
 
 def write_jsonl(path, rows):

@@ -5,11 +5,11 @@ import json
 import pytest
 import torch
 
-from trainer import checkpoint
 from trainer import config as C
-from trainer.controls import PAUSE, RESUME, SET_KNOBS, STOP, Command, ControlSource
-from trainer.metrics import JsonlSink, MemorySink, MultiSink
-from trainer.runner import Runner
+from trainer.observe.metrics import JsonlSink, MemorySink, MultiSink
+from trainer.run import checkpoint
+from trainer.run.controls import PAUSE, RESUME, SET_KNOBS, STOP, Command, ControlSource
+from trainer.run.runner import Runner
 
 
 class ScriptedControls(ControlSource):
@@ -127,8 +127,8 @@ def test_greso_state_survives_checkpoint_and_resume(tmp_path, tiny_overrides):
 
 def test_the_runner_says_what_it_does_between_steps(tmp_path, monkeypatch):
     # the dashboard's stall watch reads Runner.phase: set while evaluating and saving, else None
-    from trainer import run_state
-    from trainer import runner as runner_mod
+    from trainer.run import runner as runner_mod
+    from trainer.run import state as run_state
 
     seen = []
     real_eval, real_save = runner_mod.evaluate, run_state.save

@@ -19,7 +19,7 @@ from helpers import full_forward_logprobs
 from trainer.engine.base import ABORT, SEGMENT, STOP, EngineError, Sample, SamplingParams
 from trainer.engine.embedded import EmbeddedEngine
 from trainer.engine.sglang import SGLangEngine, parse_urls
-from trainer.model import load_model, load_tokenizer
+from trainer.models.loading import load_model, load_tokenizer
 
 LONG = "[" + ",".join(["9"] * 20) + "]="
 TEXTS = ["[3,5]=", "[1,2,3,4,5,6,7,8,9,1,2,3]=", "[9]=", "[4,4,4,4]=", "[7,1,8,2,6]="]

@@ -17,12 +17,12 @@ import torch
 from helpers import full_forward_logprobs
 
 from trainer import config as C
-from trainer import gguf_import
 from trainer.engine.base import ABORT, LENGTH, STOP, Sample, SamplingParams
 from trainer.engine.sglang import SGLangEngine
 from trainer.engine.sglang_server import VENV, SGLangServer
-from trainer.metrics import MemorySink
-from trainer.model import load_model, load_tokenizer, stop_token_ids
+from trainer.models import gguf_import
+from trainer.models.loading import load_model, load_tokenizer, stop_token_ids
+from trainer.observe.metrics import MemorySink
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not (VENV / "bin" / "python").is_file(),
@@ -277,7 +277,7 @@ def run_config(model_dir, urls, *extra):
 
 def test_april_parks_samples_and_resumes_them_across_weight_updates(
         model_dir, server, tmp_path, monkeypatch, original_weights_after):
-    from trainer.runner import Runner
+    from trainer.run.runner import Runner
 
     seen = _submitted(monkeypatch)
     versions = _ServerVersions(monkeypatch)
@@ -302,7 +302,7 @@ def test_april_parks_samples_and_resumes_them_across_weight_updates(
 
 def test_async_updates_weights_between_steps_with_the_servers_versions(
         model_dir, server, tmp_path, monkeypatch, original_weights_after):
-    from trainer.runner import Runner
+    from trainer.run.runner import Runner
 
     seen = _submitted(monkeypatch)
     versions = _ServerVersions(monkeypatch)
@@ -326,7 +326,7 @@ def test_async_updates_weights_between_steps_with_the_servers_versions(
 
 def test_two_servers_share_requests_and_a_killed_one_hands_its_requests_over(
         model_dir, server, tmp_path, monkeypatch, original_weights_after):
-    from trainer.runner import Runner
+    from trainer.run.runner import Runner
 
     calls = []   # (the server a /generate call went to, was the second one out of service?)
     killed = threading.Event()

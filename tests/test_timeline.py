@@ -1,4 +1,4 @@
-"""Where the time goes, per process (trainer/timeline.py): the recorder's merging and bounds on
+"""Where the time goes, per process (trainer/observe/timeline.py): the recorder's merging and bounds on
 hand-made spans, a generator's coalesced busy spans, and the timeline a run writes -- one
 process (synchronous and asynchronous) and two training ranks on gloo."""
 import json
@@ -7,9 +7,8 @@ from pathlib import Path
 import pytest
 
 from trainer import config as C
-from trainer.metrics import JsonlSink, MemorySink, MultiSink
-from trainer.runner import Runner
-from trainer.timeline import (
+from trainer.observe.metrics import JsonlSink, MemorySink, MultiSink
+from trainer.observe.timeline import (
     PHASES,
     BusyRecorder,
     Span,
@@ -18,6 +17,7 @@ from trainer.timeline import (
     covered_seconds,
     phase_seconds,
 )
+from trainer.run.runner import Runner
 
 
 def spans_of(lane, *triples):
@@ -188,7 +188,7 @@ def test_a_one_process_run_has_the_controller_and_the_engine_lanes(tmp_path, tin
 def test_a_pause_is_a_span_on_the_controller_lane(tmp_path, tiny_overrides):
     from test_runner import ScriptedControls
 
-    from trainer.controls import PAUSE, RESUME, Command
+    from trainer.run.controls import PAUSE, RESUME, Command
 
     # paused before step 2 for three polls (PAUSED_POLL_S apart), then resumed
     controls = ScriptedControls([[], [Command(PAUSE)], [], [], [Command(RESUME)]])

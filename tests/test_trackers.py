@@ -14,12 +14,12 @@ import time
 import pytest
 
 from trainer import config as C
-from trainer.controls import SET_KNOBS, Command, ControlSource
-from trainer.metrics import JsonlSink, MemorySink, MetricsSink, MultiSink
-from trainer.runner import Runner
-from trainer.trackers.base import Tracker
-from trainer.trackers.mirror import TrackerMirror
-from trainer.trackers.tensorboard import TensorBoardTracker
+from trainer.observe.metrics import JsonlSink, MemorySink, MetricsSink, MultiSink
+from trainer.observe.trackers.base import Tracker
+from trainer.observe.trackers.mirror import TrackerMirror
+from trainer.observe.trackers.tensorboard import TensorBoardTracker
+from trainer.run.controls import SET_KNOBS, Command, ControlSource
+from trainer.run.runner import Runner
 
 # metrics that depend on the clock or the machine, not on the seed
 UNSEEDED = ("timing/", "perf/", "system/", "proc/", "time")

@@ -1,9 +1,9 @@
 """The built-in task's shape and the warm-up that makes the built-in model."""
 import torch
 
-from trainer.model import load_model, load_tokenizer
+from trainer.models.loading import load_model, load_tokenizer
+from trainer.models.warmup import warmup
 from trainer.tasks.sum import SumTask, reference_solution, score_sum
-from trainer.warmup import warmup
 
 
 def test_reference_solutions_score_one_and_wrong_answers_zero():

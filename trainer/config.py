@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 PRESETS_PACKAGE = "trainer.presets"
-# what run.report_to may name (trainer/trackers/: one adapter each)
+# what run.report_to may name (trainer/observe/trackers/: one adapter each)
 TRACKERS = ("tensorboard", "wandb", "mlflow")
 
 

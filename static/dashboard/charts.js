@@ -32,7 +32,7 @@
       .replace(/&/g, "&amp;").replace(/</g, "&lt;").replace(/>/g, "&gt;");
   }
   // The chart list and the histogram axes come from the trainer's one declaration of metric
-  // names (trainer/metric_names.py), which every page embeds as JSON (#chart-specs).
+  // names (trainer/observe/metric_names.py), which every page embeds as JSON (#chart-specs).
   function registry() {
     const el = document.getElementById("chart-specs");
     return el ? JSON.parse(el.textContent) : { charts: [], histogram_axes: {} };

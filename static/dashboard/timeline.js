@@ -1,4 +1,4 @@
-// The timeline: where each process's time went (trainer/timeline.py). One lane per process
+// The timeline: where each process's time went (trainer/observe/timeline.py). One lane per process
 // ("rank 0" the controller, "rank r" the training ranks, "engine" / generator lanes), time on x,
 // one horizontal bar per span coloured by its phase; a generating bar's opacity is the
 // engine's batch occupancy (pale = few slots busy), also in the hover.

@@ -348,7 +348,7 @@ def _make_handler(server: StandinServer):
 
 
 def main(argv=None) -> int:
-    from trainer.model import load_model, load_tokenizer
+    from trainer.models.loading import load_model, load_tokenizer
 
     p = argparse.ArgumentParser(prog="python tests/fakes/sglang_standin.py",
                                 description="A stand-in for an SGLang server (NOT SGLang), "

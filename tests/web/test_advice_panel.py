@@ -13,8 +13,8 @@ from django.test import Client
 from django.utils.html import escape
 
 from trainer import config as config_mod
-from trainer.boundary import StepBoundary
-from trainer.controls import SET_KNOBS
+from trainer.run.boundary import StepBoundary
+from trainer.run.controls import SET_KNOBS
 from webapp.dashboard import actions, reports
 from webapp.dashboard.actions import Record
 from webapp.dashboard.models import ApiToken, KnobChange, Run, RunEvent
@@ -57,7 +57,7 @@ def marker(a: dict) -> dict:
 
 
 class Recorder:
-    """The trainer's sink, keeping the events it is handed (trainer.boundary writes them)."""
+    """The trainer's sink, keeping the events it is handed (trainer.run.boundary writes them)."""
 
     def __init__(self):
         self.events = []
@@ -73,7 +73,7 @@ class Driver:
 
 def trainer_applies(run: Run, step: int) -> list[tuple]:
     """What the trainer does at its next step boundary with the run's pending changes, through
-    its own code: the control source's commands applied by trainer.boundary, and the events it
+    its own code: the control source's commands applied by trainer.run.boundary, and the events it
     records appended as its database sink appends them. Returns those events."""
     commands = DbControlSource(run.pk, min_interval=0).poll()
     sink = Recorder()

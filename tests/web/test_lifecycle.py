@@ -12,7 +12,7 @@ import pytest
 from django.utils import timezone
 from named_users import alice  # noqa: F401 (a fixture)
 
-from trainer.controls import PAUSE, RESUME, STOP
+from trainer.run.controls import PAUSE, RESUME, STOP
 from webapp.dashboard import actions, lifecycle, streams
 from webapp.dashboard.actions import Record
 from webapp.dashboard.lifecycle import (

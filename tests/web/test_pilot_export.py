@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from trainer import cli
+from trainer.cli import main as cli
 from webapp.dashboard import actions
 from webapp.dashboard.actions import Record
 from webapp.dashboard.models import Run

@@ -20,7 +20,7 @@ from conftest import ROOT
 from django.utils import timezone
 from prometheus_client.parser import text_string_to_metric_families
 
-from trainer import metric_names
+from trainer.observe import metric_names
 from webapp.dashboard import actions
 from webapp.dashboard.actions import Record
 from webapp.dashboard.models import MetricPoint, Run

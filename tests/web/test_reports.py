@@ -9,7 +9,7 @@ import pytest
 from helpers import NoBell
 
 from trainer import config as config_mod
-from trainer.model import builtin_dir
+from trainer.models.loading import builtin_dir
 from webapp.dashboard import actions, reports, sweep
 from webapp.dashboard.actions import Record
 from webapp.dashboard.models import MetricPoint, Run, RunEvent, Status

@@ -9,7 +9,7 @@ from helpers import NoBell
 
 from trainer import config as C
 from trainer.rollout.asynchronous import AsyncDriver
-from trainer.runner import Runner
+from trainer.run.runner import Runner
 from webapp.dashboard import reports
 from webapp.dashboard.models import Run
 from webapp.dashboard.telemetry import DbSink

@@ -14,7 +14,7 @@ import shutil
 import pytest
 
 from trainer import config as config_mod
-from trainer import fork as fork_mod
+from trainer.run import fork as fork_mod
 from webapp.dashboard.actions import run_dir
 from webapp.dashboard.models import MetricPoint, Run, RunEvent
 
@@ -44,7 +44,7 @@ def digest(folder) -> dict[str, str]:
 def fake_checkpoints(run: Run, steps=(2, 4)) -> None:
     """The files of a run folder that a fork reads (config.toml; each checkpoint's state.json
     and trainer.json, the model weights as one stand-in file): for the tests without a worker."""
-    from trainer import checkpoint
+    from trainer.run import checkpoint
 
     d = run_dir(run.pk)
     d.mkdir(parents=True)

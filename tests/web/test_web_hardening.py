@@ -11,7 +11,7 @@ import threading
 import pytest
 
 from trainer import config as config_mod
-from trainer.model import builtin_dir
+from trainer.models.loading import builtin_dir
 from webapp.dashboard import throttle as login_throttle
 from webapp.dashboard import validation
 from webapp.dashboard.models import Run, Status

@@ -1,5 +1,5 @@
 """The launch (API and form) checks `model.path` before a run is queued, through
-trainer.model.check_model_dir in validation.config_problems: a directory inside RLPILOT_MODEL_ROOTS
+trainer.models.loading.check_model_dir in validation.config_problems: a directory inside RLPILOT_MODEL_ROOTS
 must exist, hold a config of an architecture the embedded engine runs, weights, and a tokenizer
 that loads. Each failure is a 400 with a field error on model.path, and no run is created."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ import shutil
 import pytest
 
 from trainer import config as config_mod
-from trainer.model import builtin_dir
+from trainer.models.loading import builtin_dir
 from webapp.dashboard import validation
 from webapp.dashboard.models import Run
 

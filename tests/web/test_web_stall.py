@@ -271,7 +271,7 @@ def test_the_training_task_hands_the_runners_phase_to_its_heartbeat(user, tiny, 
     """The worker's task wires Runner.phase into its Heartbeat: during an evaluation the stall
     watch is told "evaluating"."""
     from trainer import config as config_mod
-    from trainer import runner as runner_mod
+    from trainer.run import runner as runner_mod
     from webapp.dashboard import tasks
     from webapp.dashboard.models import Status
 

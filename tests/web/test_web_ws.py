@@ -11,7 +11,7 @@ from asgiref.sync import sync_to_async
 from channels.testing import WebsocketCommunicator
 from django.db import connection
 
-from trainer.controls import PAUSE, RESUME, SET_KNOBS, STOP
+from trainer.run.controls import PAUSE, RESUME, SET_KNOBS, STOP
 from webapp.dashboard import actions
 from webapp.dashboard.actions import Record
 from webapp.dashboard.models import HistogramSnapshot, KnobChange, MetricPoint, Run, RunEvent

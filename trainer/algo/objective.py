@@ -21,7 +21,7 @@ import torch
 
 from trainer.algo import grpo
 from trainer.algo.decoupled import DecoupledLoss
-from trainer.learner import TrainSequence
+from trainer.algo.learner import TrainSequence
 
 # current-policy log-probabilities of sequences (a forward pass of the model being trained)
 Logprobs = Callable[[list[TrainSequence]], list[list[float]]]

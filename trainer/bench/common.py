@@ -11,7 +11,7 @@ import tempfile
 import time
 
 from trainer import config as config_mod
-from trainer.metrics import MemorySink
+from trainer.observe.metrics import MemorySink
 
 
 def add_comparison_arguments(p, *, preset: str, steps: int) -> None:
@@ -42,7 +42,7 @@ def train_variant(name: str, preset: str, overrides: list[str], *, steps: int, e
     """Train `steps` steps and return the summed/averaged figures a comparison needs. With
     `curve_every`, held-out accuracy also every that many steps (and at step 0), against the
     training seconds spent so far (evaluation time left out)."""
-    from trainer.runner import Runner
+    from trainer.run.runner import Runner
 
     curve_every = curve_every if eval_size else 0
     cfg = config_mod.load(preset, [*overrides, f"run.max_steps={steps}", f"run.seed={seed}",

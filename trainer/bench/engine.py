@@ -121,7 +121,7 @@ def _wide_random(device, dtype):
     """The built-in model's shape (Qwen2, character vocabulary of 100) at 43M parameters."""
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    from trainer.model import BUILTIN, model_dir
+    from trainer.models.loading import BUILTIN, model_dir
 
     cfg = Qwen2Config.from_pretrained(model_dir(BUILTIN))
     cfg.update(dict(hidden_size=640, intermediate_size=1728, num_hidden_layers=10,
@@ -136,7 +136,7 @@ def _wide_random(device, dtype):
 
 def _load(args, device, dtype):
     """-> model, tokenizer (for prompts), eos id, pad id, model name."""
-    from trainer.model import BUILTIN, load_model, load_tokenizer
+    from trainer.models.loading import BUILTIN, load_model, load_tokenizer
 
     name = args.model
     if name == "auto":
@@ -365,8 +365,8 @@ def heavy_tail_lengths(n: int, args) -> list[int]:
 
 
 def run(args, log=print) -> dict:
-    from trainer.model import resolve_device, resolve_dtype
-    from trainer.system import SystemSampler
+    from trainer.models.loading import resolve_device, resolve_dtype
+    from trainer.observe.system import SystemSampler
 
     if args.engine == "sglang":
         from trainer.bench import sglang_vs_embedded

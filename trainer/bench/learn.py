@@ -15,7 +15,7 @@ import tempfile
 import time
 
 from trainer import config as config_mod
-from trainer.metrics import MemorySink
+from trainer.observe.metrics import MemorySink
 
 NAME = "learn"
 HELP = "held-out accuracy before and after RL on the demo preset"
@@ -40,8 +40,8 @@ def add_arguments(p) -> None:
 
 
 def run(args, log=print) -> dict:
-    from trainer.model import require_model_dir
-    from trainer.runner import Runner
+    from trainer.models.loading import require_model_dir
+    from trainer.run.runner import Runner
 
     seconds, eval_size, shrink = PRESET_DEFAULTS.get(args.preset, (600.0, 1000, []))
     seconds = seconds if args.seconds is None else args.seconds

@@ -12,7 +12,7 @@ import statistics
 import tempfile
 
 from trainer import config as config_mod
-from trainer.metrics import JsonlSink, MemorySink, MultiSink
+from trainer.observe.metrics import JsonlSink, MemorySink, MultiSink
 
 NAME = "samples"
 HELP = "the rollout inspector's recording cost per step"
@@ -26,7 +26,7 @@ def add_arguments(p) -> None:
 
 
 def run(args, log=print) -> dict:
-    from trainer.runner import Runner
+    from trainer.run.runner import Runner
 
     cfg = config_mod.load(args.preset, [*args.set, f"run.max_steps={args.steps}", f"run.seed={args.seed}",
                                         "run.eval_every=0", "run.checkpoint_every=0"])

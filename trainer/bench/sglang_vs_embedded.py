@@ -54,8 +54,8 @@ def _train_step_seconds(model_dir: Path, engine_overrides: list[str], args, log)
     if args.train_steps <= 0:
         return None
     from trainer import config as C
-    from trainer.metrics import MemorySink
-    from trainer.runner import Runner
+    from trainer.observe.metrics import MemorySink
+    from trainer.run.runner import Runner
 
     cfg = C.load("smollm2-math", [
         f"model.path={model_dir}", "rollout.rollout_batch_size=2", "rollout.n_samples_per_prompt=2",
@@ -83,7 +83,7 @@ def run(args, log=print) -> dict:
     from trainer.engine.embedded import EmbeddedEngine
     from trainer.engine.sglang import SGLangEngine
     from trainer.engine.sglang_server import SGLangServer
-    from trainer.model import load_model, load_tokenizer, stop_token_ids
+    from trainer.models.loading import load_model, load_tokenizer, stop_token_ids
 
     threads = args.threads or 1
     torch.set_num_threads(threads)

@@ -25,12 +25,12 @@ def build_engine(cfg, model, tokenizer, device, dtype, max_seq_len: int, *,
     group (`rollout.sglang_weight_sync = "distributed"`), else (or after that fails) written under
     `cfg.rollout.sglang_weights_dir`, else `weights_dir` (pass RUN_DIR/engine_weights), else a
     temporary folder; the servers must be able to read that path.
-    Every engine stops a response at each stop token id (`trainer.model.stop_token_ids`: the
+    Every engine stops a response at each stop token id (`trainer.models.loading.stop_token_ids`: the
     tokenizer's eos and the generation config's) and, with `rollout.stop`, at those strings
     (`trainer.engine.stops.StopStrings` wraps it then).
     """
     from trainer.config import stop_strings
-    from trainer.model import stop_token_ids
+    from trainer.models.loading import stop_token_ids
 
     r = cfg.rollout
     eos = stop_token_ids(model, tokenizer)  # the tokenizer's eos and the generation config's

@@ -35,7 +35,7 @@ import torch
 
 from trainer.engine.base import ABORT, LENGTH, SEGMENT, STOP, EngineStats, RolloutEngine, Sample
 from trainer.engine.decoder import Decoder
-from trainer.timeline import BusyRecorder
+from trainer.observe.timeline import BusyRecorder
 
 
 def slots_from_free_memory(decoder: Decoder, max_seq_len: int, fraction: float = 0.5, *,
@@ -131,7 +131,7 @@ class EmbeddedEngine(RolloutEngine):
             return out
 
     def take_busy_spans(self) -> list[tuple[str, float, float, float | None]]:
-        """(lane, start, end, occupancy) of the steps since the last call (trainer/timeline.py)."""
+        """(lane, start, end, occupancy) of the steps since the last call (trainer/observe/timeline.py)."""
         return self.busy.take()
 
     def abort(self, request_ids: Iterable[int] | None = None,

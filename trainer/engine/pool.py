@@ -151,14 +151,14 @@ class EnginePool(RolloutEngine):
             return len(self._live())
 
     def report(self) -> dict[str, float]:
-        """The runner's per-step metrics of the pool (trainer/metric_names.py)."""
+        """The runner's per-step metrics of the pool (trainer/observe/metric_names.py)."""
         with self._lock:
             return {"perf/weight_sync_bytes": self.last_sync_bytes,
                     "engine/generators_alive": len(self._live()),
                     "engine/lost_tokens": self.lost_tokens}
 
     def _lane(self, m: _Member) -> str:
-        """The timeline lane of a member (trainer/timeline.py): "engine" for a pool of one."""
+        """The timeline lane of a member (trainer/observe/timeline.py): "engine" for a pool of one."""
         return "engine" if len(self.members) == 1 else f"engine {m.index}"
 
     def lane_pids(self) -> dict[str, int]:

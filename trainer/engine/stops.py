@@ -1,6 +1,6 @@
 """Stop strings (`rollout.stop`) over any rollout engine.
 
-Stop tokens (every eos id of the model and tokenizer, `trainer.model.stop_token_ids`) end a
+Stop tokens (every eos id of the model and tokenizer, `trainer.models.loading.stop_token_ids`) end a
 response inside the engine. Stop strings are text, so they are matched here, on the decoded tail
 of each response, around whichever engine `build_engine` made:
 

@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from trainer.engine.base import LENGTH, Sample, SamplingParams
-from trainer.greso import classify
-from trainer.metrics import percentile
+from trainer.observe.metrics import percentile
 from trainer.rollout import dynamic
+from trainer.rollout.greso import classify
 from trainer.rollout.ledger import TokenLedger
 from trainer.tasks.base import Problem, Task
 

@@ -1,7 +1,7 @@
 """Which prompt to roll out next: the data cursor, filtered by GRESO when `greso.enabled`.
 
 GRESO's rule itself (traces, the skip decision, the adaptation of p_easy/p_hard) is pure logic
-in `trainer/greso.py`; this module applies it to a run: it skips prompts before generation,
+in `trainer/rollout/greso.py`; this module applies it to a run: it skips prompts before generation,
 feeds each step's groups back, and reports the filter's metrics. With asynchronous training the
 generation worker selects while the trainer feeds back, so both hold `lock`.
 """
@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import threading
 
-from trainer.greso import GresoFilter
 from trainer.rollout.base import PromptSource, StepCounts
+from trainer.rollout.greso import GresoFilter
 
 
 class PromptSelector:

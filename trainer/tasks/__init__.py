@@ -14,11 +14,11 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from trainer.config import ConfigError
-from trainer.prompts import PromptRenderer
 from trainer.rewards.verifiers import Verdict, check_code, score_code, score_math, warm_math
 from trainer.tasks.arith import ArithTask
 from trainer.tasks.base import Problem, Task
 from trainer.tasks.jsonl import JsonlTask
+from trainer.tasks.prompts import PromptRenderer
 from trainer.tasks.sum import SumTask, score_sum
 
 
@@ -68,7 +68,7 @@ def task_spec(name: str) -> TaskSpec:
 
 def build_task(cfg, tokenizer=None) -> Task:
     """Build the task named by a Config's data section. Prompts are rendered for `tokenizer`
-    (its chat template, see trainer/prompts.py); without one they are plain text."""
+    (its chat template, see trainer/tasks/prompts.py); without one they are plain text."""
     try:
         spec = task_spec(cfg.data.task)
     except ValueError as e:

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import random
 
-from trainer.prompts import PromptRenderer
 from trainer.tasks.base import Problem, Task
+from trainer.tasks.prompts import PromptRenderer
 
 _EVAL_STREAM = 1_000_003
 _NAMES = [("Mia", "She"), ("Tom", "He"), ("Ana", "She"), ("Leo", "He"), ("Sara", "She"),

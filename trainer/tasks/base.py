@@ -11,13 +11,13 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
-from trainer.prompts import PromptRenderer
+from trainer.tasks.prompts import PromptRenderer
 
 
 @dataclass(frozen=True)
 class Problem:
     id: str            # stable across runs: used for GRESO traces and reports
-    prompt: str        # the text given to the model, rendered (trainer/prompts.py)
+    prompt: str        # the text given to the model, rendered (trainer/tasks/prompts.py)
     answer: Any        # what the verifier needs (an int, a LaTeX string, tests...)
     kind: str          # the registered task whose verifier scores it: "sum", "math" or "code"
 
@@ -39,7 +39,7 @@ def _shuffled(size: int, seed: int, epoch: int) -> tuple[int, ...]:
 class Task:
     name: str = ""
     train_size: int = 0
-    # how problem text becomes the prompt (trainer/prompts.py); Problem.prompt is its output
+    # how problem text becomes the prompt (trainer/tasks/prompts.py); Problem.prompt is its output
     renderer: PromptRenderer = PromptRenderer()
 
     def problem(self, row: int) -> Problem:

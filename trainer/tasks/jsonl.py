@@ -8,7 +8,7 @@ One JSON object per line (blank lines are skipped; row numbers count only the ob
 
 "prompt" is a string, or a list of chat messages [{"role": "system" | "user" | "assistant",
 "content": "..."}, ...] ending with a user message. Either is rendered to the prompt text by
-trainer/prompts.py (prompt template, system prompt, the tokenizer's chat template).
+trainer/tasks/prompts.py (prompt template, system prompt, the tokenizer's chat template).
 
 An optional "id" (str or int) names a row; otherwise its id is "<kind>:<row>" for training rows
 and "<kind>:eval:<row>" for rows of the evaluation file. Other fields are ignored.
@@ -28,8 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from trainer.config import ConfigError
-from trainer.prompts import PromptRenderer, messages_problem
 from trainer.tasks.base import Problem, Task
+from trainer.tasks.prompts import PromptRenderer, messages_problem
 
 KINDS = ("math", "code")
 MAX_DATA_BYTES_DEFAULT = 512 * 2**20

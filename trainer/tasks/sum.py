@@ -12,8 +12,8 @@ from __future__ import annotations
 import random
 import re
 
-from trainer.prompts import PromptRenderer
 from trainer.tasks.base import Problem, Task
+from trainer.tasks.prompts import PromptRenderer
 
 _EVAL_STREAM = 1_000_003  # held-out problems come from a separate random stream
 

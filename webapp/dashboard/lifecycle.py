@@ -15,9 +15,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from trainer.controls import PAUSE as CMD_PAUSE
-from trainer.controls import RESUME as CMD_RESUME
-from trainer.controls import STOP as CMD_STOP
+from trainer.run.controls import PAUSE as CMD_PAUSE
+from trainer.run.controls import RESUME as CMD_RESUME
+from trainer.run.controls import STOP as CMD_STOP
 
 # --- statuses and desired states ---------------------------------------------------------------------
 

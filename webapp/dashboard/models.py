@@ -15,7 +15,7 @@ from django.conf import settings
 from django.db import models
 from django.utils import timezone
 
-from trainer.launch import layout_text
+from trainer.cluster.launch import layout_text
 from webapp.dashboard import lifecycle
 
 
@@ -184,7 +184,7 @@ class RolloutSample(models.Model):
 
 
 class TimelineSlice(models.Model):
-    """Where each process's time went during one step (trainer/timeline.py): `spans` is a list
+    """Where each process's time went during one step (trainer/observe/timeline.py): `spans` is a list
     of {"lane", "phase", "start", "end", "occupancy"?} in wall-clock seconds, a few dozen at most."""
     run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="timeline")
     seq = models.BigIntegerField()

@@ -16,9 +16,9 @@ from django.db.models import Avg, Count, Max, Sum
 from django.template.loader import render_to_string
 from django.utils import timezone
 
-from trainer import checkpoint
 from trainer import config as config_mod
 from trainer.rollout.ledger import REASONS as _WASTE
+from trainer.run import checkpoint
 from webapp.dashboard import inspector, streams
 from webapp.dashboard import timeline as run_timeline
 from webapp.dashboard.actions import run_dir

@@ -1,6 +1,6 @@
 """Reading a run directory the CLI wrote (`python -m trainer run --out DIR`) for the dashboard's
 import (actions/imports.py, which writes what this yields): its config.toml, its JSONL files
-(trainer/metrics.py JsonlSink), read line by line, and how the run ended.
+(trainer/observe/metrics.py JsonlSink), read line by line, and how the run ended.
 
 Nothing here touches the database. `inspect` reads every file once and refuses a directory with
 a RunDirError that names the file and the line; `rows` then yields the run's rows file by file.
@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-from trainer import checkpoint
 from trainer.config import ConfigError
+from trainer.run import checkpoint
 from trainer.tasks.jsonl import max_data_bytes
 
 CONFIG = "config.toml"
@@ -26,7 +26,7 @@ MAX_CONFIG_BYTES = 1 << 20
 # what JsonlSink writes, in the order it is imported; metrics and events must be there
 KINDS = ("metrics", "histograms", "samples", "timeline", "events")
 REQUIRED = ("metrics", "events")
-# the trainer's events that end a run (trainer/runner.py) and the run status each means
+# the trainer's events that end a run (trainer/run/runner.py) and the run status each means
 ENDINGS = {"run_finished": "finished", "run_stopped": "stopped", "error": "failed"}
 STARTS = ("run_started", "run_resumed")
 

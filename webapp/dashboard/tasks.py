@@ -20,9 +20,10 @@ from django.conf import settings
 from django.db import close_old_connections
 from django.utils import timezone
 
-from trainer import checkpoint, launch
 from trainer import config as config_mod
-from trainer.runner import Runner  # imported in the worker's parent: forked children start fast
+from trainer.cluster import launch
+from trainer.run import checkpoint
+from trainer.run.runner import Runner  # imported in the worker's parent: forked children start fast
 from webapp.dashboard import actions, lifecycle, sweep, validation
 from webapp.dashboard.actions import run_dir
 from webapp.dashboard.models import Desired, Run, Status
@@ -147,7 +148,7 @@ def train_under_torchrun(rid: int, procs: int, resume_from_ckpt: bool) -> str:
     Rank 0 reports and ends the run (train_here); this process beats the run's heartbeat while
     torchrun lives and ends the run `failed` with torchrun's last stderr lines when it exits
     non-zero before the run ended. A kill (SIGKILL of this worker child) reaches torchrun as
-    SIGTERM (trainer/launch.py), which ends the ranks."""
+    SIGTERM (trainer/cluster/launch.py), which ends the ranks."""
     proc = launch.TorchrunProcess(launch.torchrun_argv(train_rank_argv(rid, resume_from_ckpt), procs),
                                   cwd=str(settings.BASE_DIR)).start()
     log.info("run %s: torchrun (pid %s) started %d training processes", rid, proc.pid, procs)

@@ -25,8 +25,8 @@ from typing import Any, Callable
 from django.conf import settings
 from django.db import close_old_connections, connection
 
-from trainer.controls import SET_KNOBS, STOP, Command, ControlSource
-from trainer.metrics import MetricsSink
+from trainer.observe.metrics import MetricsSink
+from trainer.run.controls import SET_KNOBS, STOP, Command, ControlSource
 from webapp.dashboard import actions, alerts, lifecycle
 from webapp.dashboard.actions import Record
 from webapp.dashboard.doorbell import Doorbell

@@ -1,6 +1,6 @@
 """A run's timeline on the web side: cleaning the trainer's spans, and reading them back.
 
-The trainer sends one TimelineSlice per step (trainer/timeline.py: a few dozen spans of
+The trainer sends one TimelineSlice per step (trainer/observe/timeline.py: a few dozen spans of
 {"lane", "phase", "start", "end", "occupancy"?}, wall-clock seconds). The live page asks for the
 last `last` steps and follows the socket's `timeline` frames; the report asks for the whole run,
 thinned to at most `max_slices` slices (evenly spaced steps, the last always kept), with
@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from trainer.timeline import covered_seconds, phase_seconds
+from trainer.observe.timeline import covered_seconds, phase_seconds
 from webapp.dashboard.models import TimelineSlice
 
 MAX_SPANS = 200        # per slice: the trainer sends at most a few dozen

@@ -186,7 +186,7 @@ def machine_train_procs(device: str) -> tuple[int, str]:
     worker needs)."""
     import torch
 
-    from trainer.model import resolve_device
+    from trainer.models.loading import resolve_device
 
     if resolve_device(device).type == "cuda":
         return torch.cuda.device_count(), "GPU"
@@ -260,7 +260,7 @@ def config_problems(cfg: config_mod.Config, on_worker: bool = False) -> dict[str
         if problem:
             errors["model.path"] = problem + ', or "builtin"'
         else:  # an allowed folder: is it a model a run can load? (imported here: torch)
-            from trainer.model import check_model_dir
+            from trainer.models.loading import check_model_dir
 
             problems = check_model_dir(cfg.model.path, engine=r.engine)
             if problems:

@@ -2,7 +2,7 @@
 checkpoint at a chosen step with the parent's config plus overrides (any parameter), linked to
 its parent (Run.parent, Run.fork_step) and queued through the normal launch path.
 
-The child's run folder is made here, before the task is queued (trainer/fork.py: the checkpoint
+The child's run folder is made here, before the task is queued (trainer/run/fork.py: the checkpoint
 hard-linked or copied, state.json rewritten with the overrides, fork.json): a live parent keeps
 only its newest run.keep_checkpoints, so waiting for a worker could lose the checkpoint. The
 worker then resumes the child like any run. The parent's row and folder are only read.
@@ -16,7 +16,7 @@ from typing import Any
 from django.db import transaction
 
 from trainer import config as config_mod
-from trainer import fork as fork_mod
+from trainer.run import fork as fork_mod
 from webapp.dashboard import lifecycle, policy, validation
 from webapp.dashboard.actions.launch import config_problems, enqueue, run_dir
 from webapp.dashboard.actions.rows import Record, append

@@ -25,9 +25,9 @@ from webapp.dashboard.monitoring import broker, sockets
 
 log = logging.getLogger(__name__)
 
-GIB = 2 ** 30   # the trainer reports memory in GB of 2**30 bytes (trainer/system.py)
+GIB = 2 ** 30   # the trainer reports memory in GB of 2**30 bytes (trainer/observe/system.py)
 
-# (Prometheus gauge, the trainer's metric (trainer/metric_names.py), help, factor): a live run's
+# (Prometheus gauge, the trainer's metric (trainer/observe/metric_names.py), help, factor): a live run's
 # latest value of each, labelled by the run
 RUN_FIGURES: tuple[tuple[str, str, str, float], ...] = (
     ("rlpilot_run_reward_mean", "reward/mean", "Mean reward of the latest step's samples", 1),

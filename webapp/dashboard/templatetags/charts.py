@@ -3,7 +3,7 @@ declaration of metric names, as a JSON script element the page scripts read."""
 from django import template
 from django.utils.html import json_script
 
-from trainer import metric_names
+from trainer.observe import metric_names
 
 register = template.Library()
 

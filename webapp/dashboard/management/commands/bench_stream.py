@@ -203,7 +203,7 @@ class Command(BaseCommand):
 
     def child_trainer(self, run_id: int, steps: int):
         from trainer import config as config_mod
-        from trainer.runner import Runner
+        from trainer.run.runner import Runner
         from webapp.dashboard.telemetry import DbControlSource, DbSink
 
         cfg = config_mod.load("demo", {**TINY, "run.max_steps": steps})

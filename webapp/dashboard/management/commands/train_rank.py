@@ -14,8 +14,8 @@ from django.core.management.base import BaseCommand, CommandError
 from django.db import close_old_connections
 
 from trainer import config as config_mod
-from trainer import distributed, launch
-from trainer.runner import Runner
+from trainer.cluster import distributed, launch
+from trainer.run.runner import Runner
 from webapp.dashboard import tasks
 from webapp.dashboard.actions import run_dir
 from webapp.dashboard.models import Run, Status

@@ -4,7 +4,7 @@ Layout of RUN_DIR/checkpoints/step_000040/:
   model/               the policy (save_pretrained: safetensors + config + tokenizer)
   sharded/             instead of model/'s weights, with cluster.sharding = "fsdp": the model's
                        and the optimizer's shards, one file per training rank
-                       (torch.distributed.checkpoint; trainer/sharding.py)
+                       (torch.distributed.checkpoint; trainer/cluster/sharding.py)
   trainer.safetensors  every tensor of the trainer state: optimizer moments and steps, RNG states
   trainer.json         the rest of the trainer state (optimizer hyperparameters, the rollout buffer,
                        GRESO traces, Python RNG state ...) with a {"$tensor": KEY} placeholder

@@ -143,7 +143,7 @@ def lane_key(lane: str) -> str:
 
 
 class ProcessMeter:
-    """CPU and memory per process of the run, one series per timeline lane (trainer/timeline.py):
+    """CPU and memory per process of the run, one series per timeline lane (trainer/observe/timeline.py):
     `proc/<lane>/cpu_pct` (% of one core, 100 = one core busy, as `top` counts) over the time
     since that lane's previous reading, and `proc/<lane>/rss_gb`. Readings come from psutil for
     processes on this machine (`local`) or from the process itself (`observe`: a training rank

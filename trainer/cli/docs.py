@@ -20,7 +20,7 @@ from pathlib import Path
 
 from trainer import config as config_mod
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 CONFIG_DOC = REPO_ROOT / "docs" / "configuration.md"
 REGENERATE = "python -m trainer docs config --write"
 
@@ -72,7 +72,7 @@ while the run goes on). The command line, the launch form, the live-tuning panel
   `--set` it, and a fork, `run --fork RUN_DIR --from-step N`, starts a new run from a
   checkpoint with any of it changed, except what the checkpoint cannot carry: `model.path`,
   the keys that define the training problems, and the group size while it holds partial
-  rollouts; see `carry_problems` in `trainer/run_state.py`).
+  rollouts; see `carry_problems` in `trainer/run/state.py`).
 - `python -m trainer knobs` prints the knobs, `--all` every parameter, `--json` the schema as
   the API serves it.
 """

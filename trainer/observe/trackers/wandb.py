@@ -10,7 +10,7 @@ import os
 import secrets
 from typing import Any
 
-from trainer.trackers.base import Tracker, knob_changes, numbers
+from trainer.observe.trackers.base import Tracker, knob_changes, numbers
 
 PROJECT = "rlpilot"   # unless WANDB_PROJECT names another
 

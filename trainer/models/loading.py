@@ -3,7 +3,7 @@ directory. Nothing here ever downloads: every load passes `local_files_only=True
 
 The built-in model is a standard transformers Qwen2 architecture (~0.85M parameters) with a
 character-level tokenizer over printable ASCII. It is created from scratch and given a short
-supervised warm-up on the built-in task (`trainer.warmup`) so RL starts from a partly competent
+supervised warm-up on the built-in task (`trainer.models.warmup`) so RL starts from a partly competent
 policy; the warmed-up weights ship in `trainer/assets/builtin-sum/`.
 """
 from __future__ import annotations
@@ -82,7 +82,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 def _missing_hint(path: str) -> str:
     if path == BUILTIN:
         return " (run `python -m trainer warmup` to rebuild the built-in model)"
-    from trainer.gguf_import import import_hint
+    from trainer.models.gguf_import import import_hint
 
     hint = import_hint(path)
     if hint:

@@ -24,12 +24,12 @@ import sys
 import time
 from pathlib import Path
 
-from trainer import checkpoint
 from trainer import config as config_mod
+from trainer.run import checkpoint
 
 
 def _cmd_run(args) -> int:
-    from trainer import distributed
+    from trainer.cluster import distributed
 
     if args.autopilot is not None:   # shorthand of --set pilot.autopilot=RULES
         args.set.append(f"pilot.autopilot={args.autopilot}")
@@ -38,7 +38,7 @@ def _cmd_run(args) -> int:
     relaunched = _relaunch_under_torchrun(args)
     if relaunched is not None:
         return relaunched
-    from trainer.launch import die_with_launcher
+    from trainer.cluster.launch import die_with_launcher
 
     die_with_launcher()   # a rank of the torchrun the lines above started: it dies with torchrun
     ok = False
@@ -53,9 +53,9 @@ def _cmd_run(args) -> int:
 
 
 def _fork(args) -> None:
-    """--fork RUN_DIR --from-step N: make the child's run directory (trainer/fork.py), then turn
+    """--fork RUN_DIR --from-step N: make the child's run directory (trainer/run/fork.py), then turn
     `args` into `--resume CHILD` with the same --set (torchrun's ranks get that command)."""
-    from trainer import fork
+    from trainer.run import fork
 
     if not args.fork or args.from_step is None:
         raise config_mod.ConfigError({"--fork": "give both --fork RUN_DIR and --from-step N"})
@@ -85,7 +85,7 @@ def _requested_train_procs(args) -> int:
 def _relaunch_under_torchrun(args) -> int | None:
     """`run` asking for cluster.train_procs = K > 1 outside torchrun (WORLD_SIZE unset): the same
     command under torchrun with K processes on this machine, as a child that dies with this
-    process (trainer/launch.py); returns its exit status. None: train in this process."""
+    process (trainer/cluster/launch.py); returns its exit status. None: train in this process."""
     import os
 
     if "WORLD_SIZE" in os.environ:
@@ -93,7 +93,7 @@ def _relaunch_under_torchrun(args) -> int | None:
     procs = _requested_train_procs(args)
     if procs <= 1:
         return None
-    from trainer import launch
+    from trainer.cluster import launch
 
     proc = launch.TorchrunProcess(launch.torchrun_argv(["-m", "trainer", *args.argv], procs)).start()
     print(f"cluster.train_procs={procs}: training under torchrun (pid {proc.pid})", flush=True)
@@ -105,11 +105,12 @@ def _relaunch_under_torchrun(args) -> int | None:
 
 
 def _run(args) -> int:
-    from trainer import distributed, run_state
-    from trainer.controls import ControlSource, FileControlSource
-    from trainer.metrics import ConsoleSink, JsonlSink, MetricsSink, MultiSink
-    from trainer.run_state import prepare_run_dir
-    from trainer.runner import Runner
+    from trainer.cluster import distributed
+    from trainer.observe.metrics import ConsoleSink, JsonlSink, MetricsSink, MultiSink
+    from trainer.run import state as run_state
+    from trainer.run.controls import ControlSource, FileControlSource
+    from trainer.run.runner import Runner
+    from trainer.run.state import prepare_run_dir
 
     if args.resume:
         run_dir = Path(args.resume)
@@ -129,7 +130,7 @@ def _run(args) -> int:
             raise config_mod.ConfigError({"config": "name a preset or a .toml file (presets: "
                                           + ", ".join(config_mod.preset_names()) + ")"})
         cfg = config_mod.load(args.config, args.set)
-        from trainer.model import require_model_dir
+        from trainer.models.loading import require_model_dir
         require_model_dir(cfg.model.path, engine=cfg.rollout.engine)  # before any run directory
         world = distributed.init(cfg.model.device)  # torchrun: one of K processes
         out = args.out or f"runs/{Path(args.config).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -160,7 +161,7 @@ def _run(args) -> int:
 
 
 def _cmd_control(args) -> int:
-    from trainer.controls import PAUSE, RESUME, SET_KNOBS, STOP, Command, send
+    from trainer.run.controls import PAUSE, RESUME, SET_KNOBS, STOP, Command, send
 
     commands = []
     if args.set:
@@ -205,8 +206,8 @@ def _cmd_presets(args) -> int:
 
 
 def _cmd_warmup(args) -> int:
-    from trainer.model import builtin_dir
-    from trainer.warmup import warmup
+    from trainer.models.loading import builtin_dir
+    from trainer.models.warmup import warmup
 
     out = args.out or str(builtin_dir())
     info = warmup(out, steps=args.steps, seed=args.seed)
@@ -256,15 +257,16 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--seed", type=int, default=0)
     w.set_defaults(func=_cmd_warmup)
 
-    from trainer import bench, docs, gguf_import, inspector_cli, reward_cli
+    from trainer import bench
+    from trainer.cli import advise, docs, reward, samples
+    from trainer.engine import sglang_server
+    from trainer.models import gguf_import
     gguf_import.add_parser(sub)
-    reward_cli.add_parser(sub)
-    inspector_cli.add_parser(sub)
+    reward.add_parser(sub)
+    samples.add_parser(sub)
     bench.add_parser(sub)
     docs.add_parser(sub)
-    from trainer.pilot import cli as pilot_cli
-    pilot_cli.add_parser(sub)
-    from trainer.engine import sglang_server
+    advise.add_parser(sub)
     sglang_server.add_parser(sub)
     return p
 

@@ -12,7 +12,7 @@ import time
 from typing import Any
 
 from trainer import config as config_mod
-from trainer.trackers.base import Tracker, finite, flat_config, knob_changes, numbers
+from trainer.observe.trackers.base import Tracker, finite, flat_config, knob_changes, numbers
 
 EXPERIMENT = "rlpilot"      # unless MLFLOW_EXPERIMENT_NAME names another
 MAX_PARAM_LEN = 6000        # MLflow refuses longer param values (a long system prompt)

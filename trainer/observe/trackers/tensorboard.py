@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from trainer.trackers.base import Tracker, numbers
+from trainer.observe.trackers.base import Tracker, numbers
 
 
 class TensorBoardTracker(Tracker):

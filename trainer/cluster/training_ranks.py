@@ -11,7 +11,7 @@ i is `seqs[i::n]`), cuts every mini-batch into K shares of about equal token cou
 the cost of a sequence's forward and backward grows with its length, so equal sequence counts
 would leave ranks waiting on the one holding the long answers), and every rank back-propagates
 its share through DistributedDataParallel. The loss is the token mean over the whole mini-batch
-(trainer/learner.py all-reduces the token count), so the update equals the one-process update
+(trainer/algo/learner.py all-reduces the token count), so the update equals the one-process update
 on the same batch up to float rounding.
 
 Rank 0 talks to the others over a channel of its own: a gloo group (CPU objects, whatever the
@@ -23,8 +23,8 @@ generators all down -- while the training collectives keep RLPILOT_DIST_TIMEOUT_
   decoupled-loss settings; then each rank's share by `scatter_object_list`; after the update the
   figures each rank wrote into its sequences' reports (the behaviour weights the rollout
   inspector shows) come back with `gather_object`, with the wall-clock start and end of each
-  rank's update (the run's timeline: trainer/timeline.py) and the rank's CPU seconds and
-  resident memory (trainer/system.py's ProcessMeter).
+  rank's update (the run's timeline: trainer/observe/timeline.py) and the rank's CPU seconds and
+  resident memory (trainer/observe/system.py's ProcessMeter).
 - LOGPROBS, WEIGHTS, CHECKPOINT (sharded models only, `cluster.sharding = "fsdp"`: every forward
   and every whole-model read is then a collective of all ranks): rank 0's log-prob recomputes
   (pi_old, the reference) cut into token-balanced shares like an update, each rank's results
@@ -41,8 +41,8 @@ import dataclasses
 import datetime
 import time
 
-from trainer.learner import TrainSequence
-from trainer.system import process_usage
+from trainer.algo.learner import TrainSequence
+from trainer.observe.system import process_usage
 
 TRAIN, LOGPROBS, WEIGHTS, CHECKPOINT, END = "train", "logprobs", "weights", "checkpoint", "end"
 CHANNEL_TIMEOUT = datetime.timedelta(days=7)   # a paused run may wait that long for its person
@@ -142,7 +142,7 @@ class Controller:
 
     def save_shards(self, learner, folder) -> None:
         """Sharded: every rank writes its shards of the model and optimizer into `folder`."""
-        from trainer import sharding
+        from trainer.cluster import sharding
 
         self._send((CHECKPOINT, str(folder)))
         sharding.save(folder, learner.model, learner.optimizer)
@@ -203,7 +203,7 @@ def follow(controller: Controller, learner, pad_id: int, on_step=None) -> str:
             learner.full_state_dict()
             continue
         if message[0] == CHECKPOINT:
-            from trainer import sharding
+            from trainer.cluster import sharding
 
             sharding.save(message[1], learner.model, learner.optimizer)
             continue

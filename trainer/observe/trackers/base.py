@@ -1,4 +1,4 @@
-"""What every tracker adapter does (trainer/trackers/<name>.py): the mirror (mirror.py) calls
+"""What every tracker adapter does (trainer/observe/trackers/<name>.py): the mirror (mirror.py) calls
 these on its own thread, one at a time, and disables an adapter at its first exception."""
 from __future__ import annotations
 

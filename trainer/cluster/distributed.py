@@ -14,8 +14,8 @@ The layout (docs/scaling.md): rank 0 owns the rollout -- the engine or generatio
 APRIL, GRESO, dynamic sampling, asynchronous admission, the data cursor -- and reports, reads
 controls and writes checkpoints; every rank, rank 0 included, holds the policy wrapped in
 DistributedDataParallel (which broadcasts rank 0's weights when it wraps the model), or a shard
-of it (`cluster.sharding = "fsdp"`: trainer/sharding.py), and trains its share of each update
-(trainer/training_ranks.py says how the batch is cut and what rank 0 sends). The learner
+of it (`cluster.sharding = "fsdp"`: trainer/cluster/sharding.py), and trains its share of each update
+(trainer/cluster/training_ranks.py says how the batch is cut and what rank 0 sends). The learner
 all-reduces each mini-batch's token count, so each rank's loss is its share of the global token
 mean and one update equals the one-process update up to float rounding.
 Every technique and engine works with any K, and a resumed run may have another K: the
@@ -185,7 +185,7 @@ def init(device: str = "auto") -> World:
         if var not in os.environ:
             raise RuntimeError(f"WORLD_SIZE={size} but {var} is not set: launch with torchrun "
                                "--nproc_per_node K -m trainer run ...")
-    from trainer.model import resolve_device
+    from trainer.models.loading import resolve_device
 
     on_cuda = resolve_device(device).type == "cuda"
     timeout = datetime.timedelta(seconds=float(os.environ.get("RLPILOT_DIST_TIMEOUT_S", 1800)))

@@ -104,8 +104,8 @@ SCALARS: dict[str, str] = {
     "dist/train_share_imbalance": "the largest training share over the mean share, in tokens (1 = even)",
 }
 # per device i: system/gpu{i}/util, system/gpu{i}/mem_gb, system/gpu{i}/power_w; per process
-# of the run, named by its timeline lane (rank0, rank1, engine, ...: trainer/timeline.py):
-# proc/<lane>/cpu_pct (% of one core) and proc/<lane>/rss_gb (trainer/system.py ProcessMeter)
+# of the run, named by its timeline lane (rank0, rank1, engine, ...: trainer/observe/timeline.py):
+# proc/<lane>/cpu_pct (% of one core) and proc/<lane>/rss_gb (trainer/observe/system.py ProcessMeter)
 PATTERNS = {r"^system/gpu\d+/(util|mem_gb|power_w)$": "per-GPU telemetry",
             r"^proc/[A-Za-z0-9_-]+/(cpu_pct|rss_gb)$": "per-process CPU (% of one core) and memory (GB)"}
 

@@ -18,8 +18,8 @@ import threading
 import time
 from typing import Any
 
-from trainer.metrics import MetricsSink
-from trainer.trackers.base import Tracker
+from trainer.observe.metrics import MetricsSink
+from trainer.observe.trackers.base import Tracker
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """The step boundary: where knob changes, pause, resume and stop take effect.
 
-Commands arrive from a `ControlSource` (trainer/controls.py) at any time but are applied only
+Commands arrive from a `ControlSource` (trainer/run/controls.py) at any time but are applied only
 here, between two steps, so a change never lands in the middle of one. Every knob change goes
 this one way, whoever asks: a person (dashboard, CLI) or the trainer itself (`request`, e.g.
 `async.auto_staleness` moving eta, `requested_by="auto"`; the autopilot, `requested_by="autopilot"`).
@@ -13,7 +13,7 @@ A step that waits for groups (asynchronous rollout) asks `interrupted()`: it rea
 without applying them and says whether a stop or pause waits, so the step can give its groups
 back and come here at once instead of waiting for groups that may never come. With several
 training processes only rank 0 (the controller) has a boundary; the config it goes on with
-reaches the other ranks with the step's update (trainer/training_ranks.py).
+reaches the other ranks with the step's update (trainer/cluster/training_ranks.py).
 """
 from __future__ import annotations
 
@@ -21,9 +21,9 @@ import time
 from typing import Callable
 
 from trainer import config as config_mod
-from trainer.controls import AUTO, AUTOMATIC, PAUSE, RESUME, SET_KNOBS, STOP, Command, ControlSource
-from trainer.metrics import MetricsSink
+from trainer.observe.metrics import MetricsSink
 from trainer.rollout.base import Driver
+from trainer.run.controls import AUTO, AUTOMATIC, PAUSE, RESUME, SET_KNOBS, STOP, Command, ControlSource
 
 PAUSED_POLL_S = 0.2      # how often a paused run looks for resume/stop
 INTERRUPT_POLL_S = 0.25  # how often a waiting step reads the controls

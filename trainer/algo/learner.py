@@ -3,7 +3,7 @@
 Sequences are packed into length-sorted micro-batches of at most `micro_batch_tokens` padded
 tokens; gradients accumulate so that the loss is the token mean over the whole mini-batch
 (see trainer/algo/grpo.py). With K training processes the model is replicated (DDP) or
-sharded (FSDP2, trainer/sharding.py); sharded, every forward is a collective, so each rank runs
+sharded (FSDP2, trainer/cluster/sharding.py); sharded, every forward is a collective, so each rank runs
 as many micro-batches as the rank with the most (`_matched`: empty ones fill the gap).
 """
 from __future__ import annotations
@@ -73,7 +73,7 @@ class Learner:
                  reference=None, dist=None, sharded: bool = False):
         self.model = model
         self.device = next(model.parameters()).device
-        # data parallel (trainer/distributed.py): a World of K > 1 processes; token counts and
+        # data parallel (trainer/cluster/distributed.py): a World of K > 1 processes; token counts and
         # gradients are summed over them so the loss is the token mean of the global batch
         self.dist = dist if dist is not None and dist.size > 1 else None
         # the reference is this process's model as given, copied before DDP's wrap replaces a
@@ -85,7 +85,7 @@ class Learner:
         self.ddp = None  # the DistributedDataParallel wrapper the update's forward runs through
         self.sharded = sharded and self.dist is not None
         if self.sharded:
-            from trainer import sharding
+            from trainer.cluster import sharding
 
             full = model.state_dict() if self.dist.is_main else {}  # rank 0's, before sharding
             sharding.shard(model, self.dist)
@@ -207,7 +207,7 @@ class Learner:
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The policy's tensors whole, for the generators (sharded: a collective, rank 0's CPU)."""
         if self.sharded:
-            from trainer import sharding
+            from trainer.cluster import sharding
 
             return sharding.full_state_dict(self.model)
         return self.model.state_dict()
@@ -228,7 +228,7 @@ class Learner:
         """The step's update with the config's settings. Every rank takes part while any rank has
         sequences; with none anywhere (every group zero-variance) only the KL to the reference
         of `samples` is measured, so the KL chart has no holes. `chunks`: this rank's share of
-        each optimizer mini-batch (trainer/training_ranks.py), else `seqs` split here."""
+        each optimizer mini-batch (trainer/cluster/training_ranks.py), else `seqs` split here."""
         total = self.dist.all_sum(len(seqs)) if self.dist is not None else len(seqs)
         if not total:
             # sharded, the KL's forwards are collectives: the other ranks (no samples) join in

@@ -3,10 +3,10 @@
     runner = Runner(cfg, run_dir, sink=..., controls=...)
     status = runner.run()      # "finished" | "stopped"; raises on failure (after an event)
 
-Each step: the step boundary (trainer/boundary.py: knob changes, pause, stop) -> the rollout
-driver's groups, scored (trainer/scoring.py) -> the objective's inputs (trainer/algo/) -> update
--> push weights to the engine -> metrics -> maybe evaluate / checkpoint (trainer/run_state.py)
--> the step's timeline (trainer/timeline.py: where each process's time went).
+Each step: the step boundary (trainer/run/boundary.py: knob changes, pause, stop) -> the rollout
+driver's groups, scored (trainer/rollout/scoring.py) -> the objective's inputs (trainer/algo/) -> update
+-> push weights to the engine -> metrics -> maybe evaluate / checkpoint (trainer/run/state.py)
+-> the step's timeline (trainer/observe/timeline.py: where each process's time went).
 The runner never imports Django; the web app gives it a database sink and control source.
 Over 400 lines because one step's sequence (collect, update, sync, metrics) and its timing for
 the timeline read best in one place.
@@ -25,26 +25,28 @@ from typing import Any
 import torch
 
 from trainer import config as config_mod
-from trainer import distributed, run_state, sharding, trackers, training_ranks
 from trainer.algo import objective
-from trainer.boundary import StepBoundary
-from trainer.controls import AUTO, AUTOPILOT, ControlSource
+from trainer.algo.learner import Learner, TrainSequence
+from trainer.cluster import distributed, sharding, training_ranks
 from trainer.engine import build_engine
-from trainer.evaluate import evaluate
-from trainer.inspector import InspectorRecorder
-from trainer.learner import Learner, TrainSequence
-from trainer.metrics import MetricsSink, MultiSink, histogram, length_edges
-from trainer.model import load_model, load_tokenizer, resolve_device, resolve_dtype
+from trainer.models.loading import load_model, load_tokenizer, resolve_device, resolve_dtype
+from trainer.observe import trackers
+from trainer.observe.inspector import InspectorRecorder
+from trainer.observe.metrics import MetricsSink, MultiSink, histogram, length_edges
+from trainer.observe.system import ProcessMeter, SystemSampler
+from trainer.observe.timeline import CONTROLLER, Timeline, rank_lane
 from trainer.pilot.live import LivePilot
 from trainer.rewards.pool import RewardService
 from trainer.rollout import PromptSource, build_driver
 from trainer.rollout.asynchronous import AsyncStall, CollectInterrupted
 from trainer.rollout.base import step_metrics
+from trainer.rollout.scoring import Scorer
 from trainer.rollout.selection import PromptSelector
-from trainer.scoring import Scorer
-from trainer.system import ProcessMeter, SystemSampler
+from trainer.run import state as run_state
+from trainer.run.boundary import StepBoundary
+from trainer.run.controls import AUTO, AUTOPILOT, ControlSource
+from trainer.run.evaluate import evaluate
 from trainer.tasks import build_task
-from trainer.timeline import CONTROLLER, Timeline, rank_lane
 
 FINISHED, STOPPED, FAILED = "finished", "stopped", "failed"
 
@@ -56,9 +58,9 @@ class Runner:
         self.cfg = cfg.copy()
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        # K training processes under torchrun (trainer/distributed.py); K = 1 otherwise. Rank 0
+        # K training processes under torchrun (trainer/cluster/distributed.py); K = 1 otherwise. Rank 0
         # is the controller: the rollout, reports, controls and checkpoints are its alone, and
-        # the other ranks train their share of each update (trainer/training_ranks.py)
+        # the other ranks train their share of each update (trainer/cluster/training_ranks.py)
         self.dist = distributed.init(self.cfg.model.device)
         self.sink = (sink or MetricsSink()) if self.dist.is_main else MetricsSink()
         self.controls = (controls or ControlSource()) if self.dist.is_main else ControlSource()
@@ -87,7 +89,7 @@ class Runner:
             config_mod.check(self.cfg)   # e.g. fsdp with the engine in rank 0: refused by name
         self.sharded = self.dist.size > 1 and self.cfg.cluster.sharding == "fsdp"
         # run.report_to: every record mirrored to TensorBoard / W&B / MLflow on a thread of its
-        # own (trainer/trackers/); it starts with the first record, so a failed build leaves nothing
+        # own (trainer/observe/trackers/); it starts with the first record, so a failed build leaves nothing
         self.trackers = (trackers.build(self.cfg, self.run_dir, report=self.sink)
                          if self.dist.is_main else None)
         if self.trackers is not None:

@@ -1,16 +1,16 @@
 """Metrics sinks: where a run's scalars, histograms and events go.
 
 The trainer only knows `MetricsSink`. The CLI uses a console display plus JSONL files in the
-run directory; the web app plugs in a database sink. Names are declared in trainer/metric_names.py
+run directory; the web app plugs in a database sink. Names are declared in trainer/observe/metric_names.py
 (slash-separated, verl/TRL style).
 
 Files written by `JsonlSink` in the run directory:
   metrics.jsonl     one object per step: {"step": N, "time": unix, "<name>": value, ...}
   histograms.jsonl  {"step": N, "name": ..., "edges": [...], "counts": [...]}
   events.jsonl      {"step": N, "time": unix, "kind": ..., ...data}
-  samples.jsonl     one recorded sample per line (trainer/inspector.py: the rollout inspector)
+  samples.jsonl     one recorded sample per line (trainer/observe/inspector.py: the rollout inspector)
   timeline.jsonl    {"step": N, "spans": [{"lane", "phase", "start", "end", "occupancy"?}, ...]}
-                    where each process's time went (trainer/timeline.py)
+                    where each process's time went (trainer/observe/timeline.py)
 """
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from trainer.model import new_builtin_model
+from trainer.models.loading import new_builtin_model
 from trainer.tasks.sum import SumTask, format_prompt, reference_solution, sample_list
 
 

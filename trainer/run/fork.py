@@ -26,8 +26,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from trainer import checkpoint, run_state
 from trainer import config as config_mod
+from trainer.run import checkpoint
+from trainer.run import state as run_state
 
 FORK_FILE = "fork.json"
 CONFIG_FILE = "config.toml"

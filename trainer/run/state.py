@@ -1,13 +1,13 @@
 """What a run's checkpoint holds besides the model, and how a resumed run gets it back.
 
-The file format (safetensors + tagged JSON, no pickle) is trainer/checkpoint.py; this module
+The file format (safetensors + tagged JSON, no pickle) is trainer/run/checkpoint.py; this module
 says what of a Runner goes in: the step and policy version, the data cursor, the counters, the
 best/last evaluation, the config with its knob values, the pilot's recent rows and the
 autopilot's state, the optimizer, the sampling RNG (one
 stream per generation process), the rollout driver's state (APRIL's buffer, the asynchronous
 queue) and GRESO's per-prompt history. Rank 0 (the controller) holds all of it: the other
-training ranks hold nothing of their own (trainer/training_ranks.py), except with a sharded
-model, whose model and optimizer every rank writes as DCP shards (trainer/sharding.py).
+training ranks hold nothing of their own (trainer/cluster/training_ranks.py), except with a sharded
+model, whose model and optimizer every rank writes as DCP shards (trainer/cluster/sharding.py).
 """
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ import json
 import shutil
 from pathlib import Path
 
-from trainer import checkpoint
 from trainer import config as config_mod
+from trainer.run import checkpoint
 
 
 def prepare_run_dir(out: str | Path, overwrite: bool = False) -> Path:
@@ -102,7 +102,7 @@ def save(runner) -> Path:
     tensors = {"rng": checkpoint.rng_state(runner.engine.generator),
                "rollout": runner.rollout.state_dict(), "greso": runner.greso.state_dict()}
     shards = None
-    if runner.sharded:   # model and optimizer: every rank's shards (trainer/sharding.py)
+    if runner.sharded:   # model and optimizer: every rank's shards (trainer/cluster/sharding.py)
         def shards(folder):
             runner.ranks.save_shards(runner.learner, folder)
     else:

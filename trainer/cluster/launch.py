@@ -36,6 +36,7 @@ import signal
 import subprocess
 import sys
 import threading
+from pathlib import Path
 from typing import IO, Sequence
 
 PR_SET_PDEATHSIG = 1     # <linux/prctl.h>
@@ -141,10 +142,10 @@ class TorchrunProcess:
         return self.proc.pid if self.proc else None
 
     def start(self) -> "TorchrunProcess":
-        wrapper = [sys.executable, "-c", "import sys; from trainer.launch import _exec_with_death_signal as "
+        wrapper = [sys.executable, "-c", "import sys; from trainer.cluster.launch import _exec_with_death_signal as "
                    "e; e(int(sys.argv[1]), sys.argv[2:])", str(os.getpid()), *self.argv]
         env = dict(os.environ if self.env is None else self.env)
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # `trainer` importable
+        root = str(Path(__file__).resolve().parents[2])   # the directory holding trainer/: importable
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
         self.proc = subprocess.Popen(wrapper, env=env, cwd=self.cwd, stdin=subprocess.DEVNULL,
                                      stderr=subprocess.PIPE, text=True, errors="replace",

@@ -12,20 +12,20 @@ from __future__ import annotations
 from pathlib import Path
 
 from trainer import config as config_mod
-from trainer.metrics import MetricsSink
-from trainer.trackers.base import Tracker
-from trainer.trackers.mirror import TrackerMirror
+from trainer.observe.metrics import MetricsSink
+from trainer.observe.trackers.base import Tracker
+from trainer.observe.trackers.mirror import TrackerMirror
 
 
 def adapter(name: str) -> type[Tracker]:
     if name == "tensorboard":
-        from trainer.trackers.tensorboard import TensorBoardTracker
+        from trainer.observe.trackers.tensorboard import TensorBoardTracker
         return TensorBoardTracker
     if name == "wandb":
-        from trainer.trackers.wandb import WandbTracker
+        from trainer.observe.trackers.wandb import WandbTracker
         return WandbTracker
     if name == "mlflow":
-        from trainer.trackers.mlflow import MlflowTracker
+        from trainer.observe.trackers.mlflow import MlflowTracker
         return MlflowTracker
     raise ValueError(f"unknown tracker {name!r}; trackers: {', '.join(config_mod.TRACKERS)}")
 
