@@ -370,3 +370,34 @@ def test_foreign_or_newer_trainer_states_and_stray_tensors_are_refused(tmp_path)
     (tmp_path / "trainer.safetensors").write_bytes(b"\x00" * 16)
     with pytest.raises(checkpoint.CheckpointError, match="trainer.safetensors"):
         checkpoint.read_trainer_state(tmp_path)
+
+
+def test_own_storage_gives_each_written_tensor_memory_of_its_own():
+    """The one rule both safetensors writers follow (checkpoints, the SGLang engine's weights)."""
+    base = torch.arange(6.0)
+    seen: set = set()
+    first = checkpoint.own_storage(base, seen)
+    same = checkpoint.own_storage(base.view(2, 3), seen)    # the same storage again
+    part = checkpoint.own_storage(torch.arange(4.0)[:2], set())   # a view of a larger one
+    empty = checkpoint.own_storage(torch.zeros(0), seen)
+    assert first is base
+    assert same.untyped_storage().data_ptr() != base.untyped_storage().data_ptr()
+    assert torch.equal(same, base.view(2, 3)) and torch.equal(part, torch.arange(2.0))
+    assert part.untyped_storage().nbytes() == part.nbytes
+    assert empty.numel() == 0 and len(seen) == 2
+
+
+def test_sglang_weights_with_shared_storage_are_written_apart(tmp_path):
+    from safetensors.torch import load_file
+
+    from trainer.engine.sglang import SGLangEngine
+
+    w = torch.arange(6.0)
+    eng = SGLangEngine("http://127.0.0.1:9", weights_dir=tmp_path, check_health=False)
+    try:
+        folder = eng._save_weights({"a": w, "b": w.view(2, 3), "c": w[:3]}, 1)
+    finally:
+        eng.close()
+    back = load_file(str(folder / "model.safetensors"))
+    assert torch.equal(back["a"], w) and torch.equal(back["b"], w.view(2, 3))
+    assert torch.equal(back["c"], w[:3])

@@ -484,9 +484,13 @@ def test_with_every_server_gone_generation_waits_and_goes_on_when_one_comes_back
     samples = [Sample(ids(tok, LONG), SamplingParams(temperature=0.0, max_new_tokens=150))
                for _ in range(3)]
     eng.submit(samples)
-    wait_until(lambda: srv.requests)
+    # the only server goes away mid-generation: held in place (an in_place pause) once every
+    # answer is under way, so none can finish before it is gone, however late this thread runs
+    wait_until(lambda: len(running_lengths(srv)) == len(samples) and all(running_lengths(srv)))
+    srv.pause_generation({"mode": "in_place"})
+    assert 0 < max(running_lengths(srv)) < 150
     port = srv.port
-    srv.close()                                   # the only server goes away mid-generation
+    srv.close()
     back = []
 
     def restart():

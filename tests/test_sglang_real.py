@@ -13,13 +13,14 @@ import time
 from pathlib import Path
 
 import pytest
+import requests
 import torch
 from helpers import full_forward_logprobs
 
 from trainer import config as C
 from trainer.engine.base import ABORT, LENGTH, STOP, Sample, SamplingParams
 from trainer.engine.sglang import SGLangEngine
-from trainer.engine.sglang_server import VENV, SGLangServer
+from trainer.engine.sglang.server import VENV, SGLangServer
 from trainer.models import gguf_import
 from trainer.models.loading import load_model, load_tokenizer, stop_token_ids
 from trainer.observe.metrics import MemorySink
@@ -88,6 +89,72 @@ def engines(policy):
         eng.close()
 
 
+class _HeldMidAnswer:
+    """Forces what the abort and weight-update tests need -- answers cut mid-generation --
+    instead of hoping a sleep or the trainer's pace lands the cut while the server decodes.
+
+    `freeze()` waits until the server reports a request past its prefill (GET /v1/loads
+    num_running_reqs: it holds its first token), then pauses the server in place
+    (/pause_generation mode "in_place": running requests keep their state and generate nothing
+    more), so no answer can finish before the cut. The engine's next cut -- the
+    /pause_generation of update_weights(), or the /abort_request of abort() -- is then sent
+    while frozen (the server marks each running request aborted; it stops after one more
+    token, keeping what it generated) and only then does the server continue. Without this the
+    guards ("...: the test proves nothing") fail on a busy machine, where the answers may
+    all finish (or not start) before the update or the abort comes."""
+
+    def __init__(self, monkeypatch, url):
+        self.url, self.frozen, self.cuts = url, False, 0
+        real_control, real_aborts = SGLangEngine._control, SGLangEngine._send_aborts
+
+        def control(engine, srv, method, path, body=None):
+            if path == "/pause_generation" and self.frozen:
+                self._post("/abort_request", {"abort_all": True})   # marked while frozen
+                self.thaw()
+            return real_control(engine, srv, method, path, body)
+
+        def send_aborts(engine, tickets, abort_all):
+            real_aborts(engine, tickets, abort_all)   # marked while frozen
+            self.thaw()
+
+        monkeypatch.setattr(SGLangEngine, "_control", control)
+        monkeypatch.setattr(SGLangEngine, "_send_aborts", send_aborts)
+
+    def _post(self, path, body):
+        requests.post(self.url + path, json=body, timeout=60).raise_for_status()
+
+    def _running(self) -> bool:
+        loads = requests.get(self.url + "/v1/loads", timeout=10).json()["loads"]
+        return any(x["num_running_reqs"] > 0 for x in loads)
+
+    def freeze(self, can_run=lambda: True, timeout_s=120.0) -> bool:
+        """Freeze the server with an answer mid-generation; False when none came (can_run()
+        said nothing could, or timeout_s passed)."""
+        deadline = time.monotonic() + timeout_s
+        while not self.frozen and time.monotonic() < deadline:
+            if self._running():
+                self._post("/pause_generation", {"mode": "in_place"})
+                self.frozen = True
+                self.cuts += 1
+            elif not can_run():
+                return False
+            else:
+                time.sleep(0.02)
+        return self.frozen
+
+    def thaw(self) -> None:
+        if self.frozen:
+            self.frozen = False
+            self._post("/continue_generation", {})
+
+
+@pytest.fixture
+def held(server, monkeypatch):
+    hold = _HeldMidAnswer(monkeypatch, server.url)
+    yield hold
+    hold.thaw()   # never leave the module's server frozen for the next test
+
+
 def prompt(tok, question):
     return tok.apply_chat_template([{"role": "user", "content": question}],
                                    add_generation_prompt=True, tokenize=True, return_dict=False)
@@ -140,7 +207,7 @@ def test_greedy_outputs_equal_hugging_faces_generate(policy, server, engines):
     assert max(len(s.response_ids) for s in samples) >= 16
 
 
-def test_abort_returns_partials_and_resubmitting_continues_them(policy, server, engines):
+def test_abort_returns_partials_and_resubmitting_continues_them(policy, server, engines, held):
     model, tok = policy
     eng = engines(server.url)
     params = SamplingParams(temperature=0.0, max_new_tokens=80)
@@ -148,9 +215,8 @@ def test_abort_returns_partials_and_resubmitting_continues_them(policy, server, 
     eng.generate(whole)                       # uninterrupted
     cut = [Sample(list(s.prompt_ids), params) for s in whole]
     eng.submit(cut)
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < 1.5:        # let the server generate part of each answer
-        assert not eng.step()
+    assert held.freeze(lambda: eng.num_pending > 0)   # an answer is under way, and stays so
+    assert not eng.step()
     parts = eng.abort()
     assert {s.request_id for s in parts} == {s.request_id for s in cut} and eng.num_pending == 0
     assert all(s.finish_reason == ABORT for s in parts)
@@ -167,7 +233,7 @@ def test_abort_returns_partials_and_resubmitting_continues_them(policy, server, 
 
 @pytest.mark.parametrize("weight_sync", ["distributed", "disk"])
 def test_weight_updates_load_and_tag_tokens_with_the_servers_version(
-        policy, server, engines, tmp_path, monkeypatch, original_weights_after, weight_sync):
+        policy, server, engines, tmp_path, monkeypatch, original_weights_after, held, weight_sync):
     model, tok = policy
     reported = []   # (the server's weight_version spans, the version the call was sent under)
     real = SGLangEngine._token_versions
@@ -202,7 +268,7 @@ def test_weight_updates_load_and_tag_tokens_with_the_servers_version(
         long = [Sample(prompt(tok, q), SamplingParams(temperature=0.0, max_new_tokens=80))
                 for q in QUESTIONS[2:]]
         eng.submit(long)
-        time.sleep(1.5)
+        assert held.freeze(lambda: eng.num_pending > 0)   # the update comes mid-answer
         eng.update_weights(new, version=2)
         while eng.num_pending:
             eng.step()
@@ -301,13 +367,25 @@ def test_april_parks_samples_and_resumes_them_across_weight_updates(
 
 
 def test_async_updates_weights_between_steps_with_the_servers_versions(
-        model_dir, server, tmp_path, monkeypatch, original_weights_after):
+        model_dir, server, tmp_path, monkeypatch, original_weights_after, held):
+    from trainer.rollout.asynchronous import AsyncDriver
     from trainer.run.runner import Runner
 
     seen = _submitted(monkeypatch)
     versions = _ServerVersions(monkeypatch)
-    # generation the bottleneck (eta 2: up to 3 batches of groups in flight, long answers), so
-    # answers are running whenever the trainer updates the weights
+    real_collect = AsyncDriver.collect
+
+    def collect(driver, cfg, version):
+        # generation the bottleneck for sure: once the trainer has its groups, the server holds
+        # an answer mid-generation until the step's weight update interrupts it (on a busy
+        # machine the trainer may otherwise update only after every admitted answer finished)
+        result = real_collect(driver, cfg, version)
+        if not any(len(set(s.versions)) > 1 for s, _ in list(seen.values())):   # once is enough:
+            held.freeze(lambda: bool(driver.running) or driver.engine.num_pending > 0)
+        return result   # a frozen server generates nothing while the trainer trains
+
+    monkeypatch.setattr(AsyncDriver, "collect", collect)
+    # eta 2: up to 3 batches of groups in flight, long answers
     cfg = run_config(model_dir, server.url, "run.max_steps=3", "async.enabled=true",
                      "async.worker=thread", "async.max_staleness=2",
                      "rollout.n_samples_per_prompt=4", "rollout.max_response_len=96",
@@ -319,6 +397,7 @@ def test_async_updates_weights_between_steps_with_the_servers_versions(
     assert max(sink.series("async/staleness/max")) <= 2
     samples = [s for s, _ in seen.values()]
     mixed = versions.check(samples)
+    assert held.cuts, "the server never had an answer under way after a collect"
     assert mixed > 0 and requeued > 0, \
         "no answer ran through a weight update: the test proves nothing"
     assert max(v for s in samples for v in s.versions) >= 2
@@ -384,7 +463,7 @@ def test_a_server_ends_with_the_process_that_started_it_even_when_that_one_is_ki
     import subprocess
     import sys
 
-    code = ("import sys, time\nfrom trainer.engine.sglang_server import SGLangServer\n"
+    code = ("import sys, time\nfrom trainer.engine.sglang.server import SGLangServer\n"
             f"s = SGLangServer({str(model_dir)!r}).start()\nprint(s.proc.pid, flush=True)\ntime.sleep(600)\n")
     parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
                               cwd=Path(__file__).resolve().parents[1])

@@ -1,5 +1,6 @@
-"""trainer/ has no import cycle, and the task registry and the reward package import one way:
-verifiers and sandbox <- the task registry (trainer.tasks) <- dispatch <- the pool and its workers.
+"""trainer/ has no import cycle, the task registry and the reward package import one way:
+verifiers and sandbox <- the task registry (trainer.tasks) <- dispatch <- the pool and its workers,
+and the rollout mechanism and the engines never import the pilot that advises on them.
 
 The graph is read from every module's syntax tree, imports inside functions included, with the
 checker of tests/web/test_import_graph.py. The registry and reward modules are also each
@@ -54,6 +55,19 @@ def test_the_registry_sits_between_the_verifiers_and_the_pool():
                 and d != "trainer.rewards.verifiers"], "the registry imports more than the verifiers"
     assert "trainer.tasks" in graph["trainer.rewards.dispatch"]
     assert graph["trainer.rewards"] == {}, "trainer/rewards/__init__.py must re-export nothing"
+
+
+def test_the_rollout_mechanism_and_the_engines_do_not_import_the_pilot():
+    """The pilot (trainer/pilot/) advises by reading what the rollout and the engines report:
+    the mechanism never depends on its advisor (async.auto_staleness's verdict lives in
+    trainer/rollout/auto_staleness.py, and the pilot's eta rules read it from there)."""
+    graph, modules = trainer_graph()
+    assert "trainer.rollout.asynchronous" in graph and "trainer.pilot.staleness" in graph
+    wrong = [f"{modules[m].relative_to(ROOT)}:{line} imports {d}"
+             for m in sorted(graph) if m.split(".")[:2] in (["trainer", "rollout"], ["trainer", "engine"])
+             for d, line in sorted(graph[m].items())
+             if d == "trainer.pilot" or d.startswith("trainer.pilot.")]
+    assert not wrong, "the rollout mechanism imports its advisor:\n" + "\n".join(wrong)
 
 
 @pytest.mark.parametrize("module", sorted(

@@ -14,8 +14,8 @@ from django.core.exceptions import SuspiciousOperation  # noqa: E402
 from django.http import Http404  # noqa: E402
 
 from webapp import vardir  # noqa: E402
-from webapp.dashboard.origins import SameOriginValidator  # noqa: E402
-from webapp.dashboard.routing import websocket_urlpatterns  # noqa: E402
+from webapp.dashboard.live.origins import SameOriginValidator  # noqa: E402
+from webapp.dashboard.live.routing import websocket_urlpatterns  # noqa: E402
 
 
 class SafeASGIStaticFilesHandler(ASGIStaticFilesHandler):

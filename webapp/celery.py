@@ -12,7 +12,8 @@ os.environ.setdefault("DJANGO_SETTINGS_MODULE", "webapp.settings")
 
 app = Celery("webapp")
 app.config_from_object("django.conf:settings", namespace="CELERY")
-app.autodiscover_tasks()
+# the dashboard's tasks live in webapp/dashboard/worker/tasks.py, not in the app's own `tasks` module
+app.autodiscover_tasks(["webapp.dashboard.worker"])
 
 
 @signals.celeryd_init.connect

@@ -157,7 +157,7 @@ SAMPLES_PER_RUN = env_int("RLPILOT_SAMPLES_PER_RUN", 20000)
 MAX_IMPORT_BYTES = env_int("RLPILOT_MAX_IMPORT_BYTES", 2 * 2**30)
 MAX_IMPORT_FILES = env_int("RLPILOT_MAX_IMPORT_FILES", 10000)
 
-# --- the stale-run sweep (webapp/dashboard/sweep.py) -----------------------------------------------
+# --- the stale-run sweep (webapp/dashboard/worker/sweep.py) ----------------------------------------
 # A live run without a heartbeat for HEARTBEAT_TIMEOUT_S becomes `interrupted`: checked every
 # SWEEP_S seconds with nobody watching (production: Celery beat sends the sweep to SWEEP_QUEUE,
 # which a worker on the web machine consumes -- `celery -A webapp beat` and
@@ -165,6 +165,8 @@ MAX_IMPORT_FILES = env_int("RLPILOT_MAX_IMPORT_FILES", 10000)
 # consume it. Locally: `manage.py serve`'s own timer), and lazily by pages, the API and sockets.
 SWEEP_S = env_float("RLPILOT_SWEEP_S", min(5.0, max(0.5, HEARTBEAT_TIMEOUT_S / 3)))
 SWEEP_QUEUE = env("RLPILOT_SWEEP_QUEUE", "rlpilot-sweep")
+# Celery task names are stable identifiers (a queued task carries its name), kept from when the
+# tasks module was webapp/dashboard/tasks.py; webapp/dashboard/worker/tasks.py registers them.
 SWEEP_TASK = "webapp.dashboard.tasks.sweep_stale_runs"
 CELERY_BEAT_SCHEDULE = {"sweep-stale-runs": {
     "task": SWEEP_TASK, "schedule": SWEEP_S,
@@ -177,7 +179,7 @@ CELERY_BEAT_SCHEDULER = "celery.beat:Scheduler"
 CELERY_TASK_ROUTES = {SWEEP_TASK: {"queue": SWEEP_QUEUE},
                       "webapp.dashboard.tasks.*": {"queue": TRAINING_QUEUE}}
 
-# --- alerts (webapp/dashboard/alerts.py): evaluated as a run's metrics arrive -----------------------
+# --- alerts (webapp/dashboard/worker/alerts.py): evaluated as a run's metrics arrive ----------------
 ALERT_KL_MAX = env_float("RLPILOT_ALERT_KL_MAX", 0.5)              # actor/kl above this
 # kl_rising: actor/kl's median over the last WINDOW steps >= FACTOR x its median over the WINDOW
 # before, and >= MIN (a learning policy's KL rises too; a runaway doubles)
@@ -257,7 +259,7 @@ LOGGING = {
     "loggers": {"django.channels.server": {"level": "WARNING"}},
 }
 
-# --- hardening (webapp/dashboard/validation.py, policy.py, throttle.py) ------------------------------
+# --- hardening (webapp/dashboard/access/: validation.py, policy.py, throttle.py) --------------------
 # The SGLang servers a run may use (comma-separated URLs). Empty: the SGLang engine is refused.
 RLPILOT_SGLANG_URLS = env_list("RLPILOT_SGLANG_URLS", [])
 # model.path / data.path / data.eval_path of a run launched from the web must resolve (symlinks
@@ -280,7 +282,7 @@ RLPILOT_LOGIN_WINDOW_S = env_int("RLPILOT_LOGIN_WINDOW_S", 300)
 # how many reverse proxies in front of daphne append the client's address to X-Forwarded-For:
 # the login throttle then keys on that entry (0: the socket's peer, REMOTE_ADDR)
 RLPILOT_TRUSTED_PROXIES = env_int("RLPILOT_TRUSTED_PROXIES", 0)
-AUTHENTICATION_BACKENDS = ["webapp.dashboard.throttle.ThrottledModelBackend"]
+AUTHENTICATION_BACKENDS = ["webapp.dashboard.access.throttle.ThrottledModelBackend"]
 # Runs one (non-staff) user may have queued, running, paused or stopping at once. 0 = no limit.
 RLPILOT_MAX_ACTIVE_RUNS_PER_USER = env_int("RLPILOT_MAX_ACTIVE_RUNS_PER_USER", 8)
 # Floods (0 = no limit): knob changes waiting for one run's next step boundary, knob changes one

@@ -2,8 +2,8 @@ from django.contrib import admin
 from django.contrib.auth import views as auth_views
 from django.urls import include, path
 
+from webapp.dashboard.access.throttle import ThrottledLoginView
 from webapp.dashboard.monitoring import views as monitoring
-from webapp.dashboard.throttle import ThrottledLoginView
 
 urlpatterns = [
     # failed logins are throttled per username + address (RLPILOT_LOGIN_MAX_FAILURES)

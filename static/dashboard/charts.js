@@ -16,20 +16,62 @@
 //
 // Nothing here inserts user text as HTML, and text handed to Plotly (titles, legend names,
 // annotations, hover text) goes through plotlyText(): Plotly renders a subset of HTML in those.
+//
+// The helpers every page script shares come from here too (loaded first): el() (an element,
+// its text as text), fmt() (a number as the pages write it), plotlyText() and holdable() (the
+// hover-hold of a live chart, used by these charts and by the timeline, timeline.js).
 (function () {
   "use strict";
   const HOLD_MS = 10000;   // the longest a resting pointer holds a live chart still
 
-  function el(tag, attrs) {
+  // an element with attributes and, if given, its text (as text, never HTML)
+  function el(tag, attrs, text) {
     const e = document.createElement(tag);
     for (const k in (attrs || {})) e.setAttribute(k, attrs[k]);
+    if (text !== undefined && text !== null) e.textContent = String(text);
     return e;
+  }
+  // A value as the pages write it (the server's formatting.number does the same): a number to
+  // `digits` significant digits (4 unless given), never cutting its whole part (from 10^(digits-1)
+  // up, a whole number: 16384, not 16380), without an exponent for ordinary magnitudes; a list as
+  // "[a, b]"; anything else as its string.
+  function fmt(v, digits) {
+    digits = digits || 4;
+    if (Array.isArray(v)) return "[" + v.map(x => fmt(x, digits)).join(", ") + "]";
+    if (typeof v !== "number") return String(v);
+    if (Math.abs(v) >= Math.pow(10, digits - 1)) return v.toFixed(0);
+    return String(Number(v.toPrecision(digits)));
   }
   // Plotly's text fields understand <b>, <i>, <br>, <a href>, <span style>...: escape them (Plotly
   // turns &lt; &gt; &amp; back into the characters).
   function plotlyText(s) {
     return String(s === undefined || s === null ? "" : s)
       .replace(/&/g, "&amp;").replace(/</g, "&lt;").replace(/>/g, "&gt;");
+  }
+  // The hover-hold. Any redraw of a Plotly div (extendTraces included) removes its hover label,
+  // and a live run brings a step a second or faster: while the pointer rests on a point of `div`,
+  // the div is held (data-held="1"), for at most HOLD_MS, and catches up when the pointer leaves.
+  // holdable(div, redraw) -> {defer()}: a draw calls defer() first and, when it returns true
+  // (held), draws nothing: redraw() runs once on release. Call it once Plotly has drawn the div
+  // (div.on exists from then); a second call for the same div returns the same hold.
+  function holdable(div, redraw) {
+    if (div._rlHold) return div._rlHold;
+    let held = false, pending = false, timer = null;
+    function release() {
+      clearTimeout(timer);
+      held = false;
+      div.removeAttribute("data-held");
+      if (pending) { pending = false; redraw(); }
+    }
+    div.on("plotly_hover", function () {
+      held = true;
+      div.setAttribute("data-held", "1");
+      clearTimeout(timer);
+      timer = setTimeout(release, HOLD_MS);
+    });
+    div.on("plotly_unhover", release);
+    div._rlHold = { defer: function () { if (held) pending = true; return held; } };
+    return div._rlHold;
   }
   // The chart list and the histogram axes come from the trainer's one declaration of metric
   // names (trainer/observe/metric_names.py), which every page embeds as JSON (#chart-specs).
@@ -282,32 +324,12 @@
       pickable(c);
     }
 
-    // Any redraw (extendTraces included) removes Plotly's hover label, and a live run brings a
-    // step a second or faster: while the pointer rests on a chart's point, that chart waits (at
-    // most HOLD_MS) and catches up when the pointer leaves, so the label can be read.
-    function holdable(c) {
-      if (c.div._rlHold) return;
-      c.div._rlHold = true;
-      const release = function () {
-        clearTimeout(c.holdTimer);
-        c.held = false;
-        c.div.removeAttribute("data-held");
-        if (c.pending) { c.pending = false; drawSafely(c); }
-      };
-      c.div.on("plotly_hover", function () {
-        c.held = true;
-        c.div.setAttribute("data-held", "1");
-        clearTimeout(c.holdTimer);
-        c.holdTimer = setTimeout(release, HOLD_MS);
-      });
-      c.div.on("plotly_unhover", release);
-    }
     function drawChart(c) {
-      if (c.held) { c.pending = true; return; }
+      if (c.hold && c.hold.defer()) return;   // the pointer rests on it: drawn on release
       const title = typeof c.title === "function" ? c.title() : c.title;
       if (c.type === "hist" || c.type === "heat") drawHist(c, title);
       else drawLines(c, title);
-      if (c.div.on) holdable(c);   // c.div.on exists once Plotly has drawn the div
+      if (!c.hold && c.div.on) c.hold = holdable(c.div, () => drawSafely(c));   // c.div.on: drawn once
     }
     function drawSafely(c) {   // one chart's failure leaves the others drawn
       try { drawChart(c); } catch (e) { c.drawn = null; console.error(c.id, e); }
@@ -329,18 +351,15 @@
     return { charts: charts, draw: draw, highlight: highlight, chartOf: key => (chartOf(key) || {}).div || null };
   }
 
-  // A run snapshot (GET /api/runs/<id>/metrics) as chart state.
+  // A run snapshot (GET /api/runs/<id>/metrics) as chart state; a knob change's annotation reads
+  // as the event log writes it.
   function stateFromSnapshot(data, config, knobs) {
     const state = { series: {}, hists: {}, annotations: [], knobs: Object.assign({}, knobs || {}), config: config || {} };
     for (const k in data.points) state.series[k] = { steps: data.points[k].steps, values: data.points[k].values };
     (data.histograms || []).forEach(h => (state.hists[h.name] = state.hists[h.name] || []).push(h));
     (data.events || []).forEach(function (m) {
-      if (m.type === "event" && (m.kind === "knob_applied" || m.kind === "auto_staleness")) {
-        const d = m.data || {};
-        state.annotations.push({ step: m.step, text: Object.keys(d.changes || {}).map(
-          k => k + ": " + d.changes[k].old + " → " + d.changes[k].new).join(", ") +
-          (m.kind === "auto_staleness" ? " (auto)" : d.requested_by ? " (by " + d.requested_by + ")" : "") });
-      }
+      if (m.type === "event" && (m.kind === "knob_applied" || m.kind === "auto_staleness"))
+        state.annotations.push({ step: m.step, text: m.text });   // the server's text (reports.describe_event)
     });
     return state;
   }
@@ -356,6 +375,6 @@
     });
   }
 
-  window.RLCharts = { create: create, stateFromSnapshot: stateFromSnapshot, ema: ema, el: el, plotlyText: plotlyText,
-                      histAxis: histAxis };
+  window.RLCharts = { create: create, stateFromSnapshot: stateFromSnapshot, ema: ema, el: el, fmt: fmt,
+                      plotlyText: plotlyText, holdable: holdable, histAxis: histAxis };
 })();

@@ -8,17 +8,8 @@
 (function () {
   "use strict";
 
-  function el(tag, attrs, text) {
-    const e = document.createElement(tag);
-    for (const k in (attrs || {})) e.setAttribute(k, attrs[k]);
-    if (text !== undefined && text !== null) e.textContent = String(text);
-    return e;
-  }
-  function num(v, digits) {
-    if (v === null || v === undefined) return "—";
-    if (typeof v !== "number") return String(v);
-    return String(Number(v.toPrecision(digits || 4)));
-  }
+  const el = RLCharts.el;   // static/dashboard/charts.js, loaded first
+  function num(v, digits) { return v === null || v === undefined ? "—" : RLCharts.fmt(v, digits); }
   // one colour per policy version (cycled), light enough to read text on
   const PALETTE = ["#bfdbfe", "#fde68a", "#bbf7d0", "#fbcfe8", "#ddd6fe", "#fed7aa", "#a5f3fc", "#e5e7eb",
                    "#fecaca", "#d9f99d"];

@@ -10,7 +10,9 @@
 // - report: the whole run, thinned to evenly spaced steps by the server, and a second chart
 //   with each lane's share of time per phase over every step (never thinned); in the offline
 //   HTML export the same data comes inlined (#timeline-data) instead of fetched.
-// Lane and phase names go to Plotly through plotlyText (Plotly renders a subset of HTML).
+// Lane and phase names go to Plotly through plotlyText (Plotly renders a subset of HTML). The
+// live chart holds still under a resting pointer like the charts do (RLCharts.holdable): charts.js
+// is loaded before this file.
 (function () {
   "use strict";
   const COLOURS = {
@@ -18,15 +20,11 @@
     "recording samples": "#a855f7", evaluating: "#0891b2", checkpointing: "#92400e", paused: "#475569",
     bookkeeping: "#f9a8d4",
   };
-  const HOLD_MS = 10000;   // the longest a resting pointer holds the live timeline still
   const IDLE = "idle";   // the report's share chart: a lane's time outside its spans
   const PHASES = Object.keys(COLOURS);
   const OTHER = "#9ca3af";
 
-  function plotlyText(s) {
-    return String(s === undefined || s === null ? "" : s)
-      .replace(/&/g, "&amp;").replace(/</g, "&lt;").replace(/>/g, "&gt;");
-  }
+  const plotlyText = RLCharts.plotlyText;
   // rank 0, rank 1, ... first (by number), then the generators by name
   function laneOrder(a, b) {
     const ra = /^rank (\d+)$/.exec(a), rb = /^rank (\d+)$/.exec(b);
@@ -50,9 +48,8 @@
     const note = box.querySelector("#timeline-note");
     const slices = new Map();   // cursor -> {step, spans}
     let totals = null, extent = 0, stride = 1, timer = null;
-    // A redraw removes Plotly's hover label, and a live run sends a step a second or faster: while
-    // the pointer rests on a bar, new steps wait (at most HOLD_MS) so the label can be read.
-    let held = false, pending = false, holdTimer = null, listening = false;
+    // while the pointer rests on a bar of the live chart, new steps wait (RLCharts.holdable)
+    let hold = null;
 
     function shown() {
       const all = [...slices.values()];
@@ -62,7 +59,7 @@
     }
     function draw() {
       timer = null;
-      if (held) { pending = true; return; }
+      if (hold && hold.defer()) return;   // drawn on release
       const rows = shown();
       if (!rows.length) return;
       box.hidden = false;
@@ -96,11 +93,7 @@
         hoverlabel: { namelength: -1 }, uirevision: "timeline",
       };
       Plotly.react(chart, traces, lay, { displaylogo: false, responsive: true });
-      if (!listening && mode === "live") {   // chart.on exists once Plotly has drawn the div
-        listening = true;
-        chart.on("plotly_hover", hold);
-        chart.on("plotly_unhover", release);
-      }
+      if (!hold && mode === "live") hold = RLCharts.holdable(chart, schedule);   // chart.on: drawn once
       chart.setAttribute("data-steps", String(rows.length));
       chart.setAttribute("data-first-step", String(first));
       chart.setAttribute("data-last-step", String(last));
@@ -134,18 +127,6 @@
     }
     function schedule() {
       if (!timer) timer = setTimeout(draw, 250);
-    }
-    function hold() {
-      held = true;
-      chart.setAttribute("data-held", "1");
-      clearTimeout(holdTimer);
-      holdTimer = setTimeout(release, HOLD_MS);
-    }
-    function release() {
-      held = false;
-      chart.removeAttribute("data-held");
-      clearTimeout(holdTimer);
-      if (pending) { pending = false; schedule(); }
     }
     function add(m) {
       if (!m || !Array.isArray(m.spans) || typeof m.cursor !== "number") return;

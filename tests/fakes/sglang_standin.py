@@ -6,7 +6,7 @@ the product: it lives with the tests (`tests/fakes/`). From the repository root:
 (`trainer` must be importable, as it is after `make`'s editable install; in tests:
 `from fakes.sglang_standin import StandinServer`).
 
-rlpilot's SGLang client (`trainer/engine/sglang.py`) is tested against a real SGLang server
+rlpilot's SGLang client (`trainer/engine/sglang/`) is tested against a real SGLang server
 (`tests/test_sglang_real.py`, after `make sglang`). This small HTTP server stays for what a real
 server cannot be made to do on demand (HTTP 500s, slow or dying servers) and for quick runs
 without `.venv-sglang`. It follows the request and response shapes SGLang 0.5.23 answered with,

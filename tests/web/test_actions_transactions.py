@@ -12,9 +12,10 @@ import pytest
 from django.utils import timezone
 from named_users import alice, running  # noqa: F401 (fixtures)
 
-from webapp.dashboard import actions, alerts
+from webapp.dashboard import actions
 from webapp.dashboard.actions import Record
 from webapp.dashboard.models import KnobChange, Run, RunEvent
+from webapp.dashboard.worker import alerts
 
 pytestmark = pytest.mark.django_db
 

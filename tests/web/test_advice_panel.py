@@ -1,4 +1,4 @@
-"""The pilot's advice on the live page and in the report (docs/pilot.md, issue 27): a knob change
+"""The pilot's advice on the live page and in the report (docs/pilot.md): a knob change
 applied from a piece of advice carries its marker to the trainer's command and back in its
 knob_applied event; a malformed marker is refused naming the field; Dismiss records an event,
 the advice API flags it until the evidence changes; watchers can do neither; the report lists
@@ -15,10 +15,11 @@ from django.utils.html import escape
 from trainer import config as config_mod
 from trainer.run.boundary import StepBoundary
 from trainer.run.controls import SET_KNOBS
-from webapp.dashboard import actions, reports
+from webapp.dashboard import actions, formatting
 from webapp.dashboard.actions import Record
 from webapp.dashboard.models import ApiToken, KnobChange, Run, RunEvent
-from webapp.dashboard.telemetry import DbControlSource
+from webapp.dashboard.reports import summary
+from webapp.dashboard.worker.telemetry import DbControlSource
 
 pytestmark = pytest.mark.django_db
 
@@ -99,7 +100,7 @@ def test_apply_from_advice_carries_the_marker_to_the_trainer_and_back(alice, use
     assert change.advice == marker(kl)
     requested = RunEvent.objects.get(run=run, kind="knob_requested")
     assert requested.data["advice"] == marker(kl)
-    assert reports.describe_event("knob_requested", requested.data) == \
+    assert formatting.describe_event("knob_requested", requested.data) == \
         "algo.kl_coef = 0.01 (by alice, from health advice)"
     # the command the control source hands the trainer has the marker as its reason ...
     [cmd] = DbControlSource(run.pk, min_interval=0).poll()
@@ -110,7 +111,7 @@ def test_apply_from_advice_carries_the_marker_to_the_trainer_and_back(alice, use
     change.refresh_from_db()
     assert (change.status, change.applied_step) == ("applied", 30)
     applied = RunEvent.objects.get(run=run, kind="knob_applied")
-    assert reports.describe_event("knob_applied", applied.data) == \
+    assert formatting.describe_event("knob_applied", applied.data) == \
         "algo.kl_coef: 0 → 0.01 (by alice, from health advice)"
     # the knob moved: the KL still runs away, and the rule now advises from the new value (a new
     # evidence_key, so the page tells the applied advice from the next one)
@@ -191,7 +192,7 @@ def test_dismiss_records_an_event_the_api_flags_it_and_new_evidence_brings_it_ba
     event = RunEvent.objects.get(run=run, kind="advice_dismissed")
     assert event.data["requested_by"] == "alice" and event.data["knob"] == "rollout.temperature"
     assert event.data["message"] == entropy["message"] and event.step == 30
-    assert reports.describe_event("advice_dismissed", event.data) == \
+    assert formatting.describe_event("advice_dismissed", event.data) == \
         "dismissed health advice: rollout.temperature 1 → 1.2 (by alice)"
     advice = current_advice(alice, run)
     assert advice["entropy_collapse"]["dismissed"] is True
@@ -281,7 +282,7 @@ def test_a_watcher_can_neither_apply_nor_dismiss_but_staff_can(bob, staff_user, 
      "pilot.autopilot = [staleness, april] (by alice)"),
 ])
 def test_advice_events_read_as_text(kind, data, text):
-    assert reports.describe_event(kind, data) == text
+    assert formatting.describe_event(kind, data) == text
 
 
 # --- the report ---------------------------------------------------------------------------------
@@ -314,7 +315,7 @@ def test_the_report_lists_advised_applied_and_dismissed_with_what_happened_next(
     assert post(alice, f"/api/runs/{run.pk}/advice/dismiss",
                 {"rule": "length", "evidence_key": length["evidence_key"]}).status_code == 201
 
-    history = reports.advice_history(Run.objects.get(pk=run.pk))
+    history = summary.advice_history(Run.objects.get(pk=run.pk))
     assert [(a["step"], a["rule"], a["move"]) for a in history["advised"]] == [(20, "health", "algo.kl_coef 0 → 0.01")]
     assert [(a["step"], a["by"], a["changes"]) for a in history["applied"]] == [
         (20, "alice (from advice)", "algo.kl_coef 0 → 0.01"),

@@ -10,7 +10,7 @@ import pytest
 
 from trainer import config as config_mod
 from webapp.dashboard.actions import Record
-from webapp.dashboard.alerts import Monitor
+from webapp.dashboard.worker.alerts import Monitor
 
 STEPS = 400
 

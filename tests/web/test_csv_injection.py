@@ -8,7 +8,7 @@ from helpers import sample_row
 
 from webapp.dashboard import actions
 from webapp.dashboard.actions import Record
-from webapp.dashboard.spreadsheet_safe import FORMULA_START, safe_cell
+from webapp.dashboard.reports.spreadsheet_safe import FORMULA_START, safe_cell
 
 pytestmark = pytest.mark.django_db
 

@@ -2,7 +2,7 @@
 Python dictionaries), escapes what users typed, and shows any alert rule in its banner."""
 import pytest
 
-from webapp.dashboard import actions, reports
+from webapp.dashboard import actions, formatting
 from webapp.dashboard.actions import Record
 
 pytestmark = pytest.mark.django_db
@@ -33,7 +33,7 @@ EVIL = '<script>alert("x")</script>'
     ("status", {"status": "failed", "previous": "running", "message": "boom"}, "failed — boom"),
 ])
 def test_describe_event(kind, data, text):
-    assert reports.describe_event(kind, data) == text
+    assert formatting.describe_event(kind, data) == text
 
 
 def test_report_events_are_readable_and_escaped(alice, user, make_run):
@@ -59,3 +59,102 @@ def test_report_events_are_readable_and_escaped(alice, user, make_run):
     # the live page has the (hidden) stream notice the socket fills in
     html = alice.get(f"/runs/{run.pk}/").content.decode()
     assert 'id="stream-notice"' in html
+
+
+# --- the live page shows the server's text: every event message carries it ---------------------------
+
+EVENTS = [   # (kind, data): each rule of describe_event, an autopilot change, a user's text
+    ("knob_applied", {"change_id": "c1", "requested_by": "alice",
+                      "changes": {"optim.lr": {"old": 0.0002, "new": 0.0001}}}),
+    ("knob_applied", {"change_id": "c2", "requested_by": "autopilot",
+                      "changes": {"async.max_staleness": {"old": 1, "new": 2}},
+                      "reason": {"rule": "staleness", "message": "η is the bottleneck", "evidence_key": "k1"}}),
+    ("auto_staleness", {"changes": {"async.max_staleness": {"old": 2, "new": 1}}, "behave_imp_weight": 1.2}),
+    ("knob_requested", {"change_id": "c3", "knobs": {"rollout.max_new_tokens": 16384}, "requested_by": "alice"}),
+    ("knob_rejected", {"change_id": "c4", "errors": {"optim.lr": "got 5; expected a number in [0.0, 1.0]"}}),
+    ("alert", {"rule": "stalled", "seconds": 61.5}),
+    ("warning", {"message": EVIL}),
+    ("checkpoint", {"path": "/runs/1/checkpoints/step_000010"}),
+    ("run_started", {"max_steps": 200, "device": "cpu"}),
+]
+
+
+def _records(first_step):
+    return [Record("event", first_step + i, kind, data) for i, (kind, data) in enumerate(EVENTS)]
+
+
+def test_every_event_message_carries_the_server_s_text(alice, user, make_run):
+    """The WebSocket's frames (streams.messages_after), GET /api/runs/<id>/metrics (the page's first
+    read) and the exported report's data: each event and status message has `text`, the line
+    describe_event writes (the page has no copy of its own)."""
+    from webapp.dashboard.live import streams
+
+    run = make_run(user, "running")
+    actions.append(run.pk, _records(1), {"step": len(EVENTS)})
+    frames, _ = streams.messages_after(run.pk, 0)
+    snapshot = alice.get(f"/api/runs/{run.pk}/metrics").json()["events"]
+    for messages in (frames, snapshot):
+        events = [m for m in messages if m["type"] in ("event", "status")]
+        assert len(events) == len(EVENTS) + 1   # and the status the run was made with
+        for m in events:
+            kind = "status" if m["type"] == "status" else m["kind"]
+            data = {"status": m["status"]} if kind == "status" else m["data"]
+            assert m["text"] == formatting.describe_event(kind, data), m
+    texts = [m["text"] for m in snapshot]
+    assert "async.max_staleness 1 → 2 (staleness: η is the bottleneck)" in texts[2]
+    assert "rollout.max_new_tokens = 16384 (by alice)" in texts
+    assert texts[0] == "running"
+    html = alice.get(f"/api/runs/{run.pk}/export?format=html").content.decode()
+    assert '"text": "optim.lr: 0.0002 \\u2192 0.0001 (by alice)"' in html   # the export's chart data
+    # no JavaScript copy of the text left
+    from django.conf import settings
+    for js in (settings.BASE_DIR / "static" / "dashboard").glob("*.js"):
+        assert "function describe(" not in js.read_text() and "describeApplied" not in js.read_text(), js
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.slow
+@pytest.mark.embedded_only
+def test_the_live_page_shows_the_server_s_text(live_asgi, django_user_model, monkeypatch):
+    """In headless Chromium: the event log reads, line for line, "step N kind " + the server's
+    text, for the events read on load and for those the socket brings afterwards; the alerts
+    banner and a knob change's line in the tuning panel too."""
+    import shutil
+
+    from conftest import browser_login, make_run
+    from playwright.sync_api import expect, sync_playwright
+    from test_lifecycle_browser import ARGS, CHROMIUM
+
+    assert shutil.which(CHROMIUM), f"{CHROMIUM} is missing"
+    owner = django_user_model.objects.create_user("erin", password="erin-pw-123")
+    run = make_run(owner, "running", name="texts")
+    actions.append(run.pk, _records(1), {"step": len(EVENTS)})
+    expected = [f"step 0 status {formatting.describe_event('status', {'status': 'running'})}"] + [
+        f"step {1 + i} {kind} {formatting.describe_event(kind, data)}" for i, (kind, data) in enumerate(EVENTS)]
+
+    monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")   # Playwright's loop runs in this thread
+    errors = []
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS, headless=True)
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.set_default_timeout(20_000)
+            browser_login(page, live_asgi, "erin", "erin-pw-123")
+            page.goto(f"{live_asgi}/runs/{run.pk}/")
+            expect(page.locator("#conn")).to_have_text("live")
+            log = page.locator("#event-log > li")
+            expect(log).to_have_text(list(reversed(expected)))   # the newest first
+            assert EVIL in log.all_inner_texts()[len(EVENTS) - 7]   # as text, not markup
+            expect(page.locator('#alerts li[data-rule="stalled"]')).to_have_text("stalled (step 6): seconds=61.5")
+            expect(page.locator("#kc-c4")).to_have_text(
+                "rejected: " + formatting.describe_event("knob_rejected", EVENTS[4][1]))
+            # the socket's: the same lines, after the page has loaded
+            actions.append(run.pk, _records(20), {"step": 20 + len(EVENTS)})
+            more = [f"step {20 + i} {kind} {formatting.describe_event(kind, data)}"
+                    for i, (kind, data) in enumerate(EVENTS)]
+            expect(log).to_have_text(list(reversed(expected + more)))
+            page.screenshot(path="/tmp/event-text.png", full_page=True)
+        finally:
+            browser.close()
+    assert not errors, errors

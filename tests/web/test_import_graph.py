@@ -171,18 +171,33 @@ def test_the_layers_import_one_way():
     """The actions layer imports no module that calls it; the checks it calls import no layer above."""
     graph, _ = parsed_graph()
     d = "webapp.dashboard."
+
+    def members(name: str) -> list[str]:
+        """The module `name`, or every module of the package `name`."""
+        return [m for m in graph if m == d + name or m.startswith(d + name + ".")]
+
+    def imports(name: str) -> set[str]:
+        """What the module or package `name` imports from outside itself."""
+        inside = members(name)
+        return set().union(*(graph[m] for m in inside)) - set(inside)
+
     # the actions package: what any of its modules imports, outside the package
-    package = [m for m in graph if m == d + "actions" or m.startswith(d + "actions.")]
-    actions = set().union(*(graph[m] for m in package)) - set(package)
-    for caller in ("alerts", "telemetry", "tasks", "sweep", "views", "api", "consumers", "reports"):
-        assert d + caller not in actions, f"actions imports {caller}"
-    for checks in ("validation", "policy", "throttle", "errors"):
+    actions = imports("actions")
+    for caller in ("worker.alerts", "worker.telemetry", "worker.tasks", "worker.sweep", "views", "api",
+                   "live.consumers", "reports"):
+        assert members(caller) and not set(members(caller)) & actions, f"actions imports {caller}"
+    for checks in ("access.validation", "access.policy", "access.throttle", "errors"):
         assert d + "actions" not in graph[d + checks], f"{checks} imports actions"
+    # the checks (access/) import no layer above them: not the actions, the worker, the live feed, the reports
+    for above in ("actions", "worker", "live", "reports", "views", "api"):
+        assert not set(members(above)) & imports("access"), f"access/ imports {above}"
     # validation is pure (settings and the config schema) and throttling stands alone: no webapp module
-    assert not set(graph[d + "validation"]) and not set(graph[d + "throttle"])
-    assert d + "actions" in graph[d + "alerts"] and d + "alerts" not in actions
-    assert set(graph[d + "doorbell"]) == set() and d + "doorbell" in actions
-    assert d + "doorbell" in graph[d + "telemetry"]
+    assert not set(graph[d + "access.validation"]) and not set(graph[d + "access.throttle"])
+    assert d + "actions" in graph[d + "worker.alerts"] and d + "worker.alerts" not in actions
+    assert set(graph[d + "live.doorbell"]) == set() and d + "live.doorbell" in actions
+    assert d + "live.doorbell" in graph[d + "worker.telemetry"]
+    # the server's text (numbers, event lines) is pure: the pages, reports and live feed all use it
+    assert not set(graph[d + "formatting"])
     assert not set(graph["webapp.settings"]) - {"webapp.env"}
 
 

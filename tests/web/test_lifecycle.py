@@ -13,7 +13,7 @@ from django.utils import timezone
 from named_users import alice  # noqa: F401 (a fixture)
 
 from trainer.run.controls import PAUSE, RESUME, STOP
-from webapp.dashboard import actions, lifecycle, streams
+from webapp.dashboard import actions, lifecycle
 from webapp.dashboard.actions import Record
 from webapp.dashboard.lifecycle import (
     FAILED,
@@ -28,6 +28,7 @@ from webapp.dashboard.lifecycle import (
 )
 from webapp.dashboard.lifecycle import PAUSE as WANT_PAUSE
 from webapp.dashboard.lifecycle import STOP as WANT_STOP
+from webapp.dashboard.live import streams
 from webapp.dashboard.models import KnobChange, Run, RunEvent, Status
 
 # (status, desired, action) -> (new status, new desired) for every action a person may take;
@@ -195,7 +196,7 @@ def test_end_run_refuses_a_status_that_is_no_end(alice, make_run):
 @pytest.mark.parametrize("status, lost", [(RUNNING, True), (PAUSED, True), (STOPPING, True),
                                           (QUEUED, False), (STOPPED, False), (FINISHED, False)])
 def test_the_sweep_interrupts_only_a_live_run(status, lost, alice, make_run):
-    from webapp.dashboard import sweep
+    from webapp.dashboard.worker import sweep
 
     run = make_run(alice, status, heartbeat_at=timezone.now() - timedelta(hours=1))
     assert sweep.mark_stale_runs(force=True) == int(lost)
@@ -217,7 +218,7 @@ def test_resuming_an_ended_run_rejects_its_pending_knob_changes(alice, make_run)
 
 @pytest.mark.django_db
 def test_the_control_source_stops_an_orphaned_run_after_the_grace_period(alice, make_run, monkeypatch):
-    from webapp.dashboard import telemetry
+    from webapp.dashboard.worker import telemetry
 
     clock = [1000.0]
     monkeypatch.setattr(telemetry.time, "monotonic", lambda: clock[0])

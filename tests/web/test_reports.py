@@ -10,10 +10,12 @@ from helpers import NoBell
 
 from trainer import config as config_mod
 from trainer.models.loading import builtin_dir
-from webapp.dashboard import actions, reports, sweep
+from webapp.dashboard import actions
 from webapp.dashboard.actions import Record
 from webapp.dashboard.models import MetricPoint, Run, RunEvent, Status
-from webapp.dashboard.telemetry import DbSink
+from webapp.dashboard.reports import comparison, exports, summary
+from webapp.dashboard.worker import sweep
+from webapp.dashboard.worker.telemetry import DbSink
 
 pytestmark = pytest.mark.django_db
 
@@ -66,7 +68,7 @@ def test_report_renders_for_every_status(alice, user, make_run, status, with_met
 
 def test_summary_figures(user, make_run):
     run = fill(make_run(user, "finished"))
-    s = reports.summary(run)
+    s = summary.summary(run)
     assert s["steps"] == 6 and s["trained_tokens"] == 600 and s["gen_tokens"] == 1200
     assert s["samples_generated"] == 96
     assert s["samples_skipped"] == round(6 * 5 * 0.2 * 4)        # prompts skipped x samples/prompt
@@ -75,7 +77,7 @@ def test_summary_figures(user, make_run):
     assert s["trained_tokens_per_s"] == pytest.approx(53.5)
     assert s["time_gen_pct"] == pytest.approx(50.0) and s["time_train_pct"] == pytest.approx(30.0)
     assert s["cpu_util"] == pytest.approx(50.0) and s["gpu_util"] is None
-    empty = reports.summary(make_run(user, "failed"))
+    empty = summary.summary(make_run(user, "failed"))
     assert empty["trained_tokens"] is None and empty["time_gen_pct"] is None
 
 
@@ -97,7 +99,7 @@ def test_summary_says_where_the_generated_tokens_went(alice, user, make_run):
                   **{f"rollout/waste/{r}": dropped.get(r, 0) for r in
                      ("version_span", "stale", "zero_variance", "surplus", "aborted")}}
         actions.append(run.pk, [Record("points", i, "", values)], {"step": i})
-    s = reports.summary(run)
+    s = summary.summary(run)
     assert (s["waste_zero_variance"], s["waste_version_span"], s["waste_surplus"]) == (60, 10, 10)
     assert s["waste_stale"] == 0 and s["ledger_waiting"] == 10
     # the parts add up: 180 generated = 90 trained + 10 waiting + 80 dropped
@@ -133,8 +135,8 @@ def test_wall_time_counts_only_the_time_spent_running(user, make_run):
         seq = actions.event(run.pk, 1, "status", {"status": status})
         RunEvent.objects.filter(run=run, seq=seq).update(time=t0 + timedelta(seconds=at))
     run.refresh_from_db()
-    assert reports.summary(run)["wall_time_s"] == pytest.approx(50.0)
-    assert reports.summary(make_run(user, "queued"))["wall_time_s"] is None   # never ran
+    assert summary.summary(run)["wall_time_s"] == pytest.approx(50.0)
+    assert summary.summary(make_run(user, "queued"))["wall_time_s"] is None   # never ran
 
 
 # --- comparison ----------------------------------------------------------------------------------
@@ -153,7 +155,7 @@ def test_compare_page(alice, user, other_user, make_run):
     html = r.content.decode()
     assert EVIL not in html and ESCAPED in html
     assert "1.42x trained tokens/s (mean)" in html
-    diff = reports.config_diff([a, Run.objects.get(pk=b.pk)])
+    diff = comparison.config_diff([a, Run.objects.get(pk=b.pk)])
     assert [d["key"] for d in diff] == ["april.enabled"]
     assert 'data-key="april.enabled"' in html and 'data-key="run.max_steps"' not in html
     # 2 to 8 runs
@@ -214,7 +216,7 @@ def test_html_report_opens_offline_in_chromium(user, make_run, tmp_path, monkeyp
            **{f"system/gpu{i}/{m}": 10.0 * i for i in range(2) for m in ("util", "mem_gb", "power_w")}}
     run = fill(make_run(user, "finished", name=EVIL), steps=20, **gpu)
     path = tmp_path / "report.html"
-    path.write_text(reports.export_html(run))
+    path.write_text(exports.export_html(run))
     from playwright.sync_api import sync_playwright
 
     monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
@@ -362,7 +364,7 @@ def test_only_the_owner_or_staff_may_start_a_run_from_a_checkpoint(alice, bob, u
 
 
 def test_drop_checkpoints_after(tmp_path):
-    from webapp.dashboard.tasks import drop_checkpoints_after
+    from webapp.dashboard.worker.tasks import drop_checkpoints_after
 
     for step in (2, 4, 6):
         ck = tmp_path / "checkpoints" / f"step_{step:06d}"
@@ -512,7 +514,7 @@ def test_heartbeat_alert(user, make_run, settings):
 
 
 def test_monitor_is_pure_logic():
-    from webapp.dashboard.alerts import Monitor, non_finite
+    from webapp.dashboard.worker.alerts import Monitor, non_finite
 
     assert non_finite("nan") and non_finite(float("inf")) and non_finite(None) and not non_finite(0.3)
     m = Monitor()

@@ -4,9 +4,10 @@ import json
 import pytest
 
 from trainer import config as config_mod
-from webapp.dashboard import actions, sweep
+from webapp.dashboard import actions
 from webapp.dashboard.actions import Record
 from webapp.dashboard.models import ApiToken, KnobChange, Run, RunEvent
+from webapp.dashboard.worker import sweep
 
 pytestmark = pytest.mark.django_db
 
@@ -299,7 +300,7 @@ def test_metrics_cursor_keys_and_downsampling(alice, user, make_run):
 
 
 def test_downsample_keeps_extremes():
-    from webapp.dashboard.streams import downsample
+    from webapp.dashboard.live.streams import downsample
 
     steps = list(range(10_000))
     values = [0.0] * 10_000

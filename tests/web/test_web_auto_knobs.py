@@ -10,9 +10,9 @@ from helpers import NoBell
 from trainer import config as C
 from trainer.rollout.asynchronous import AsyncDriver
 from trainer.run.runner import Runner
-from webapp.dashboard import reports
 from webapp.dashboard.models import Run
-from webapp.dashboard.telemetry import DbSink
+from webapp.dashboard.reports import summary
+from webapp.dashboard.worker.telemetry import DbSink
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -53,7 +53,7 @@ def test_an_automatic_eta_change_shows_in_the_tuning_panel(alice, auto_eta_run):
 
 
 def test_the_knob_timeline_says_the_trainer_asked_and_why(auto_eta_run):
-    rows = [t for t in reports.knob_timeline(auto_eta_run) if t["key"] == "async.max_staleness"]
+    rows = [t for t in summary.knob_timeline(auto_eta_run) if t["key"] == "async.max_staleness"]
     assert [(t["old"], t["new"], t["who"]) for t in rows] == [(2, 1, "auto"), (1, 0, "auto")]
     event = auto_eta_run.events.filter(kind="knob_applied").first()
     assert event.data["reason"]["rule"] == "auto_staleness"

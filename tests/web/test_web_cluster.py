@@ -7,8 +7,9 @@ import json
 import pytest
 
 from trainer import config as config_mod
-from webapp.dashboard import tasks, validation
+from webapp.dashboard.access import validation
 from webapp.dashboard.models import Run, Status
+from webapp.dashboard.worker import tasks
 
 pytestmark = [pytest.mark.django_db, pytest.mark.timeout(120)]
 

@@ -7,7 +7,7 @@ import pytest
 from django.test import override_settings
 
 from tests.web.test_web_ws import communicator, receive_until, run_async
-from webapp.dashboard import policy
+from webapp.dashboard.access import policy
 from webapp.dashboard.models import KnobChange
 
 pytestmark = pytest.mark.django_db(transaction=True)

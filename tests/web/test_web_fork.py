@@ -96,9 +96,9 @@ def test_api_fork_makes_a_linked_run_with_its_own_copy(alice, user, make_run, mo
     forked = RunEvent.objects.get(run=child, kind="forked")
     assert forked.data["parent"] == parent.pk and forked.data["requested_by"] == "alice"
     assert not RunEvent.objects.filter(run=parent).exclude(kind="status").exists()
-    from webapp.dashboard import reports
+    from webapp.dashboard import formatting
 
-    assert reports.describe_event("forked", forked.data) == (
+    assert formatting.describe_event("forked", forked.data) == (
         f"from run #{parent.pk} at step 2: optim.lr = 0.00003, run.max_steps = 50 (by alice)")
     detail = alice.get(f"/api/runs/{parent.pk}").json()
     assert detail["forks"] == [child.pk] and detail["checkpoints"] == [2, 4]

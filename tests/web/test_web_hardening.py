@@ -12,8 +12,8 @@ import pytest
 
 from trainer import config as config_mod
 from trainer.models.loading import builtin_dir
-from webapp.dashboard import throttle as login_throttle
-from webapp.dashboard import validation
+from webapp.dashboard.access import throttle as login_throttle
+from webapp.dashboard.access import validation
 from webapp.dashboard.models import Run, Status
 
 pytestmark = pytest.mark.django_db
@@ -243,7 +243,7 @@ def test_remote_error_bodies_never_reach_the_run_error():
 
 def test_the_worker_checks_the_allow_list_again(user, settings, tiny):
     """A run queued while a URL was allowed (or written by hand) is refused by the worker."""
-    from webapp.dashboard.tasks import execute
+    from webapp.dashboard.worker.tasks import execute
 
     cfg = config_mod.load("demo", {**tiny, "rollout.engine": "sglang",
                                    "rollout.sglang_urls": "http://127.0.0.1:30000"})

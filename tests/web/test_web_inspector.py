@@ -10,10 +10,11 @@ import math
 import pytest
 from helpers import NoBell, sample_row
 
-from webapp.dashboard import actions, inspector, reports
+from webapp.dashboard import actions, sample_rows
 from webapp.dashboard.actions import Record
 from webapp.dashboard.models import RolloutSample, Run
-from webapp.dashboard.telemetry import DbSink
+from webapp.dashboard.reports import exports
+from webapp.dashboard.worker.telemetry import DbSink
 
 pytestmark = pytest.mark.django_db
 
@@ -116,7 +117,7 @@ def test_samples_are_capped_oldest_steps_thinned_first(user, make_run, settings)
     gaps = [b - a for a, b in zip(steps, steps[1:])]
     assert gaps == sorted(gaps, reverse=True)                 # sparser the older
     # a long run with the default cap: ~500 steps of 40 samples over 2000 steps, evenly spread
-    from webapp.dashboard.inspector import _level
+    from webapp.dashboard.sample_rows import _level
 
     kept = []
     for s in range(1, 2001):   # thin()'s rule on step numbers alone (the database is slow for this)
@@ -351,7 +352,7 @@ def test_samples_reach_the_socket_while_the_channel_layer_is_down(alice, user, m
 def test_messages_after_carries_samples_for_polling_readers(user, make_run):
     """Polling consumers (the embedded setup, and any consumer while the channel layer is down)
     read streams.messages_after: the samples frames are there, between the rows of their seq."""
-    from webapp.dashboard import streams
+    from webapp.dashboard.live import streams
 
     run = make_run(user, "running")
     cur = Run.objects.get(pk=run.pk).last_seq
@@ -369,7 +370,7 @@ def test_exports_round_trip_and_escape(alice, user, make_run, tmp_path):
     rows = fill(run, steps=4)
     actions.append(run.pk, [Record("samples", 5, "", {"rows": [
         sample_row(5, group=77, index=0, completion=EVIL, reward=0.25, score=0.5, tis_weight=None)]})])
-    written = [inspector.as_json(s) for s in RolloutSample.objects.filter(run=run).order_by("seq", "id")]
+    written = [sample_rows.as_json(s) for s in RolloutSample.objects.filter(run=run).order_by("seq", "id")]
     assert len(written) == len(rows) + 1
 
     data = alice.get(f"/api/runs/{run.pk}/export?format=json").json()
@@ -401,7 +402,7 @@ def test_exports_round_trip_and_escape(alice, user, make_run, tmp_path):
     assert len(list(csv.DictReader(out.open()))) == len(written)
     # a run without samples says so
     empty = make_run(user, "finished")
-    assert "No sample was recorded" in reports.export_html(empty)
+    assert "No sample was recorded" in exports.export_html(empty)
 
 
 def test_pages_have_the_samples_panel(alice, user, make_run):

@@ -81,7 +81,7 @@ def test_rollout_inspector_in_the_browser(live_asgi, django_user_model, monkeypa
 
     from trainer import config as config_mod
     from webapp.dashboard.models import RolloutSample, Run
-    from webapp.dashboard.telemetry import DbSink
+    from webapp.dashboard.worker.telemetry import DbSink
 
     shots = Path(os.environ.get("RLPILOT_INSPECTOR_SCREENSHOT_DIR", "/tmp/inspector"))
     shots.mkdir(parents=True, exist_ok=True)

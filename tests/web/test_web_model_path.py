@@ -11,7 +11,7 @@ import pytest
 
 from trainer import config as config_mod
 from trainer.models.loading import builtin_dir
-from webapp.dashboard import validation
+from webapp.dashboard.access import validation
 from webapp.dashboard.models import Run
 
 pytestmark = pytest.mark.django_db

@@ -27,7 +27,7 @@ from test_web_ws import communicator, run_async
 from webapp.dashboard import actions
 from webapp.dashboard.actions import Record
 from webapp.dashboard.models import Run
-from webapp.dashboard.telemetry import DbSink, Doorbell
+from webapp.dashboard.worker.telemetry import DbSink, Doorbell
 
 pytestmark = pytest.mark.django_db(transaction=True)
 SETUP = os.environ.get("RLPILOT_TEST_SETUP", "embedded")

@@ -30,8 +30,9 @@ from django.db.models import Count
 from django.test import Client
 
 from trainer import config as config_mod
-from webapp.dashboard import actions, tasks
+from webapp.dashboard import actions
 from webapp.dashboard.models import ACTIVE, HistogramSnapshot, KnobChange, MetricPoint, Run, RunEvent
+from webapp.dashboard.worker import tasks
 
 # the module fixture writes committed rows (the worker reads them); the tests only judge what it
 # recorded (their mark makes pytest-django create the test database)

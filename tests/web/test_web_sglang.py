@@ -20,7 +20,7 @@ import pytest
 from conftest import _TMP, Proc, _test_db_env, browser_login, submit_launch_form
 from test_web_e2e import ARGS, CHROMIUM, DRAWN
 
-from trainer.engine.sglang_server import ROOT, VENV, SGLangServer
+from trainer.engine.sglang.server import ROOT, VENV, SGLangServer
 from trainer.models import gguf_import
 
 MODEL_DIR = ROOT / "var" / "models" / gguf_import.SMOLLM2_DIR_NAME

@@ -5,9 +5,9 @@ a hand-driven clock, then the real Heartbeat thread."""
 import pytest
 from helpers import NoBell
 
-from webapp.dashboard.alerts import Monitor, StallWatch
 from webapp.dashboard.models import Run, RunEvent
-from webapp.dashboard.telemetry import DbSink, Heartbeat
+from webapp.dashboard.worker.alerts import Monitor, StallWatch
+from webapp.dashboard.worker.telemetry import DbSink, Heartbeat
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -272,8 +272,8 @@ def test_the_training_task_hands_the_runners_phase_to_its_heartbeat(user, tiny, 
     watch is told "evaluating"."""
     from trainer import config as config_mod
     from trainer.run import runner as runner_mod
-    from webapp.dashboard import tasks
     from webapp.dashboard.models import Status
+    from webapp.dashboard.worker import tasks
 
     beats, seen = [], []
 

@@ -15,8 +15,8 @@ from conftest import _TMP, ROOT, Proc, _test_db_env
 from django.utils import timezone
 
 from webapp.celery import app as celery_app
-from webapp.dashboard import sweep, tasks
 from webapp.dashboard.models import Run, RunEvent
+from webapp.dashboard.worker import sweep, tasks
 
 
 def post(client, url, data):
@@ -55,7 +55,8 @@ def test_the_beat_task_body_marks_stale_runs(user, make_run, settings):
 @pytest.mark.django_db
 def test_a_run_that_beats_again_is_not_interrupted(user, make_run, settings):
     """The sweep re-checks the heartbeat under the row lock."""
-    from webapp.dashboard import actions, alerts
+    from webapp.dashboard import actions
+    from webapp.dashboard.worker import alerts
 
     run = make_run(user, "running", heartbeat_at=timezone.now())
     cutoff = timezone.now() - timedelta(seconds=settings.HEARTBEAT_TIMEOUT_S)

@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from webapp.dashboard import actions, streams
+from webapp.dashboard import actions
 from webapp.dashboard.actions import Record
+from webapp.dashboard.live import streams
 from webapp.dashboard.models import Run, TimelineSlice
 
 pytestmark = [pytest.mark.django_db(transaction=True)]
@@ -71,7 +72,7 @@ def test_a_rewind_drops_the_later_steps(make_run, user):
 
 
 def test_the_database_sink_writes_a_steps_timeline(make_run, user):
-    from webapp.dashboard.telemetry import DbSink
+    from webapp.dashboard.worker.telemetry import DbSink
 
     run = make_run(user)
 
@@ -125,6 +126,19 @@ LAST_POINT = """id => { const gd = document.getElementById(id); gd.scrollIntoVie
   return {x: r.left + xa._offset + xa.c2p(p.x), y: r.top + ya._offset + ya.c2p(p.y), n: pts.length}; }"""
 
 
+def _a_step_arrives(page, rid: int, slices: int, timeout_s: float = 120.0) -> None:
+    """Until a step past `slices` timeline rows is stored, then 4 s for the socket to bring it
+    to the page: the hold is checked against a step that certainly came, not against a fixed
+    4 s in which a busy machine's run may finish no step."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while TimelineSlice.objects.filter(run_id=rid).count() <= slices:
+        assert time.monotonic() < deadline, "no step arrived: the hold proves nothing"
+        page.wait_for_timeout(200)
+    page.wait_for_timeout(4000)
+
+
 def _hover(page, chart: str, where, tries: int = 3) -> str:
     """The hover label of `chart` with the pointer at where() (x, y), as a person's pointer finds
     it: a redraw between finding the point and reaching it moves the point, so try again."""
@@ -158,7 +172,7 @@ def test_the_offline_report_draws_every_lane_in_order(make_run, user, tmp_path, 
     from playwright.sync_api import sync_playwright
     from test_web_e2e import ARGS, CHROMIUM
 
-    from webapp.dashboard import reports
+    from webapp.dashboard.reports import exports
 
     run = make_run(user, "finished")
     recs = []
@@ -174,7 +188,7 @@ def test_the_offline_report_draws_every_lane_in_order(make_run, user, tmp_path, 
         recs.append(Record("timeline", step, "", {"spans": spans}))
     actions.append(run.pk, recs)
     path = tmp_path / "report.html"
-    path.write_text(reports.export_html(run))
+    path.write_text(exports.export_html(run))
     monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
     blocked, errors = [], []
     with sync_playwright() as p:
@@ -253,8 +267,7 @@ def test_timeline_live_and_in_the_report(live_asgi, django_user_model, monkeypat
             assert "generating" in hover and ("occupancy" in hover or "rank 0" in hover), hover
             # and stays readable while steps go on arriving: the chart holds still under the pointer
             drawn, slices = page.evaluate(DRAWN_COUNT), TimelineSlice.objects.filter(run_id=rid).count()
-            page.wait_for_timeout(4000)
-            assert TimelineSlice.objects.filter(run_id=rid).count() > slices, "no step arrived: the hold proves nothing"
+            _a_step_arrives(page, rid, slices)
             assert page.evaluate(DRAWN_COUNT) == drawn and page.evaluate(HOVER_TEXT, "timeline-chart") == hover
             page.mouse.move(5, 5)   # the pointer leaves: the steps held back are drawn
             page.wait_for_function(f"() => ({DRAWN_COUNT})() > {drawn}", timeout=10_000)
@@ -263,8 +276,7 @@ def test_timeline_live_and_in_the_report(live_asgi, django_user_model, monkeypat
             assert "reward" in hover, hover
             points = page.evaluate(LAST_POINT, "chart-reward")["n"]
             slices = TimelineSlice.objects.filter(run_id=rid).count()
-            page.wait_for_timeout(4000)
-            assert TimelineSlice.objects.filter(run_id=rid).count() > slices, "no step arrived: the hold proves nothing"
+            _a_step_arrives(page, rid, slices)
             assert page.evaluate("() => document.getElementById('chart-reward').calcdata[0].length") == points
             assert page.evaluate(HOVER_TEXT, "chart-reward") == hover
             page.mouse.move(5, 5)

@@ -15,7 +15,7 @@ from trainer.run.controls import PAUSE, RESUME, SET_KNOBS, STOP
 from webapp.dashboard import actions
 from webapp.dashboard.actions import Record
 from webapp.dashboard.models import HistogramSnapshot, KnobChange, MetricPoint, Run, RunEvent
-from webapp.dashboard.telemetry import DbControlSource, DbSink
+from webapp.dashboard.worker.telemetry import DbControlSource, DbSink
 
 pytestmark = pytest.mark.django_db(transaction=True)
 ORIGIN = (b"origin", b"http://localhost")

@@ -6,7 +6,7 @@ from channels.testing import WebsocketCommunicator
 from django.test import override_settings
 
 from tests.web.test_web_ws import run_async, session_cookie
-from webapp.dashboard.origins import origin_allowed
+from webapp.dashboard.live.origins import origin_allowed
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

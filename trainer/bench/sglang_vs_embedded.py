@@ -82,7 +82,7 @@ def _train_step_seconds(model_dir: Path, engine_overrides: list[str], args, log)
 def run(args, log=print) -> dict:
     from trainer.engine.embedded import EmbeddedEngine
     from trainer.engine.sglang import SGLangEngine
-    from trainer.engine.sglang_server import SGLangServer
+    from trainer.engine.sglang.server import SGLangServer
     from trainer.models.loading import load_model, load_tokenizer, stop_token_ids
 
     threads = args.threads or 1

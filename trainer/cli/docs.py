@@ -46,10 +46,10 @@ TECHNIQUES = [("april.enabled", "APRIL"), ("greso.enabled", "GRESO"),
 HEADER = f"""\
 # Configuration
 
-<!-- Generated from trainer/config.py and trainer/presets/ by `{REGENERATE}`.
+<!-- Generated from trainer/config/ and trainer/presets/ by `{REGENERATE}`.
      Do not edit by hand: tests/test_docs.py fails when this page is stale. -->
 
-Every parameter of a run is declared once, in the schema of `trainer/config.py`: its type,
+Every parameter of a run is declared once, in `trainer/config/sections.py`: its type,
 default, allowed range or choices, one line of help, and whether it is a **knob** (may change
 while the run goes on). The command line, the launch form, the live-tuning panel and the JSON API
 (`GET /api/knobs`) all read that schema; this page is generated from it.
@@ -62,7 +62,7 @@ while the run goes on). The command line, the launch form, the live-tuning panel
 - Unknown sections and keys, wrong types and out-of-range values are refused, every error at
   once, each naming the key and what is allowed:
   `error: optim.lr: got 5; expected a number in [0.0, 1.0]`. Rules that involve several keys
-  (e.g. `task = "math"` needs `data.path`) are checked by `check()` in `trainer/config.py`.
+  (e.g. `task = "math"` needs `data.path`) are checked by `check()` (`trainer/config/checks.py`).
 - Text values must not hold a NUL character or a lone UTF-16 surrogate and are at most
   {config_mod.MAX_TEXT_LEN:,} characters long (they must survive the database and TOML).
 - Knobs change at the next step boundary, from `python -m trainer control RUN_DIR --set k=v`, the

@@ -259,7 +259,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     from trainer import bench
     from trainer.cli import advise, docs, reward, samples
-    from trainer.engine import sglang_server
+    from trainer.engine.sglang import server as sglang_server
     from trainer.models import gguf_import
     gguf_import.add_parser(sub)
     reward.add_parser(sub)

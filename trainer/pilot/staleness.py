@@ -3,26 +3,30 @@ enough, lower it when the behaviour weights drift or KL runs away or a raise cos
 and say so when eta is not what limits the run.
 
 `behaviour_verdict` is the one reading of the behaviour importance weights: async.auto_staleness
-(trainer/rollout/asynchronous.py) moves eta by it, and the rules below advise by it."""
+(trainer/rollout/asynchronous.py) moves eta by it, and the rules below advise by it. The verdict
+is the mechanism's (trainer/rollout/auto_staleness.py); this module reads it with the pilot's
+thresholds."""
 from __future__ import annotations
 
 from trainer.pilot.advice import Advice, derived, figure, knob_advice, note_advice
 from trainer.pilot.health import kl_runaway_figures
 from trainer.pilot.thresholds import DEFAULT, Thresholds
 from trainer.pilot.window import Window, number
+from trainer.rollout import auto_staleness
+from trainer.rollout.auto_staleness import STABLE, TIGHTEN
 
 KNOB = "async.max_staleness"
-TIGHTEN, STABLE, HOLD = "tighten", "stable", "hold"
 
 
 def behaviour_verdict(behave_imp_weight: float, capped_ratio: float,
                       th: Thresholds = DEFAULT) -> str:
     """TIGHTEN: the weights pi_prox/pi_behaviour drift from 1 or too many are capped (the data
-    is too stale); STABLE: they stay near 1 (a larger eta is safe); HOLD: in between."""
-    drift = abs(behave_imp_weight - 1.0)
-    if drift > th.drift_tighten or capped_ratio > th.capped_tighten:
-        return TIGHTEN
-    return STABLE if drift < th.drift_stable else HOLD
+    is too stale); STABLE: they stay near 1 (a larger eta is safe); HOLD: in between. At the
+    default thresholds exactly async.auto_staleness's verdict."""
+    return auto_staleness.behaviour_verdict(behave_imp_weight, capped_ratio,
+                                            drift_tighten=th.drift_tighten,
+                                            capped_tighten=th.capped_tighten,
+                                            drift_stable=th.drift_stable)
 
 
 def _active(w: Window, cfg, th: Thresholds) -> bool:

@@ -6,17 +6,14 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+# async.auto_staleness's verdict on the behaviour importance weights (pi_prox / pi_behaviour):
+# the mechanism's constants (trainer/rollout/auto_staleness.py), read by the pilot's eta rules
+# through staleness.behaviour_verdict
+from trainer.rollout.auto_staleness import CAPPED_TIGHTEN, DRIFT_STABLE, DRIFT_TIGHTEN
+
 
 def threshold(default: float, *, help: str, source: str):
     return field(default=default, metadata={"help": help, "source": source})
-
-
-# async.auto_staleness's verdict on the behaviour importance weights (pi_prox / pi_behaviour):
-# the auto rule and the pilot's eta rule read them through staleness.behaviour_verdict
-DRIFT_TIGHTEN = 0.05
-CAPPED_TIGHTEN = 0.01
-DRIFT_STABLE = 0.01
-STABLE_STEPS = 5
 
 
 @dataclass(frozen=True)
@@ -57,7 +54,7 @@ class Thresholds:
                                       "window at least this many times the earlier half's: rising",
                                       source="the dashboard's kl_rising alert (RLPILOT_ALERT_KL_RISE_FACTOR); "
                                       "a learning policy's KL rises too, but far from doubling within a "
-                                      "window (issue 27: 38 kl_rising alerts on a healthy 400-step run)")
+                                      "window (38 kl_rising alerts on a healthy 400-step run before this rule)")
     kl_rise_min: float = threshold(0.25, help="a KL rise counts only from this median up",
                                    source="half of kl_max: doubling from there passes the limit "
                                    "within one more window (RLPILOT_ALERT_KL_RISE_MIN)")

@@ -48,9 +48,8 @@ import time
 from collections import deque
 
 from trainer.engine.base import SEGMENT, Sample, SamplingParams
-from trainer.pilot.staleness import STABLE, TIGHTEN, behaviour_verdict
-from trainer.pilot.thresholds import STABLE_STEPS
 from trainer.rollout import april as april_mod
+from trainer.rollout.auto_staleness import STABLE, STABLE_STEPS, TIGHTEN, behaviour_verdict
 from trainer.rollout.base import Driver, Group, RolloutResult, StepCounts, new_group, sampling_params
 from trainer.rollout.dynamic import filtered
 from trainer.rollout.ledger import TokenLedger
@@ -356,12 +355,13 @@ class AsyncDriver(Driver):
 
     def retune(self, cfg, tm: dict[str, float]) -> dict | None:
         """async.auto_staleness: tighten eta when behaviour importance weights drift from 1
-        (data too stale), relax it after 5 steps near 1. Returns the `auto_staleness` event."""
+        (data too stale), relax it after STABLE_STEPS steps near 1 (trainer/rollout/auto_staleness.py).
+        Returns the `auto_staleness` event."""
         a = cfg.async_
         if not a.auto_staleness or "actor/behave_imp_weight" not in tm:
             return None
         capped = tm.get("actor/behave_capped_ratio", 0.0)
-        verdict = behaviour_verdict(tm["actor/behave_imp_weight"], capped)   # the pilot's eta rule's too
+        verdict = behaviour_verdict(tm["actor/behave_imp_weight"], capped)   # the pilot's eta rules' too
         new = a.max_staleness
         if verdict == TIGHTEN:
             new, self._stable_steps = max(0, a.max_staleness - 1), 0

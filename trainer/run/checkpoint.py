@@ -225,6 +225,20 @@ def _read_legacy(where: Path) -> Any:
 
 
 # --- the encoding ---------------------------------------------------------------------------------
+def own_storage(t: torch.Tensor, seen: set[tuple[int, int]]) -> torch.Tensor:
+    """`t`, cloned when its memory is not its own: a storage already in `seen` (another tensor
+    written before it) or a larger one it is a view of. safetensors refuses tensors that share
+    memory; every writer of a safetensors file (checkpoints, the SGLang engine's weights) passes
+    its tensors through this, with one `seen` per file. Adds t's storage to `seen`."""
+    if t.numel():
+        storage = t.untyped_storage()
+        if (storage.data_ptr(), storage.nbytes()) in seen or storage.nbytes() != t.nbytes:
+            t = t.clone()
+            storage = t.untyped_storage()
+        seen.add((storage.data_ptr(), storage.nbytes()))
+    return t
+
+
 def encode(tree: Any) -> tuple[Any, dict[str, torch.Tensor]]:
     """(JSON-able data, {key: contiguous CPU tensor}) for `tree`; see the module doc."""
     tensors: dict[str, torch.Tensor] = {}
@@ -238,12 +252,7 @@ def encode(tree: Any) -> tuple[Any, dict[str, torch.Tensor]]:
         if t.layout != torch.strided or t.is_quantized or t.is_meta:
             raise CheckpointError(f"cannot checkpoint the {t.layout} tensor at {where()}: "
                                   "only dense tensors are saved")
-        t = t.detach().to("cpu").contiguous()
-        if t.numel():  # safetensors refuses tensors sharing memory: give each its own
-            ident = (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
-            if ident in storages or t.untyped_storage().nbytes() != t.nbytes:
-                t = t.clone()
-            storages.add((t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()))
+        t = own_storage(t.detach().to("cpu").contiguous(), storages)
         key = base = where()
         n = 1
         while key in tensors:  # e.g. keys 0 and "0" of one dict

@@ -3,20 +3,19 @@
     runner = Runner(cfg, run_dir, sink=..., controls=...)
     status = runner.run()      # "finished" | "stopped"; raises on failure (after an event)
 
-Each step: the step boundary (trainer/run/boundary.py: knob changes, pause, stop) -> the rollout
-driver's groups, scored (trainer/rollout/scoring.py) -> the objective's inputs (trainer/algo/) -> update
--> push weights to the engine -> metrics -> maybe evaluate / checkpoint (trainer/run/state.py)
--> the step's timeline (trainer/observe/timeline.py: where each process's time went).
-The runner never imports Django; the web app gives it a database sink and control source.
-Over 400 lines because one step's sequence (collect, update, sync, metrics) and its timing for
-the timeline read best in one place.
+Each step (`train_step`): the step boundary (trainer/run/boundary.py: knob changes, pause, stop)
+-> collect the rollout driver's groups, scored as they complete (trainer/rollout/scoring.py)
+-> the objective's inputs (trainer/algo/) -> update -> push weights to the engine -> the step's
+metric record (trainer/run/step_record.py) -> the pilot's advice and autopilot -> maybe evaluate /
+checkpoint (trainer/run/state.py) -> the step's timeline (trainer/observe/timeline.py: where each
+process's time went). Its collaborators, for each rank role, and a resume's state come from
+trainer/run/build.py. The runner never imports Django; the web app gives it a database sink and
+control source.
 """
 from __future__ import annotations
 
 import contextlib
 import copy
-import os
-import threading
 import time
 import traceback
 from pathlib import Path
@@ -26,27 +25,18 @@ import torch
 
 from trainer import config as config_mod
 from trainer.algo import objective
-from trainer.algo.learner import Learner, TrainSequence
-from trainer.cluster import distributed, sharding, training_ranks
-from trainer.engine import build_engine
-from trainer.models.loading import load_model, load_tokenizer, resolve_device, resolve_dtype
+from trainer.algo.learner import TrainSequence
+from trainer.cluster import distributed, training_ranks
 from trainer.observe import trackers
-from trainer.observe.inspector import InspectorRecorder
-from trainer.observe.metrics import MetricsSink, MultiSink, histogram, length_edges
-from trainer.observe.system import ProcessMeter, SystemSampler
-from trainer.observe.timeline import CONTROLLER, Timeline, rank_lane
-from trainer.pilot.live import LivePilot
-from trainer.rewards.pool import RewardService
-from trainer.rollout import PromptSource, build_driver
+from trainer.observe.metrics import MetricsSink, MultiSink
+from trainer.observe.timeline import CONTROLLER, rank_lane
 from trainer.rollout.asynchronous import AsyncStall, CollectInterrupted
-from trainer.rollout.base import step_metrics
-from trainer.rollout.scoring import Scorer
-from trainer.rollout.selection import PromptSelector
+from trainer.rollout.base import RolloutResult
+from trainer.run import build, step_record
 from trainer.run import state as run_state
-from trainer.run.boundary import StepBoundary
 from trainer.run.controls import AUTO, AUTOPILOT, ControlSource
 from trainer.run.evaluate import evaluate
-from trainer.tasks import build_task
+from trainer.run.step_record import StepResults
 
 FINISHED, STOPPED, FAILED = "finished", "stopped", "failed"
 
@@ -78,15 +68,8 @@ class Runner:
         # tokens the engine generated for evaluations: the token ledger counts rollouts only
         self.eval_tokens = 0
 
-        ckpt_state = ckpt_tensors = resumed = None
-        if resume and self.dist.is_main:
-            path, ckpt_state, ckpt_tensors, self.cfg = run_state.load_latest(self.run_dir, self.cfg, keep_knobs)
-            resumed = (path, sharding.is_sharded(path))   # (checkpoint, its model in DCP shards)
-        # rank 0's config (knob values resumed) and checkpoint
-        self.cfg, resumed = self.dist.broadcast_object((self.cfg, resumed))
-        self.cfg.cluster.train_procs = self.dist.size     # the layout torchrun gave, recorded
-        if self.dist.size > 1:
-            config_mod.check(self.cfg)   # e.g. fsdp with the engine in rank 0: refused by name
+        # rank 0's config (knob values resumed) and checkpoint, for every rank
+        resumed, ckpt_state, ckpt_tensors = build.read_checkpoint(self, resume, keep_knobs)
         self.sharded = self.dist.size > 1 and self.cfg.cluster.sharding == "fsdp"
         # run.report_to: every record mirrored to TensorBoard / W&B / MLflow on a thread of its
         # own (trainer/observe/trackers/); it starts with the first record, so a failed build leaves nothing
@@ -94,100 +77,13 @@ class Runner:
                          if self.dist.is_main else None)
         if self.trackers is not None:
             self.sink = MultiSink([self.sink, self.trackers])
-        if not self.dist.is_main:
-            self._init_training_rank(resumed)
-            return
-        if self.cfg.model.threads:
-            torch.set_num_threads(self.cfg.model.threads)
-        torch.manual_seed(self.cfg.run.seed)
-
-        self.device = self.dist.local_device(resolve_device(self.cfg.model.device))
-        self.dtype = resolve_dtype(self.cfg.model.dtype, self.device)
-        self.tokenizer = load_tokenizer(self.cfg.model.path)
-        # a sharded checkpoint's weights are read into the base model below (or by every rank)
-        policy_path = str(path / "model") if resume and not resumed[1] else self.cfg.model.path
-        self.model = load_model(policy_path, self.device, self.dtype).eval()
-        reference = None
-        if resume and (self.cfg.algo.track_kl or self.cfg.algo.kl_coef > 0):
-            reference = load_model(self.cfg.model.path, self.device, self.dtype)
-        if resume and resumed[1] and not self.sharded:   # sharded before, whole now
-            ckpt_tensors["optimizer"] = sharding.read_whole(path, self.model)
-        self.task = build_task(self.cfg, self.tokenizer)  # prompts rendered for its chat template
-        self.prompts = PromptSource(self.task)
-        # before the learner: generation processes copy the model whole, which sharding splits
-        self.engine = build_engine(self.cfg, self.model, self.tokenizer, self.device, self.dtype,
-                                   self.task.max_sequence_len(self.tokenizer, self.cfg),
-                                   weights_dir=self.run_dir / "engine_weights")
-        self.learner = Learner(self.model, lr=self.cfg.optim.lr,
-                               weight_decay=self.cfg.optim.weight_decay,
-                               track_reference=self.cfg.algo.track_kl or self.cfg.algo.kl_coef > 0,
-                               reference=reference, dist=self.dist, sharded=self.sharded)
-        # prompts, GRESO state and the reward pool are shared with the async generation worker
-        self.lock = threading.RLock()
-        self.selector = PromptSelector(self.prompts, self.task.train_size, self.cfg, self.lock)
-        self.greso = self.selector.filter  # the GRESO state (checkpoints, tests)
-        self.rewards = RewardService(workers=self.cfg.run.reward_workers,
-                                     timeout_s=self.cfg.run.reward_timeout_s)
-        self.scorer = Scorer(self.rewards, self.tokenizer, lambda: self.cfg, self.totals, self.lock)
-        self.rollout = build_driver(self.cfg, self.engine, self.tokenizer, self.selector,
-                                    self.scorer, self.lock)
-        self.samples = InspectorRecorder(self.tokenizer, self.cfg.run.seed)  # the rollout inspector's
-        self.timeline = Timeline(fill={CONTROLLER: "bookkeeping"})
-        self.boundary = StepBoundary(self.controls, self.sink, self.rollout)
-        self.pilot = LivePilot()   # advice events and the autopilot (trainer/pilot/)
-        self.boundary.on_knobs = self._knobs_changed
-        # a step waiting for asynchronous groups gives way to a stop or pause within a second,
-        # and says at once what its engine reports (e.g. every generator gone: it waits)
-        self.rollout.interrupted = self._waiting
-        self.system = (SystemSampler(use_gpu=self.device.type == "cuda")
-                       if system_telemetry else None)
-        self.meter = ProcessMeter()   # CPU and memory per process (timeline lane)
-
-        if ckpt_state is not None:
-            run_state.restore(self, ckpt_state, ckpt_tensors)
-        else:
-            (self.run_dir / "config.toml").write_text(config_mod.to_toml(self.cfg))
-        self._restore_optimizer(resumed, ckpt_tensors)
-        if self.cfg.rollout.engine != "embedded" or self.sharded:
-            # servers hold whatever weights they were started with, generation processes the
-            # base model's when a sharded checkpoint was resumed: push the policy's
-            self.engine.update_weights(self.learner.full_state_dict(), self.version)  # all ranks
-
-    def _restore_optimizer(self, resumed, tensors) -> None:
-        """Every rank: the resumed optimizer state (and a sharded checkpoint's weights). Sharded
-        now: each rank reads its shards of a sharded checkpoint, or rank 0 spreads an unsharded
-        one's; replicated: rank 0's state (run_state.restore loaded it) to the others."""
-        if self.sharded:
-            if resumed is not None and resumed[1]:
-                sharding.load(resumed[0], self.learner.model, self.learner.optimizer)
-            elif resumed is not None:
-                sharding.spread_optimizer_from_rank0(self.learner.model, self.learner.optimizer,
-                                                     tensors["optimizer"] if self.dist.is_main else None)
-            return
-        optimizer = self.dist.broadcast_object(self.learner.state_dict()
-                                               if self.dist.is_main and resumed is not None else None)
-        if optimizer is not None and not self.dist.is_main:
-            self.learner.load_state_dict(optimizer)
-
-    def _init_training_rank(self, resumed) -> None:
-        """A rank > 0: the policy, its reference and the optimizer; no engine, no rollout.
-        DDP's wrap broadcasts rank 0's weights (resumed or not), then rank 0's optimizer state;
-        sharded, rank 0 spreads its weights, or each rank reads its shards of the checkpoint."""
-        cfg = self.cfg
-        if cfg.model.threads:
-            torch.set_num_threads(cfg.model.threads)
-        torch.manual_seed(cfg.run.seed)
-        self.device = self.dist.local_device(resolve_device(cfg.model.device))
-        self.dtype = resolve_dtype(cfg.model.dtype, self.device)
-        self.tokenizer = load_tokenizer(cfg.model.path)
-        self.model = load_model(cfg.model.path, self.device, self.dtype).eval()
-        self.learner = Learner(self.model, lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay,
-                               track_reference=cfg.algo.track_kl or cfg.algo.kl_coef > 0,
-                               dist=self.dist, sharded=self.sharded)
-        self._restore_optimizer(resumed, None)
-        if self.sharded:
-            self.learner.full_state_dict()   # rank 0's first push to the generators
-        self.engine = self.rewards = self.system = None
+        build.collaborators(self, resumed, ckpt_tensors, system_telemetry=system_telemetry)
+        if self.is_controller:
+            self.boundary.on_knobs = self._knobs_changed
+            # a step waiting for asynchronous groups gives way to a stop or pause within a second,
+            # and says at once what its engine reports (e.g. every generator gone: it waits)
+            self.rollout.interrupted = self._waiting
+        build.resume_state(self, resumed, ckpt_state, ckpt_tensors)
 
     @property
     def is_controller(self) -> bool:
@@ -201,20 +97,17 @@ class Runner:
         t_start = time.monotonic()
         if self.system is not None:
             self.system.start()
-            self._process_metrics([])   # the first readings: step 1 reports its CPU shares
+            step_record.process_metrics(self, [])   # the first readings: step 1 reports its CPU shares
         self.sink.event(self.step, "run_started" if self.step == 0 else "run_resumed",
                         {"max_steps": self.cfg.run.max_steps, "device": str(self.device)})
         status = FINISHED
         try:
             if self.step == 0 and self.cfg.run.eval_every:
                 self.evaluate()
-            self._observe_generation()  # the ledger's baseline: this engine's counter so far
+            step_record.observe_generation(self)  # the ledger's baseline: this engine's counter so far
             self.rollout.start(self.cfg, self.version)
             while self.step < self.cfg.run.max_steps:
-                cfg = self.boundary.cross(self.step, self.cfg)
-                for start, end in self.boundary.pauses:
-                    self.timeline.add(CONTROLLER, "paused", start, end)
-                self.boundary.pauses.clear()
+                cfg = self._cross_boundary()
                 if cfg is None:
                     status = STOPPED
                     break
@@ -223,11 +116,7 @@ class Runner:
                     self.train_step()
                 except CollectInterrupted:
                     continue  # a stop or pause came while the step waited: the boundary takes it
-                if self.cfg.run.eval_every and self.step % self.cfg.run.eval_every == 0:
-                    self.evaluate()
-                if self.cfg.run.checkpoint_every and self.step % self.cfg.run.checkpoint_every == 0:
-                    self.save_checkpoint()
-                self._record_timeline()
+                self._after_step()
                 budget = self.cfg.run.time_budget_s
                 if budget and time.monotonic() - t_start >= budget:
                     self.sink.event(self.step, "time_budget_reached", {"seconds": budget})
@@ -257,6 +146,23 @@ class Runner:
             if self.system is not None:
                 self.system.close()
             self.sink.flush()
+
+    def _cross_boundary(self):
+        """The step boundary: the config to go on with (knob changes applied), None to stop;
+        the time it held the run paused goes to the timeline."""
+        cfg = self.boundary.cross(self.step, self.cfg)
+        for start, end in self.boundary.pauses:
+            self.timeline.add(CONTROLLER, "paused", start, end)
+        self.boundary.pauses.clear()
+        return cfg
+
+    def _after_step(self) -> None:
+        """Evaluate and checkpoint when due; the step's timeline to the sink."""
+        if self.cfg.run.eval_every and self.step % self.cfg.run.eval_every == 0:
+            self.evaluate()
+        if self.cfg.run.checkpoint_every and self.step % self.cfg.run.checkpoint_every == 0:
+            self.save_checkpoint()
+        self._record_timeline()
 
     def __enter__(self) -> "Runner":
         return self
@@ -291,9 +197,34 @@ class Runner:
 
     # --- one step -----------------------------------------------------------------------------------
     def train_step(self) -> dict[str, float]:
+        """collect (the driver's groups, scored as they complete) -> objective -> update ->
+        the inspector's samples -> sync the engine's weights -> the step's record."""
         cfg = self.cfg
-        t_step = time.monotonic()
-        stats0 = copy.copy(self.engine.stats)
+        t_step, stats0 = time.monotonic(), copy.copy(self.engine.stats)
+        result = self._collect(cfg, stats0)
+        groups = result.groups
+        # the objective's forward passes (old and reference logprobs) count as training
+        t_train, wall = time.monotonic(), time.time()
+        seqs, adv_metrics, decoupled_loss = objective.train_sequences(groups, cfg, self.version,
+                                                                      self._logprobs)
+        train_metrics, ranks, train_s = self._update(cfg, seqs, groups, decoupled_loss,
+                                                     t_train, wall)
+        samples_s = self._record_samples(cfg, result)   # after the update: the behaviour weights
+        sync_s = self._sync_weights(cfg)
+        self.step += 1
+
+        step_s = time.monotonic() - t_step
+        m = step_record.record(self, cfg, StepResults(
+            result, self.engine.stats.minus(stats0), seqs, adv_metrics, train_metrics, ranks,
+            train_s=train_s, samples_s=samples_s, sync_s=sync_s, step_s=step_s))
+        self._retune(train_metrics)
+        self.sink.scalars(self.step, m)
+        self._pilot_after_step(m)
+        return m
+
+    def _collect(self, cfg, stats0) -> RolloutResult:
+        """This step's groups from the rollout driver, scored (the scorer counts per step); what
+        the driver and the engine say about them as events."""
         self.scorer.new_step()
         # an asynchronous step waits for the generation worker's groups; a synchronous one generates
         with self.timeline.span(CONTROLLER, "waiting" if self.rollout.concurrent else "generating"):
@@ -302,16 +233,18 @@ class Runner:
         self._relay_engine_warnings()
         for kind, data in result.events:  # what the driver says about its step (e.g. too few groups)
             self.sink.event(self.step + 1, kind, data)
-        groups = result.groups
         self.rollout.after_step(cfg, engine_stats.idle_slot_frac())
+        return result
 
-        t0, wall = time.monotonic(), time.time()
-        seqs, adv_metrics, decoupled_loss = objective.train_sequences(groups, cfg, self.version,
-                                                                      self._logprobs)
+    def _update(self, cfg, seqs, groups, decoupled_loss, t_train: float, wall: float):
+        """The policy update: rank 0's share here, the other ranks' sent to them. Returns the
+        train metrics, the other ranks' reports, and the seconds since `t_train` (the time.monotonic()
+        when training began; `wall`: its time.time(), for the timeline)."""
         # sharing one GPU with the trainer: hand the engine's KV cache back while training
-        release = (self.device.type == "cuda" and not self.rollout.concurrent
-                   and self.engine.num_pending == 0 and self.engine.release_memory())
-        if self.device.type == "cuda":
+        cuda = self.device.type == "cuda"
+        release = (cuda and not self.rollout.concurrent and self.engine.num_pending == 0
+                   and self.engine.release_memory())
+        if cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
         mine = self.ranks.share(seqs, cfg, self.step + 1, decoupled_loss)  # theirs sent
         train_metrics = self.learner.train([s for c in mine for s in c], cfg,
@@ -326,72 +259,51 @@ class Runner:
         if not all(map(_finite, train_metrics.values())):
             self.sink.event(self.step + 1, "warning", {"message": "non-finite loss or gradient; "
                                                        "the update was skipped"})
-        train_s = time.monotonic() - t0
-        if self.device.type == "cuda":
+        train_s = time.monotonic() - t_train
+        if cuda:
             train_metrics["system/cuda_peak_mem_gb"] = (
                 torch.cuda.max_memory_allocated(self.device) / 2**30)
         if release:
             self.engine.reacquire_memory()
-        t_samples = time.monotonic()   # after the update: it reports the behaviour weights
+        return train_metrics, ranks, train_s
+
+    def _record_samples(self, cfg, result: RolloutResult) -> float:
+        """run.log_samples: the step's samples for the rollout inspector, what it trains on and
+        what it scored and left. Returns the seconds it took."""
+        t0 = time.monotonic()
         if cfg.run.log_samples:
-            seen = {id(g) for g in groups}  # what the step trains on, and what it scored and left
+            seen = {id(g) for g in result.groups}
             left_out = [g for g in result.scored if id(g) not in seen]
             with self.timeline.span(CONTROLLER, "recording samples"):
                 self.sink.samples(self.step + 1, self.samples.record(
-                    self.step + 1, groups, left_out, self.version, cfg))
-        samples_s = time.monotonic() - t_samples
+                    self.step + 1, result.groups, left_out, self.version, cfg))
+        return time.monotonic() - t0
 
+    def _sync_weights(self, cfg) -> float:
+        """A new policy version, pushed to the engine and announced to the driver. Returns the
+        seconds it took."""
         t0 = time.monotonic()
         self.version += 1
         with self.timeline.span(CONTROLLER, "syncing weights"):
             self.engine.update_weights(self.ranks.full_weights(self.learner), self.version,
                                        recompute_kv=cfg.rollout.recompute_kv_on_update)
             self.rollout.on_new_version(self.version)
-        sync_s = time.monotonic() - t0
-        self.step += 1
+        return time.monotonic() - t0
 
-        step_s = time.monotonic() - t_step
-        m = self._step_metrics(cfg, result, self.engine.stats.minus(stats0), step_s)
-        trained_tokens = sum(len(s.response_ids) for s in seqs)
-        m.update(adv_metrics)
-        m.update(train_metrics)
-        m.update({
-            "perf/trained_tokens_per_s": trained_tokens / max(step_s, 1e-9),
-            "perf/rollout_trained_tokens_per_s": trained_tokens / max(result.gen_seconds, 1e-9),
-            "timing/train_s": train_s, "timing/samples_s": samples_s,
-            "timing/weight_sync_s": sync_s, "timing/step_s": step_s, "actor/lr": cfg.optim.lr,
-            # what the update copied to the generators (0: the in-process engine shares them)
-            "perf/weight_sync_bytes": getattr(self.engine, "last_sync_bytes", 0),
-            "train/policy_version": self.version, "rollout/trained_tokens": trained_tokens,
-        })
-        if self.dist.size > 1:
-            m.update({"dist/world_size": self.dist.size,
-                      "dist/train_share_imbalance": self.ranks.imbalance})
-        if hasattr(self.engine, "generators_alive"):  # generation processes (engine/pool.py)
-            m.update(self.engine.report())
-        self._observe_generation()
-        ledger = self.rollout.ledger
-        ledger.train(trained_tokens)
-        # complete groups the objective left out (algo.skip_zero_adv)
-        ledger.drop("zero_variance", sum(g.tokens() for g in groups) - trained_tokens)
-        m.update(ledger.step_metrics())
-        with self.lock:  # the async worker adds reward counts to the totals
-            self.totals["samples"] += m["rollout/samples"]
-            self.totals["gen_tokens"] += m["rollout/gen_tokens"]
-            self.totals["trained_tokens"] += trained_tokens
-            m.update({f"train/{k}_total": v for k, v in self.totals.items()
-                      if k in ("samples", "gen_tokens", "trained_tokens")})
+    def _logprobs(self, seqs: list[TrainSequence], reference: bool = False) -> list[list[float]]:
+        """Per-token logprobs of `seqs` under the current policy (or the reference)."""
+        return self.ranks.logprobs(self.learner, seqs, self.tokenizer.pad_token_id,
+                                   self.cfg.optim.micro_batch_tokens, reference=reference)
+
+    # --- the trainer's own knob changes and the pilot -------------------------------------------------
+    def _retune(self, train_metrics: dict) -> None:
+        """The driver's own knob change (e.g. async.auto_staleness moves eta), queued for the next
+        boundary like a person's."""
         proposal = self.rollout.retune(self.cfg, train_metrics)
-        if proposal:  # e.g. async.auto_staleness moves eta: a knob change like a person's
+        if proposal:
             changes = proposal.pop("changes")
             self.boundary.request({k: ch["new"] for k, ch in changes.items()},
                                   reason={"rule": proposal.pop("kind"), **proposal})
-        if self.system is not None:
-            m.update(self.system.summary())
-            m.update(self._process_metrics(ranks))
-        self.sink.scalars(self.step, m)
-        self._pilot_after_step(m)
-        return m
 
     def _pilot_after_step(self, m: dict) -> None:
         """Announce new advice; queue the autopilot's move for the next boundary."""
@@ -409,29 +321,6 @@ class Runner:
         elif cmd.requested_by == AUTOPILOT:
             self.pilot.autopilot.knob_refused(list(cmd.knobs))
 
-    def _step_metrics(self, cfg, result, engine_stats, step_s: float) -> dict[str, float]:
-        """The rollout's metrics (common, the driver's own, GRESO's) and its histograms."""
-        m = step_metrics(cfg, result, engine_stats)
-        m.update(self.scorer.metrics())
-        gen_time = step_s if self.rollout.concurrent else result.gen_seconds
-        m["perf/gen_tokens_per_s"] = engine_stats.generated_tokens / max(gen_time, 1e-9)
-        self.selector.observe(cfg, self.step, result.scored)
-        m.update(self.selector.report(cfg, result.counts))
-        m.update(self.rollout.report(cfg, result, self.version, step_s, self._histogram))
-        lengths = [len(s.response_ids) for g in result.scored for s in g.samples]
-        if lengths:
-            self.sink.histogram(self.step, "rollout/response_len",
-                                histogram(lengths, length_edges(cfg.rollout.max_response_len)))
-        return m
-
-    def _process_metrics(self, ranks) -> dict[str, float]:
-        """proc/<lane>/cpu_pct and rss_gb: this process, the engine's processes, the ranks'."""
-        lanes = {CONTROLLER: os.getpid(), **getattr(self.engine, "lane_pids", dict)()}
-        m = self.meter.local(lanes, time.time())
-        for rank, _, end, cpu_s, rss in ranks:
-            m.update(self.meter.observe(rank_lane(rank), cpu_s, rss, end))
-        return m
-
     def _record_timeline(self) -> None:
         """The spans since the last call, the generators' busy spans among them, to the sink."""
         for lane, start, end, occupancy in getattr(self.engine, "take_busy_spans", list)():
@@ -439,18 +328,6 @@ class Runner:
         spans = self.timeline.take()
         if spans:
             self.sink.timeline(self.step, spans)
-
-    def _observe_generation(self) -> None:
-        """Hand the ledger the engine's count of rollout tokens (evaluations' taken out)."""
-        self.rollout.ledger.observe_engine(self.engine.stats.generated_tokens - self.eval_tokens)
-
-    def _histogram(self, name: str, values: list, edges: list) -> None:
-        self.sink.histogram(self.step, name, histogram(values, edges))
-
-    def _logprobs(self, seqs: list[TrainSequence], reference: bool = False) -> list[list[float]]:
-        """Per-token logprobs of `seqs` under the current policy (or the reference)."""
-        return self.ranks.logprobs(self.learner, seqs, self.tokenizer.pad_token_id,
-                                   self.cfg.optim.micro_batch_tokens, reference=reference)
 
     # --- evaluation ---------------------------------------------------------------------------------
     def evaluate(self) -> float:
@@ -482,7 +359,7 @@ class Runner:
         with self._between_steps("saving a checkpoint"), \
                 self.timeline.span(CONTROLLER, "checkpointing"), self.rollout.suspended():
             # generation held: the ledger's count and the groups saved describe one moment
-            self._observe_generation()
+            step_record.observe_generation(self)
             path = run_state.save(self)
         self.sink.event(self.step, "checkpoint", {"path": str(path)})
         return path

@@ -117,7 +117,7 @@ def restore(runner, state: dict, tensors: dict) -> None:
     runner.prompts.cursor = state["cursor"]
     runner.totals.update(state["totals"])
     runner.best_eval, runner.last_eval = state.get("best_eval"), state.get("last_eval")
-    if not runner.sharded:   # sharded: every rank takes its part (Runner._restore_optimizer)
+    if not runner.sharded:   # sharded: every rank takes its part (build.resume_state)
         runner.learner.load_state_dict(tensors["optimizer"])
     checkpoint.set_rng_state(tensors["rng"], runner.engine.generator)
     runner.rollout.load_state_dict(tensors.get("rollout", {}), runner.version)

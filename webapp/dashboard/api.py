@@ -18,8 +18,12 @@ from django.views.decorators.csrf import csrf_exempt
 
 from trainer import config as config_mod
 from trainer.pilot.thresholds import DEFAULT as DEFAULT_THRESHOLDS
-from webapp.dashboard import actions, advice, inspector, policy, reports, streams, sweep, timeline, validation
+from webapp.dashboard import actions, advice, sample_rows, timeline_rows
+from webapp.dashboard.access import policy, validation
+from webapp.dashboard.live import streams
 from webapp.dashboard.models import ApiToken, KnobChange, Run, Status
+from webapp.dashboard.reports import exports
+from webapp.dashboard.worker import sweep
 
 log = logging.getLogger(__name__)
 
@@ -242,7 +246,7 @@ def run_metrics(request, body, run_id: int):
 
 @api("GET")
 def run_timeline(request, body, run_id: int):
-    """Where each process's time went (webapp/dashboard/timeline.py): `?last=N` the last N
+    """Where each process's time went (webapp/dashboard/timeline_rows.py): `?last=N` the last N
     steps (the live page), else the whole run thinned to `max_slices` steps (default 150)."""
     run = get_run_or_404(run_id)
     errors, params = {}, {}
@@ -260,7 +264,7 @@ def run_timeline(request, body, run_id: int):
         return error(400, "bad query", errors)
     if "last" not in params:
         params.setdefault("max_slices", 150)
-    return JsonResponse(timeline.snapshot(run.pk, **params))
+    return JsonResponse(timeline_rows.snapshot(run.pk, **params))
 
 
 @api("GET")
@@ -286,7 +290,7 @@ def run_samples(request, body, run_id: int):
     min_reward, max_reward, min_len, max_len, finish, reward_status, q, group, order, after,
     limit, fields). Anyone logged in may read them, as for metrics."""
     run = get_run_or_404(run_id)
-    return JsonResponse(inspector.query(run.pk, request.GET))
+    return JsonResponse(sample_rows.query(run.pk, request.GET))
 
 
 @api("GET")
@@ -294,7 +298,7 @@ def run_sample(request, body, run_id: int, sample_id: int):
     """One sample whole (tokens, log-probabilities, version segments) and the other members of
     its group at that step."""
     run = get_run_or_404(run_id)
-    found = inspector.detail(run.pk, sample_id)
+    found = sample_rows.detail(run.pk, sample_id)
     if found is None:
         raise NotFound(f"run {run.pk} has no sample {sample_id}", {"sample": "not found"})
     return JsonResponse(found)
@@ -310,19 +314,19 @@ def export_response(run, fmt: str, user) -> HttpResponse:
     a streamed one until its stream is closed."""
     give_back = policy.take_export_slot(user)
     if fmt == "samples_csv":   # streamed: per-token arrays of 20,000 samples can be large
-        resp = StreamingHttpResponse(_SlotStream(reports.iter_samples_csv(run), give_back),
+        resp = StreamingHttpResponse(_SlotStream(exports.iter_samples_csv(run), give_back),
                                      content_type=EXPORTS[fmt])
         resp["Content-Disposition"] = f'attachment; filename="rlpilot-run-{run.pk}-samples.csv"'
         return resp
     try:
         if fmt == "csv":
-            body = reports.export_csv(run)
+            body = exports.export_csv(run)
         elif fmt == "json":
-            body = json.dumps(reports.export_json(run), default=str)
+            body = json.dumps(exports.export_json(run), default=str)
         elif fmt == "toml":
-            body = reports.export_toml(run)
+            body = exports.export_toml(run)
         else:
-            body = reports.export_html(run)
+            body = exports.export_html(run)
     finally:
         give_back()
     resp = HttpResponse(body, content_type=EXPORTS[fmt])

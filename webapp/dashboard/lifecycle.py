@@ -3,9 +3,9 @@
 A run has a status (what its worker last did or the server decided) and a desired state (what
 its owner asked for; the worker reads it at step boundaries). Every place that moves either
 reads this module: the controls a person uses (actions.runs.control), the trainer's own events
-written by the database sink (actions.rows), the worker's start and end (tasks.py,
+written by the database sink (actions.rows), the worker's start and end (worker/tasks.py,
 actions.runs.end_run), the stale-run sweep, the control source that turns the desired state into
-trainer commands (telemetry.py), and the pages, which get `allowed_actions` from the server so
+trainer commands (worker/telemetry.py), and the pages, which get `allowed_actions` from the server so
 the browser holds no copy of the rules. docs/design.md#run-lifecycle draws the diagram.
 
 No Django here: statuses are plain strings (models.Status names the same strings for the

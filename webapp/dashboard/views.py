@@ -10,9 +10,12 @@ from django.shortcuts import redirect, render
 from django.views.decorators.http import require_http_methods, require_POST
 
 from trainer import config as config_mod
-from webapp.dashboard import actions, reports, sweep, validation
+from webapp.dashboard import actions, formatting
+from webapp.dashboard.access import validation
 from webapp.dashboard.api import filter_runs
 from webapp.dashboard.models import ACTIVE, RESUMABLE, Run, RunEvent, Status
+from webapp.dashboard.reports import comparison, summary
+from webapp.dashboard.worker import sweep
 
 FIELD_PREFIX = "cfg:"
 
@@ -56,12 +59,6 @@ def _shown(v):
     return ("true" if v else "false") if isinstance(v, bool) else v
 
 
-def _fmt(v) -> str:
-    if not isinstance(v, (int, float)):
-        return ""
-    return f"{v:.0f}" if abs(v) >= 100 else f"{v:.3g}"
-
-
 @login_required
 @require_http_methods(["GET", "POST"])
 def runs_page(request):
@@ -89,8 +86,8 @@ def runs_page(request):
     compare_error = request.GET.get("compare_error", "")
     for r in runs:
         latest = (r.summary or {}).get("latest", {})
-        r.figures = [_fmt(latest.get(k)) for k in ("reward/accuracy", "reward/mean",
-                                                   "rollout/response_len/mean", "perf/gen_tokens_per_s")]
+        r.figures = [formatting.number(v, digits=3) if isinstance(v := latest.get(k), (int, float)) else ""
+                     for k in ("reward/accuracy", "reward/mean", "rollout/response_len/mean", "perf/gen_tokens_per_s")]
     known = set(p.name for p in config_mod.schema()) | {"name", "preset", "toml", "queue"}
     presets = {name: config_mod.to_toml(actions.shipped_preset(name))   # the model.path it will use
                for name in config_mod.preset_names()}
@@ -148,7 +145,7 @@ def fork_page(request, run_id: int):
                 errors.get("runs", "") or "fix the fields marked below."))
         else:
             return redirect("run", run_id=child.pk)
-    base = reports.flatten(run.config)
+    base = comparison.flatten(run.config)
     known = set(p.name for p in config_mod.schema()) | {"name", "step"}
     return render(request, "dashboard/fork.html", {
         "run": run, "steps": steps, "chosen": chosen, "name": name, "errors": errors,
@@ -238,11 +235,11 @@ def report_page(request, run_id: int):
     events.reverse()
     page = {"id": run.pk, "config": run.config, "knobs": run.knobs}
     return render(request, "dashboard/report.html", {
-        "run": run, "page": page, "rows": reports.summary_rows(reports.summary(run)),
-        "timeline": reports.knob_timeline(run), "advice": reports.advice_history(run),
-        "alert_history": reports.alerts(run),
-        "active_alerts": active_alerts(run), "events": reports.event_rows(events),
-        "checkpoints": reports.checkpoints(run),
+        "run": run, "page": page, "rows": summary.summary_rows(summary.summary(run)),
+        "timeline": summary.knob_timeline(run), "advice": summary.advice_history(run),
+        "alert_history": summary.alerts(run),
+        "active_alerts": active_alerts(run), "events": summary.event_rows(events),
+        "checkpoints": summary.checkpoints(run),
         "config_toml": config_mod.to_toml(config_mod.from_dict(run.config)),
         "can_control": run.can_control(request.user), "is_active": run.status in ACTIVE,
         "resumable": run.status in RESUMABLE, "tags_text": ", ".join(run.tags or []),
@@ -279,7 +276,7 @@ def run_annotate(request, run_id: int):
 def run_checkpoint(request, run_id: int, step: int):
     """Resume the run from this checkpoint, or launch a new run from it."""
     run = _get_run(run_id)
-    path = reports.checkpoint_path(run, step)
+    path = summary.checkpoint_path(run, step)
     if path is None:
         raise Http404("no such checkpoint")
     what = request.POST.get("action")
@@ -331,14 +328,14 @@ def compare_page(request):
     if missing:
         raise Http404(f"no run {missing[0]}")
     runs = [found[i] for i in ids]
-    summaries = [reports.summary(r) for r in runs]
+    summaries = [summary.summary(r) for r in runs]
     # a fork's steps continue its parent's numbering (it resumes the parent's checkpoint): both
     # are drawn at x = step, so they overlay from the fork step, marked on every chart
     page = {"runs": [{"id": r.pk, "name": r.name, "status": r.status, "parent": r.parent_id,
                       "fork_step": r.fork_step} for r in runs]}
     return render(request, "dashboard/compare.html", {
-        "runs": runs, "rows": reports.compare_rows(runs, summaries), "diff": reports.config_diff(runs),
-        "headlines": reports.headlines(runs, summaries), "page": page,
+        "runs": runs, "rows": comparison.compare_rows(runs, summaries), "diff": comparison.config_diff(runs),
+        "headlines": comparison.headlines(runs, summaries), "page": page,
     })
 
 

@@ -13,13 +13,12 @@ stale-run sweep and the management commands all go through these functions, by n
   knobs.py        validating and queueing a person's knob change
   pilot.py        the marker of a change made from the pilot's advice; dismissing advice
   alert_state.py  a run's active alerts; a run whose worker was lost
-  imports.py      a run directory the CLI wrote, imported as a run (read by run_files.py)
+  imports.py      a run directory the CLI wrote, imported as a run (read by files/run_files.py)
 
 The package sits low in the import graph: it imports the models, lifecycle.py, errors.py,
-validation.py and policy.py (which never import it), inspector.py, timeline.py, doorbell.py,
-run_files.py and
-the Celery app, and none of the modules that call it; alerts.py and sweep.py hand it what it
-needs as arguments.
+access/validation.py and access/policy.py (which never import it), sample_rows.py,
+timeline_rows.py, live/doorbell.py, files/ and the Celery app, and none of the modules that call
+it; worker/alerts.py and worker/sweep.py hand it what it needs as arguments.
 Callers use `from webapp.dashboard import actions; actions.launch_run(...)`.
 """
 from webapp.dashboard.actions.alert_state import change_alerts, clear_alert, interrupt_lost_run
@@ -46,8 +45,8 @@ from webapp.dashboard.actions.rows import (
     status_record,
 )
 from webapp.dashboard.actions.runs import annotate_run, control, delete_run, end_run, heartbeat, rewind
-from webapp.dashboard.doorbell import group_name
 from webapp.dashboard.errors import ActionError, Conflict, Forbidden, Invalid
+from webapp.dashboard.live.doorbell import group_name
 
 __all__ = [
     "ActionError", "Conflict", "Forbidden", "Imported", "Invalid", "KEY_FIGURES", "Record",

@@ -1,6 +1,6 @@
 """A run's active alerts, and runs whose worker was lost.
 
-The alert rules (webapp/dashboard/alerts.py) and the stale-run sweep (sweep.py) call these and
+The alert rules (worker/alerts.py) and the stale-run sweep (worker/sweep.py) call these and
 hand them what they decide (the change to the active alerts, the heartbeat alert), so this
 package never imports them. Both write under the run's row lock: the database sink writes the
 same row.

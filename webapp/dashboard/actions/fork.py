@@ -17,7 +17,8 @@ from django.db import transaction
 
 from trainer import config as config_mod
 from trainer.run import fork as fork_mod
-from webapp.dashboard import lifecycle, policy, validation
+from webapp.dashboard import lifecycle
+from webapp.dashboard.access import policy, validation
 from webapp.dashboard.actions.launch import config_problems, enqueue, run_dir
 from webapp.dashboard.actions.rows import Record, append
 from webapp.dashboard.errors import Forbidden, Invalid

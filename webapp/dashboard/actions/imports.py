@@ -26,11 +26,13 @@ from django.conf import settings
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
-from webapp.dashboard import archives, lifecycle, policy, run_files, validation
+from webapp.dashboard import lifecycle
+from webapp.dashboard.access import policy, validation
 from webapp.dashboard.actions.launch import build_config, run_dir
 from webapp.dashboard.actions.rows import Record, append, set_status, status_record
 from webapp.dashboard.actions.runs import end_run
 from webapp.dashboard.errors import Conflict, Invalid
+from webapp.dashboard.files import archives, run_files
 from webapp.dashboard.models import HistogramSnapshot, MetricPoint, RolloutSample, Run, TimelineSlice
 
 # rows (metric values, samples, histograms ...) per transaction: big enough for bulk inserts to
@@ -110,7 +112,7 @@ def _import(user, info: run_files.RunDir, cfg, name: str, source: str, checkpoin
 
 def import_archive(user, upload, size: int | None, filename: str = "", name: str | None = None) -> Imported:
     """Import a run directory uploaded as an archive (.zip or .tar.gz; `upload` a binary file,
-    `size` its length when known), unpacked safely (archives.py) into a folder of RLPILOT_RUNS_DIR
+    `size` its length when known), unpacked safely (files/archives.py) into a folder of RLPILOT_RUNS_DIR
     (so its checkpoints are hard-linked, not copied) that goes once it is imported."""
     limit = settings.MAX_IMPORT_BYTES
     too_big = f"larger than the {limit} bytes an upload may have (RLPILOT_MAX_IMPORT_BYTES)"

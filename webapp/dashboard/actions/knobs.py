@@ -12,7 +12,8 @@ from django.db import transaction
 from django.db.models import F
 
 from trainer import config as config_mod
-from webapp.dashboard import lifecycle, policy, validation
+from webapp.dashboard import lifecycle
+from webapp.dashboard.access import policy, validation
 from webapp.dashboard.actions.pilot import advice_marker
 from webapp.dashboard.actions.rows import Record, append
 from webapp.dashboard.errors import Conflict, Forbidden, Invalid
@@ -20,27 +21,30 @@ from webapp.dashboard.models import KnobChange, Run
 
 
 def validate_knobs(run: Run, knobs: Any) -> dict[str, Any]:
-    """Coerce a {dotted key: value} change against the schema and the run's current config."""
+    """The change's values, coerced, as the trainer will apply them: config.apply_knob_change
+    (every key known, tunable, in range; the whole config still valid) on the run's current
+    config, its launch config with the knobs it runs with now."""
     if not isinstance(knobs, dict) or not knobs:
         raise Invalid("expected an object of knob names to values", {"knobs": "expected a non-empty "
                       'object of dotted keys to values, e.g. {"optim.lr": 5e-5}'})
-    errors, out = {}, {}
-    for key, value in knobs.items():
+    try:
+        current = config_mod.apply_overrides(config_mod.from_dict(run.config), run.knobs or {})
+        _, changes = config_mod.apply_knob_change(current, knobs)
+    except config_mod.ConfigError as e:
+        raise Invalid("knob change refused", validation.clip_errors(_say_not_a_knob(e.errors, knobs))) from None
+    return {key: change["new"] for key, change in changes.items()}
+
+
+def _say_not_a_knob(errors: dict[str, str], knobs: dict[str, Any]) -> dict[str, str]:
+    """The errors, a requested key that is a parameter but no knob saying so (a person asked for
+    it; the trainer's "cannot change during a run" alone does not say why)."""
+    out = {}
+    for key, message in errors.items():
         try:
-            spec = config_mod.param_spec(key)
-            if not spec.tunable:
-                raise config_mod.ConfigError({key: "cannot change during a run (not a knob)"})
-            out[key] = spec.coerce(value)
-        except config_mod.ConfigError as e:
-            errors.update(e.errors)
-    if not errors:
-        try:
-            cfg = config_mod.from_dict(run.config)
-            cfg = config_mod.apply_overrides(cfg, {**(run.knobs or {}), **out})
-        except config_mod.ConfigError as e:
-            errors.update(e.errors)
-    if errors:
-        raise Invalid("knob change refused", validation.clip_errors(errors))
+            knob = key not in knobs or config_mod.param_spec(key).tunable
+        except config_mod.ConfigError:   # no such parameter: its message says so
+            knob = True
+        out[key] = message if knob else f"{message} (not a knob)"
     return out
 
 

@@ -1,7 +1,7 @@
 """Launching a run: its configuration from a preset or TOML, validated; its row; its task.
 
 A run's training task is sent by name through the Celery app (TRAIN_TASK), so the actions layer
-never imports tasks.py.
+never imports worker/tasks.py.
 """
 from __future__ import annotations
 
@@ -13,12 +13,13 @@ from django.db import transaction
 
 from trainer import config as config_mod
 from webapp.celery import app as celery_app
-from webapp.dashboard import lifecycle, policy, validation
+from webapp.dashboard import lifecycle
+from webapp.dashboard.access import policy, validation
 from webapp.dashboard.actions.rows import Record, append
 from webapp.dashboard.errors import Invalid
 from webapp.dashboard.models import Run
 
-# The Celery task that trains a run (webapp/dashboard/tasks.py registers it under this name).
+# The Celery task that trains a run (webapp/dashboard/worker/tasks.py registers it under this name).
 TRAIN_TASK = "webapp.dashboard.tasks.train"
 
 

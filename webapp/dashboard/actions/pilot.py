@@ -10,7 +10,7 @@ from typing import Any
 from django.db import transaction
 
 from trainer.pilot.advice import EVIDENCE_KEY_LEN, RULE_FAMILIES
-from webapp.dashboard import validation
+from webapp.dashboard.access import validation
 from webapp.dashboard.actions.rows import Record, append
 from webapp.dashboard.errors import Conflict, Forbidden, Invalid
 from webapp.dashboard.models import Run, RunEvent

@@ -18,7 +18,8 @@ from typing import Any, Callable, Iterable
 from django.db import transaction
 from django.utils import timezone
 
-from webapp.dashboard import doorbell, inspector, lifecycle, timeline
+from webapp.dashboard import lifecycle, sample_rows, timeline_rows
+from webapp.dashboard.live import doorbell
 from webapp.dashboard.models import (
     HistogramSnapshot,
     KnobChange,
@@ -119,14 +120,14 @@ def _samples(b: Batch, r: Record) -> None:
     """A step's rollout samples: one sequence number for the batch (thinned past the run's cap)."""
     seq = b.next_seq()
     rows = r.values.get("rows") or []
-    b.rollouts.extend(x for x in (inspector.row_for(b.run.pk, seq, r.step, row)
+    b.rollouts.extend(x for x in (sample_rows.row_for(b.run.pk, seq, r.step, row)
                                   for row in (rows if isinstance(rows, list) else [])) if x)
 
 
 def _timeline(b: Batch, r: Record) -> None:
-    """A step's timeline (webapp/dashboard/timeline.py): its well-formed spans, one row."""
+    """A step's timeline (webapp/dashboard/timeline_rows.py): its well-formed spans, one row."""
     b.slices.append(TimelineSlice(run_id=b.run.pk, seq=b.next_seq(), step=r.step,
-                                  spans=timeline.clean_spans(r.values.get("spans"))))
+                                  spans=timeline_rows.clean_spans(r.values.get("spans"))))
 
 
 def _event(b: Batch, r: Record) -> None:
@@ -233,7 +234,7 @@ def _insert(b: Batch) -> None:
             message=message)
     if b.rollouts:
         RolloutSample.objects.bulk_create(b.rollouts, batch_size=200)
-        inspector.thin(b.run.pk)
+        sample_rows.thin(b.run.pk)
 
 
 def ring(run_id: int, seq: int) -> None:

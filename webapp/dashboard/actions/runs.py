@@ -12,7 +12,8 @@ from django.db import transaction
 from django.utils import timezone
 
 from webapp.celery import app as celery_app
-from webapp.dashboard import lifecycle, policy, validation
+from webapp.dashboard import lifecycle
+from webapp.dashboard.access import policy, validation
 from webapp.dashboard.actions.alert_state import clear_alert
 from webapp.dashboard.actions.launch import enqueue, run_dir
 from webapp.dashboard.actions.rows import Record, append, clean_json, set_status, status_record

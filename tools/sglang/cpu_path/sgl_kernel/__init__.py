@@ -42,7 +42,7 @@ def _missing(name: str):
         raise NotImplementedError(
             f"sgl_kernel.{name} is not available: this is rlpilot's CPU stand-in for sgl_kernel "
             "(tools/sglang/cpu_path/sgl_kernel), which provides assign_req_to_token_pool_cpu only. "
-            "Launch the server with the flags of trainer/engine/sglang_server.py, or install the real "
+            "Launch the server with the flags of trainer/engine/sglang/server.py, or install the real "
             "sgl_kernel (a CUDA machine: make sglang installs it there).")
     kernel.__name__ = name
     return kernel

@@ -204,7 +204,7 @@ class Command(BaseCommand):
     def child_trainer(self, run_id: int, steps: int):
         from trainer import config as config_mod
         from trainer.run.runner import Runner
-        from webapp.dashboard.telemetry import DbControlSource, DbSink
+        from webapp.dashboard.worker.telemetry import DbControlSource, DbSink
 
         cfg = config_mod.load("demo", {**TINY, "run.max_steps": steps})
         inner = DbSink(run_id)

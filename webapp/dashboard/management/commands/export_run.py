@@ -8,8 +8,8 @@ import sys
 
 from django.core.management.base import BaseCommand, CommandError
 
-from webapp.dashboard import reports
 from webapp.dashboard.models import Run
+from webapp.dashboard.reports import exports
 
 
 class Command(BaseCommand):
@@ -26,15 +26,15 @@ class Command(BaseCommand):
             raise CommandError(f"no run {opts['run_id']}")
         fmt = opts["format"]
         if fmt == "csv":
-            text = reports.export_csv(run)
+            text = exports.export_csv(run)
         elif fmt == "json":
-            text = json.dumps(reports.export_json(run), default=str, indent=1)
+            text = json.dumps(exports.export_json(run), default=str, indent=1)
         elif fmt == "samples_csv":
-            text = reports.export_samples_csv(run)
+            text = exports.export_samples_csv(run)
         elif fmt == "toml":
-            text = reports.export_toml(run)
+            text = exports.export_toml(run)
         else:
-            text = reports.export_html(run)
+            text = exports.export_html(run)
         if opts["output"]:
             with open(opts["output"], "w", encoding="utf-8") as f:
                 f.write(text)

@@ -16,8 +16,9 @@ from django.core.management import call_command
 from django.core.management.base import BaseCommand
 
 from webapp import vardir
-from webapp.dashboard import actions, sweep
+from webapp.dashboard import actions
 from webapp.dashboard.models import LIVE, Desired, Run, Status
+from webapp.dashboard.worker import sweep
 
 
 def worker_command(concurrency: int | None = None, loglevel: str = "info", queues: list[str] | None = None,

@@ -16,9 +16,9 @@ from django.db import close_old_connections
 from trainer import config as config_mod
 from trainer.cluster import distributed, launch
 from trainer.run.runner import Runner
-from webapp.dashboard import tasks
 from webapp.dashboard.actions import run_dir
 from webapp.dashboard.models import Run, Status
+from webapp.dashboard.worker import tasks
 
 log = logging.getLogger(__name__)
 

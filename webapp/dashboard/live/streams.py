@@ -5,22 +5,25 @@ from typing import Any, Iterable
 
 from django.db.models import ExpressionWrapper, F, IntegerField, Max, Min
 
-from webapp.dashboard import inspector, lifecycle, timeline
+from webapp.dashboard import formatting, lifecycle, sample_rows, timeline_rows
 from webapp.dashboard.models import HistogramSnapshot, MetricPoint, Run, RunEvent, TimelineSlice
 
 BATCH = 500   # sequence numbers per backlog chunk
 
 
 def event_message(e: RunEvent) -> dict[str, Any]:
-    """A status event, or an event that records a run's new (status, desired) without changing
-    its status (a pending pause or resume), carries the actions the run then allows
-    (lifecycle.allowed_actions): the page's buttons follow them."""
+    """An event as the page reads it (the WebSocket, GET /api/runs/<id>/metrics, the exported
+    report's data), with its `text`: the line the event log shows (formatting.describe_event; the
+    page writes no event text of its own). A status event, or an event that records a run's new
+    (status, desired) without changing its status (a pending pause or resume), carries the
+    actions the run then allows (lifecycle.allowed_actions): the page's buttons follow them."""
+    text = formatting.describe_event(e.kind, e.data)
     if e.kind == "status":
         return {"type": "status", "status": e.data.get("status"), "previous": e.data.get("previous"),
                 "message": e.data.get("message", ""), "step": e.step, "time": e.time.timestamp(),
-                "cursor": e.seq, "allowed_actions": _allowed(e.data)}
+                "cursor": e.seq, "allowed_actions": _allowed(e.data), "text": text}
     msg = {"type": "event", "kind": e.kind, "step": e.step, "time": e.time.timestamp(),
-           "data": e.data, "cursor": e.seq}
+           "data": e.data, "cursor": e.seq, "text": text}
     if isinstance(e.data, dict) and e.data.get("status") in lifecycle.STATUSES and "desired" in e.data:
         msg["allowed_actions"] = _allowed(e.data)
     return msg
@@ -53,9 +56,9 @@ def messages_after(run_id: int, cursor: int, upto: int | None = None,
     for e in RunEvent.objects.filter(run_id=run_id, seq__gt=cursor, seq__lte=hi):
         by_seq[e.seq] = event_message(e)
     for t in TimelineSlice.objects.filter(run_id=run_id, seq__gt=cursor, seq__lte=hi):
-        by_seq[t.seq] = timeline.frame(t)   # a step's spans (webapp/dashboard/timeline.py)
+        by_seq[t.seq] = timeline_rows.frame(t)   # a step's spans (webapp/dashboard/timeline_rows.py)
     # a step's rollout samples, as compact summaries (GET /api/runs/<id>/samples/<id> has the rest)
-    for seq, rows in inspector.summary_rows(run_id, cursor, hi).items():
+    for seq, rows in sample_rows.summary_rows(run_id, cursor, hi).items():
         by_seq[seq] = {"type": "samples", "step": rows[0]["step"], "samples": rows, "cursor": seq}
     # sequence numbers whose rows were deleted (rewound on resume) are simply skipped
     return [by_seq[s] for s in sorted(by_seq)], hi

@@ -24,8 +24,9 @@ from django.conf import settings
 from django.db import close_old_connections, connection
 from django.utils import timezone
 
-from webapp.dashboard import actions, alerts, lifecycle
+from webapp.dashboard import actions, lifecycle
 from webapp.dashboard.models import Run
+from webapp.dashboard.worker import alerts
 
 log = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@ sink hands over, cleaned for the database; the per-run cap (oldest steps thinned
 filters, orders and cursors of GET /api/runs/<id>/samples; the compact summary the WebSocket sends.
 
 The actions layer calls `row_for` and `thin` inside its transaction; the API, the streams and
-the reports read through the rest. This module imports only the models, validation.py and
+the reports read through the rest. This module imports only the models, access/validation.py and
 errors.py (never the actions layer).
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any
 from django.conf import settings
 from django.db.models import F, Q
 
-from webapp.dashboard import validation
+from webapp.dashboard.access import validation
 from webapp.dashboard.errors import Invalid
 from webapp.dashboard.models import RolloutSample
 

@@ -4,7 +4,8 @@ and `sweep_stale_runs` is Celery beat's periodic stale-run sweep (RLPILOT_SWEEP_
 consumed by a small worker on the web machine, never by a training worker).
 
 Every write goes through the actions layer, which sends `train` by name (TRAIN_TASK) and never
-imports this module.
+imports this module. The task names are stable (a queued task carries its name): they keep the
+form `webapp.dashboard.tasks.<task>` from before this module moved into worker/.
 """
 from __future__ import annotations
 
@@ -24,10 +25,12 @@ from trainer import config as config_mod
 from trainer.cluster import launch
 from trainer.run import checkpoint
 from trainer.run.runner import Runner  # imported in the worker's parent: forked children start fast
-from webapp.dashboard import actions, lifecycle, sweep, validation
+from webapp.dashboard import actions, lifecycle
+from webapp.dashboard.access import validation
 from webapp.dashboard.actions import run_dir
 from webapp.dashboard.models import Desired, Run, Status
-from webapp.dashboard.telemetry import DbControlSource, DbSink, Heartbeat
+from webapp.dashboard.worker import sweep
+from webapp.dashboard.worker.telemetry import DbControlSource, DbSink, Heartbeat
 
 log = logging.getLogger(__name__)
 
@@ -168,7 +171,7 @@ def train_under_torchrun(rid: int, procs: int, resume_from_ckpt: bool) -> str:
     return Run.objects.filter(pk=rid).values_list("status", flat=True).first() or "missing"
 
 
-@shared_task(name="webapp.dashboard.tasks.sweep_stale_runs", ignore_result=True)
+@shared_task(name=settings.SWEEP_TASK, ignore_result=True)
 def sweep_stale_runs() -> int:
     """Celery beat's stale-run sweep (settings.CELERY_BEAT_SCHEDULE, every RLPILOT_SWEEP_S): runs
     whose worker stopped heartbeating become `interrupted`, with nobody watching. Returns how

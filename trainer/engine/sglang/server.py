@@ -27,7 +27,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]   # trainer/engine/sglang/server.py -> the repository
 VENV = ROOT / ".venv-sglang"
 GUARD = Path(__file__).with_name("group_guard.py")
 CPU_PATH = ROOT / "tools" / "sglang" / "cpu_path"

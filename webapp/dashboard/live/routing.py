@@ -1,6 +1,6 @@
 from django.urls import path
 
-from webapp.dashboard.consumers import RunConsumer
+from webapp.dashboard.live.consumers import RunConsumer
 
 websocket_urlpatterns = [
     path("ws/runs/<int:run_id>/", RunConsumer.as_asgi()),

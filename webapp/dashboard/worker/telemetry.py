@@ -10,7 +10,7 @@ Commands (which command, lifecycle.trainer_command says; a change made from the 
 carries its marker as the command's reason).
 
 Heartbeat beats for the run and evaluates the `stalled` alert. Every write here goes through the
-actions layer (webapp/dashboard/actions/); the doorbell is webapp/dashboard/doorbell.py.
+actions layer (webapp/dashboard/actions/); the doorbell is webapp/dashboard/live/doorbell.py.
 """
 from __future__ import annotations
 
@@ -27,10 +27,11 @@ from django.db import close_old_connections, connection
 
 from trainer.observe.metrics import MetricsSink
 from trainer.run.controls import SET_KNOBS, STOP, Command, ControlSource
-from webapp.dashboard import actions, alerts, lifecycle
+from webapp.dashboard import actions, lifecycle
 from webapp.dashboard.actions import Record
-from webapp.dashboard.doorbell import Doorbell
+from webapp.dashboard.live.doorbell import Doorbell
 from webapp.dashboard.models import KnobChange, Run
+from webapp.dashboard.worker import alerts
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,84 @@
+"""The rules that involve more than one parameter (`check`, run on every config loaded or
+changed) and `pilot.bounds`, whose items each name another parameter."""
+from __future__ import annotations
+
+from typing import Iterable
+
+from trainer.config.params import ConfigError, stop_strings
+from trainer.config.sections import Config, param_spec
+from trainer.engine.sglang.urls import parse_urls
+
+
+def check(cfg: Config) -> None:
+    """Rules that involve more than one parameter."""
+    errors: dict[str, str] = {}
+    if cfg.data.task in ("math", "code") and not cfg.data.path:
+        errors["data.path"] = f"task={cfg.data.task!r} needs a JSONL file in data.path"
+    if cfg.data.task in ("sum", "arith") and cfg.data.path:
+        errors["data.path"] = f"the built-in {cfg.data.task} task reads no file; leave data.path empty"
+    try:
+        stop_strings(cfg.rollout.stop)
+    except ValueError as e:
+        errors["rollout.stop"] = str(e)
+    if "{prompt}" not in cfg.data.prompt_template:
+        errors["data.prompt_template"] = "must contain '{prompt}'"
+    if cfg.algo.overlong_buffer >= cfg.rollout.max_response_len and cfg.algo.overlong_penalty:
+        errors["algo.overlong_buffer"] = (f"must be smaller than rollout.max_response_len "
+                                          f"({cfg.rollout.max_response_len})")
+    if cfg.greso.min_p > cfg.greso.max_p:
+        errors["greso.min_p"] = f"must not exceed greso.max_p ({cfg.greso.max_p})"
+    n = cfg.rollout.rollout_batch_size
+    if cfg.april.over_sampling_batch_size and cfg.april.over_sampling_batch_size < n:
+        errors["april.over_sampling_batch_size"] = (
+            f"must be at least rollout.rollout_batch_size ({n}), or 0 for 2 x that")
+    if cfg.rollout.engine == "sglang" and not cfg.rollout.sglang_urls.strip():
+        errors["rollout.sglang_urls"] = ("engine='sglang' needs at least one server URL, e.g. "
+                                         "'http://127.0.0.1:30000'")
+    elif cfg.rollout.sglang_urls.strip():
+        try:
+            parse_urls(cfg.rollout.sglang_urls)
+        except ValueError as e:
+            errors["rollout.sglang_urls"] = str(e)
+    in_process_generation = (cfg.rollout.engine == "embedded" and not cfg.cluster.gen_procs
+                             and not (cfg.async_.enabled and cfg.async_.worker == "process"))
+    if cfg.cluster.sharding == "fsdp" and cfg.cluster.train_procs > 1 and in_process_generation:
+        errors["cluster.sharding"] = ("fsdp leaves no training rank the whole model to generate with: "
+                                      "set cluster.gen_procs >= 1 or rollout.engine = 'sglang'")
+    try:
+        pilot_bounds(cfg.pilot.bounds)
+    except ValueError as e:
+        errors["pilot.bounds"] = str(e)
+    if cfg.april.segment_max_tokens > cfg.rollout.max_response_len:
+        errors["april.segment_max_tokens"] = (f"must not exceed rollout.max_response_len "
+                                              f"({cfg.rollout.max_response_len})")
+    if errors:
+        raise ConfigError(errors)
+
+
+def pilot_bounds(items: Iterable[str]) -> dict[str, tuple[float, float]]:
+    """`pilot.bounds` as {knob: (lo, hi)}: "async.max_staleness=1..8" -> {"async.max_staleness":
+    (1, 8)}. Raises ValueError naming the item that is not a tunable number's range inside the
+    knob's own."""
+    out: dict[str, tuple[float, float]] = {}
+    for item in items:
+        key, eq, rng = item.partition("=")
+        lo_text, dots, hi_text = rng.partition("..")
+        key = key.strip()
+        if not eq or not dots:
+            raise ValueError(f"{item!r}: expected 'key=lo..hi', e.g. 'async.max_staleness=1..8'")
+        try:
+            spec = param_spec(key)
+        except ConfigError as e:
+            raise ValueError(f"{item!r}: {e.errors[key]}") from None
+        if not spec.tunable or spec.type not in (int, float):
+            raise ValueError(f"{item!r}: {key} is not a numeric knob")
+        try:
+            lo, hi = spec.coerce(lo_text.strip()), spec.coerce(hi_text.strip())
+        except ConfigError:
+            raise ValueError(f"{item!r}: each end must be {spec.allowed()}") from None
+        if lo > hi:
+            raise ValueError(f"{item!r}: the low end {lo} is above the high end {hi}")
+        if key in out:
+            raise ValueError(f"{key} is bounded twice")
+        out[key] = (lo, hi)
+    return out

@@ -1,0 +1,185 @@
+"""One parameter: `param()` declares it in a section (trainer/config/sections.py), `ParamSpec` is
+what the schema says of it and turns any value given for it (TOML, a form, `--set`) into its type
+or a `ConfigError` naming the key and what is allowed. Also the parsers of values with more
+structure than their type (`stop_strings`)."""
+from __future__ import annotations
+
+import math
+import tomllib
+from dataclasses import dataclass, field
+from typing import Any
+
+from trainer.config.text import MAX_TEXT_LEN, short_repr, text_problem
+
+
+class ConfigError(ValueError):
+    """Invalid configuration. `errors` maps a dotted key ('optim.lr') to what is wrong."""
+
+    def __init__(self, errors: dict[str, str]):
+        self.errors = dict(errors)
+        super().__init__("; ".join(f"{k}: {v}" for k, v in self.errors.items()))
+
+
+def param(default, *, help: str, min=None, max=None, choices=None, tunable=False):
+    """Declare one parameter. `min`/`max` are inclusive bounds. A list parameter (default a
+    list) holds distinct items, each one of `choices` when given."""
+    meta = {"help": help, "min": min, "max": max, "choices": tuple(choices) if choices else None,
+            "tunable": tunable}
+    if isinstance(default, list):   # a dataclass field cannot share one mutable default
+        return field(default_factory=lambda: list(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+_TYPE_NAMES = {bool: "bool", int: "int", float: "float", str: "str", list: "list"}
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    name: str  # dotted: "optim.lr"
+    type: type
+    default: Any
+    help: str
+    min: float | None = None
+    max: float | None = None
+    choices: tuple | None = None
+    tunable: bool = False
+
+    def as_json(self) -> dict[str, Any]:
+        default = list(self.default) if self.type is list else self.default
+        return {"name": self.name, "type": _TYPE_NAMES[self.type], "default": default,
+                "min": self.min, "max": self.max,
+                "choices": list(self.choices) if self.choices else None,
+                "help": self.help, "tunable": self.tunable}
+
+    def allowed(self) -> str:
+        if self.type is list:
+            items = ("names from " + ", ".join(repr(c) for c in self.choices) if self.choices
+                     else "strings")
+            return f"a list of distinct {items} (a TOML list or comma-separated; empty = none)"
+        if self.choices:
+            return "one of " + ", ".join(repr(c) for c in self.choices)
+        if self.type is bool:
+            return "true or false"
+        lo = "-inf" if self.min is None else self.min
+        hi = "inf" if self.max is None else self.max
+        if self.type in (int, float):
+            return f"{'an integer' if self.type is int else 'a number'} in [{lo}, {hi}]"
+        return "a string"
+
+    def coerce(self, value):
+        """Return `value` as this parameter's type, or raise ConfigError naming the key."""
+        err = ConfigError({self.name: f"got {short_repr(value)}; expected {self.allowed()}"})
+        t = self.type
+        if t is list:
+            return self._coerce_list(value, err)
+        if t is bool:
+            if isinstance(value, bool):
+                out = value
+            elif isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+                out = value.lower() in ("true", "1", "yes")
+            else:
+                raise err
+        elif t is int:
+            if isinstance(value, bool):
+                raise err
+            if isinstance(value, int):
+                out = value
+            elif isinstance(value, float) and value.is_integer():
+                out = int(value)
+            elif isinstance(value, str):
+                try:
+                    out = int(value.strip())
+                except ValueError:
+                    raise err from None
+            else:
+                raise err
+        elif t is float:
+            if isinstance(value, bool):
+                raise err
+            if isinstance(value, (int, float)):
+                try:
+                    out = float(value)
+                except OverflowError:  # an integer too large for a float
+                    raise err from None
+            elif isinstance(value, str):
+                try:
+                    out = float(value.strip())
+                except ValueError:
+                    raise err from None
+            else:
+                raise err
+            if not math.isfinite(out):
+                raise err
+        else:
+            if not isinstance(value, str):
+                raise err
+            problem = text_problem(value, MAX_TEXT_LEN)
+            if problem:
+                raise ConfigError({self.name: problem})
+            out = value
+        if self.choices and out not in self.choices:
+            raise err
+        if self.min is not None and out < self.min:
+            raise err
+        if self.max is not None and out > self.max:
+            raise err
+        return out
+
+
+    def _coerce_list(self, value, err: ConfigError) -> list[str]:
+        """A list, a TOML list in a string ('["a", "b"]', from the form or --set) or a
+        comma-separated string ('a, b') -> the list; every item checked, duplicates refused."""
+        if isinstance(value, str):
+            text = value.strip()
+            if text.startswith("["):
+                try:
+                    value = tomllib.loads(f"v = {text}")["v"]
+                except (tomllib.TOMLDecodeError, RecursionError):
+                    raise err from None
+            else:
+                value = [item.strip() for item in text.split(",")] if text else []
+        if not isinstance(value, (list, tuple)):
+            raise err
+        out: list[str] = []
+        for item in value:
+            if not isinstance(item, str) or not item:
+                raise ConfigError({self.name: f"item {short_repr(item)}: expected {self.allowed()}"})
+            if self.choices and item not in self.choices:
+                raise ConfigError({self.name: f"unknown name {short_repr(item)}; expected {self.allowed()}"})
+            problem = text_problem(item, MAX_TEXT_LEN)
+            if problem:
+                raise ConfigError({self.name: problem})
+            if item in out:
+                raise ConfigError({self.name: f"{item!r} is named twice"})
+            out.append(item)
+        return out
+
+
+
+MAX_STOP_STRINGS = 16
+MAX_STOP_LEN = 200
+
+
+def stop_strings(value: str) -> list[str]:
+    """`rollout.stop` as a list: "" -> [], '["</answer>", "\\n\\nUser:"]' -> the strings. Raises
+    ValueError saying what is wrong (not JSON, not a list of non-empty strings, too many)."""
+    import json
+
+    if not value.strip():
+        return []
+    example = 'expected a JSON list of strings, e.g. ["</answer>"] (empty = none)'
+    try:
+        out = json.loads(value)
+    except (ValueError, RecursionError):
+        raise ValueError(f"not valid JSON: {example}") from None
+    if not isinstance(out, list) or not all(isinstance(x, str) for x in out):
+        raise ValueError(example)
+    if any(not x for x in out):
+        raise ValueError("a stop string is empty")
+    if len(out) > MAX_STOP_STRINGS:
+        raise ValueError(f"{len(out)} stop strings; at most {MAX_STOP_STRINGS}")
+    for i, x in enumerate(out):  # the same text rules as every config string, after decoding
+        problem = text_problem(x, MAX_STOP_LEN)
+        if problem:
+            raise ValueError(f"stop string {i + 1}: {problem}")
+    return list(dict.fromkeys(out))

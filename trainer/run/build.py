@@ -1,0 +1,152 @@
+"""Wiring a run: the collaborators a Runner holds, made once for every rank role.
+
+Under torchrun a run has K training processes (trainer/cluster/distributed.py; K = 1 otherwise).
+Every rank holds the policy, its learner (with the reference when the run measures or penalises
+KL: `track_reference`) and the tokenizer. Rank 0, the controller, also holds what rolls out and
+reports: the task and its prompts, the engine, the rollout driver with its prompt selector
+(GRESO) and scorer (the reward pool), the step boundary, the pilot, the inspector's recorder,
+the timeline and the telemetry. The other ranks hold None for the engine, the reward pool and the
+telemetry (trainer/cluster/training_ranks.py sends them their share of each update).
+
+A resumed run: `read_checkpoint` (rank 0 reads the latest checkpoint, every rank gets its config)
+before the collaborators, `resume_state` (every rank takes its part of the checkpoint) after.
+"""
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from trainer import config as config_mod
+from trainer.algo.learner import Learner
+from trainer.cluster import sharding
+from trainer.engine import build_engine
+from trainer.models.loading import load_model, load_tokenizer, resolve_device, resolve_dtype
+from trainer.observe.inspector import InspectorRecorder
+from trainer.observe.system import ProcessMeter, SystemSampler
+from trainer.observe.timeline import CONTROLLER, Timeline
+from trainer.pilot.live import LivePilot
+from trainer.rewards.pool import RewardService
+from trainer.rollout import PromptSource, build_driver
+from trainer.rollout.scoring import Scorer
+from trainer.rollout.selection import PromptSelector
+from trainer.run import state as run_state
+from trainer.run.boundary import StepBoundary
+from trainer.tasks import build_task
+
+
+def track_reference(cfg) -> bool:
+    """Does the learner keep the base model as a reference? When the run measures the KL to it
+    (algo.track_kl) or penalises it (algo.kl_coef > 0)."""
+    return cfg.algo.track_kl or cfg.algo.kl_coef > 0
+
+
+def read_checkpoint(run, resume: bool, keep_knobs=()):
+    """Rank 0 reads the latest checkpoint when resuming (its knob values win over the config's,
+    except `keep_knobs`); every rank takes rank 0's config. Returns (resumed: (checkpoint path,
+    its model in DCP shards) or None, and rank 0's checkpoint state and tensors, else None)."""
+    state = tensors = resumed = None
+    if resume and run.dist.is_main:
+        path, state, tensors, run.cfg = run_state.load_latest(run.run_dir, run.cfg, keep_knobs)
+        resumed = (path, sharding.is_sharded(path))
+    run.cfg, resumed = run.dist.broadcast_object((run.cfg, resumed))
+    run.cfg.cluster.train_procs = run.dist.size     # the layout torchrun gave, recorded
+    if run.dist.size > 1:
+        config_mod.check(run.cfg)   # e.g. fsdp with the engine in rank 0: refused by name
+    return resumed, state, tensors
+
+
+def collaborators(run, resumed, tensors, *, system_telemetry: bool) -> None:
+    """Make `run`'s collaborators for its rank role. `resumed`: (checkpoint path, its model in
+    DCP shards) or None; `tensors`: rank 0's checkpoint tensors (a sharded checkpoint's whole
+    optimizer state is read into them when this run is not sharded)."""
+    cfg, controller = run.cfg, run.dist.is_main
+    if cfg.model.threads:
+        torch.set_num_threads(cfg.model.threads)
+    torch.manual_seed(cfg.run.seed)
+    run.device = run.dist.local_device(resolve_device(cfg.model.device))
+    run.dtype = resolve_dtype(cfg.model.dtype, run.device)
+    run.tokenizer = load_tokenizer(cfg.model.path)
+    # rank 0 resumes an unsharded checkpoint's weights; a sharded checkpoint's are read into the
+    # base model later (by every rank), and DDP's wrap gives the other ranks rank 0's weights
+    resumes_weights = controller and resumed is not None
+    policy_path = str(resumed[0] / "model") if resumes_weights and not resumed[1] else cfg.model.path
+    run.model = load_model(policy_path, run.device, run.dtype).eval()
+    reference = None   # else the learner copies the model it is given: the base weights
+    if resumes_weights and track_reference(cfg):
+        reference = load_model(cfg.model.path, run.device, run.dtype)
+    if resumes_weights and resumed[1] and not run.sharded:   # sharded before, whole now
+        tensors["optimizer"] = sharding.read_whole(resumed[0], run.model)
+    if controller:   # before the learner: generation processes copy the model whole, which sharding splits
+        _generation(run)
+    run.learner = Learner(run.model, lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay,
+                          track_reference=track_reference(cfg), reference=reference,
+                          dist=run.dist, sharded=run.sharded)
+    if controller:
+        _rollout(run, system_telemetry)
+    else:
+        run.engine = run.rewards = run.system = None
+
+
+def _generation(run) -> None:
+    """Rank 0: the task, its prompts and the engine that generates for them."""
+    cfg = run.cfg
+    run.task = build_task(cfg, run.tokenizer)  # prompts rendered for its chat template
+    run.prompts = PromptSource(run.task)
+    run.engine = build_engine(cfg, run.model, run.tokenizer, run.device, run.dtype,
+                              run.task.max_sequence_len(run.tokenizer, cfg),
+                              weights_dir=run.run_dir / "engine_weights")
+
+
+def _rollout(run, system_telemetry: bool) -> None:
+    """Rank 0: the rollout driver and what it draws, scores and reports with; the step
+    boundary, the pilot, the inspector's recorder, the timeline and the telemetry."""
+    cfg = run.cfg
+    # prompts, GRESO state and the reward pool are shared with the async generation worker
+    run.lock = threading.RLock()
+    run.selector = PromptSelector(run.prompts, run.task.train_size, cfg, run.lock)
+    run.greso = run.selector.filter  # the GRESO state (checkpoints, tests)
+    run.rewards = RewardService(workers=cfg.run.reward_workers, timeout_s=cfg.run.reward_timeout_s)
+    run.scorer = Scorer(run.rewards, run.tokenizer, lambda: run.cfg, run.totals, run.lock)
+    run.rollout = build_driver(cfg, run.engine, run.tokenizer, run.selector, run.scorer, run.lock)
+    run.samples = InspectorRecorder(run.tokenizer, cfg.run.seed)  # the rollout inspector's
+    run.timeline = Timeline(fill={CONTROLLER: "bookkeeping"})
+    run.boundary = StepBoundary(run.controls, run.sink, run.rollout)
+    run.pilot = LivePilot()   # advice events and the autopilot (trainer/pilot/)
+    run.system = SystemSampler(use_gpu=run.device.type == "cuda") if system_telemetry else None
+    run.meter = ProcessMeter()   # CPU and memory per process (timeline lane)
+
+
+def resume_state(run, resumed, state, tensors) -> None:
+    """Every rank: the checkpoint's state (rank 0; a new run writes its config instead), the
+    optimizer's, and the generators' first weights."""
+    if run.dist.is_main:
+        if state is not None:
+            run_state.restore(run, state, tensors)
+        else:
+            (run.run_dir / "config.toml").write_text(config_mod.to_toml(run.cfg))
+    _restore_optimizer(run, resumed, tensors)
+    if run.dist.is_main and (run.cfg.rollout.engine != "embedded" or run.sharded):
+        # servers hold whatever weights they were started with, generation processes the
+        # base model's when a sharded checkpoint was resumed: push the policy's
+        run.engine.update_weights(run.learner.full_state_dict(), run.version)  # all ranks
+    elif not run.dist.is_main and run.sharded:
+        run.learner.full_state_dict()   # rank 0's first push to the generators: a collective
+
+
+def _restore_optimizer(run, resumed, tensors) -> None:
+    """Every rank: the resumed optimizer state (and a sharded checkpoint's weights). Sharded
+    now: each rank reads its shards of a sharded checkpoint, or rank 0 spreads an unsharded
+    one's; replicated: rank 0's state (run_state.restore loaded it) to the others."""
+    learner, dist = run.learner, run.dist
+    if run.sharded:
+        if resumed is not None and resumed[1]:
+            sharding.load(resumed[0], learner.model, learner.optimizer)
+        elif resumed is not None:
+            sharding.spread_optimizer_from_rank0(learner.model, learner.optimizer,
+                                                 tensors["optimizer"] if dist.is_main else None)
+        return
+    optimizer = dist.broadcast_object(learner.state_dict()
+                                      if dist.is_main and resumed is not None else None)
+    if optimizer is not None and not dist.is_main:
+        learner.load_state_dict(optimizer)

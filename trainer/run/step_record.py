@@ -1,0 +1,112 @@
+"""A training step's metric record: the scalars the sink, the trackers and the pilot get for it.
+
+    m = step_record.record(runner, cfg, StepResults(...))
+
+From the step's results: the rollout's metrics (common, the driver's own, the scorer's, GRESO's)
+and histograms, the objective's and the update's, throughput and timings, the other ranks' share,
+the engine's report, the token ledger, the run's totals, the system's and each process's CPU and
+memory. It keeps the counters these read as it goes: GRESO observes the step's scored groups, the
+ledger counts the trained and the zero-variance tokens, the totals add the step's.
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+from trainer.engine.base import EngineStats
+from trainer.observe.metrics import histogram, length_edges
+from trainer.observe.timeline import CONTROLLER, rank_lane
+from trainer.rollout.base import RolloutResult, step_metrics
+
+
+@dataclass
+class StepResults:
+    """What one step produced, for its record."""
+    result: RolloutResult       # the driver's groups (and every group it scored)
+    engine_stats: EngineStats   # the engine's counters over the step (EngineStats.minus)
+    seqs: list                  # the objective's train sequences
+    adv_metrics: dict
+    train_metrics: dict
+    ranks: list                 # the other training ranks' reports (training_ranks.gather_reports)
+    train_s: float
+    samples_s: float
+    sync_s: float
+    step_s: float
+
+
+def record(run, cfg, step: StepResults) -> dict[str, float]:
+    """The step's metric record (`run.step` is the step's number by now)."""
+    result, step_s = step.result, step.step_s
+    m = rollout_metrics(run, cfg, result, step.engine_stats, step_s)
+    trained_tokens = sum(len(s.response_ids) for s in step.seqs)
+    m.update(step.adv_metrics)
+    m.update(step.train_metrics)
+    m.update({
+        "perf/trained_tokens_per_s": trained_tokens / max(step_s, 1e-9),
+        "perf/rollout_trained_tokens_per_s": trained_tokens / max(result.gen_seconds, 1e-9),
+        "timing/train_s": step.train_s, "timing/samples_s": step.samples_s,
+        "timing/weight_sync_s": step.sync_s, "timing/step_s": step_s, "actor/lr": cfg.optim.lr,
+        # what the update copied to the generators (0: the in-process engine shares them)
+        "perf/weight_sync_bytes": getattr(run.engine, "last_sync_bytes", 0),
+        "train/policy_version": run.version, "rollout/trained_tokens": trained_tokens,
+    })
+    if run.dist.size > 1:
+        m.update({"dist/world_size": run.dist.size,
+                  "dist/train_share_imbalance": run.ranks.imbalance})
+    if hasattr(run.engine, "generators_alive"):  # generation processes (engine/pool.py)
+        m.update(run.engine.report())
+    m.update(ledger_metrics(run, result, trained_tokens))
+    with run.lock:  # the async worker adds reward counts to the totals
+        run.totals["samples"] += m["rollout/samples"]
+        run.totals["gen_tokens"] += m["rollout/gen_tokens"]
+        run.totals["trained_tokens"] += trained_tokens
+        m.update({f"train/{k}_total": v for k, v in run.totals.items()
+                  if k in ("samples", "gen_tokens", "trained_tokens")})
+    if run.system is not None:
+        m.update(run.system.summary())
+        m.update(process_metrics(run, step.ranks))
+    return m
+
+
+def rollout_metrics(run, cfg, result, engine_stats, step_s: float) -> dict[str, float]:
+    """The rollout's metrics (common, the driver's own, GRESO's) and its histograms."""
+    m = step_metrics(cfg, result, engine_stats)
+    m.update(run.scorer.metrics())
+    gen_time = step_s if run.rollout.concurrent else result.gen_seconds
+    m["perf/gen_tokens_per_s"] = engine_stats.generated_tokens / max(gen_time, 1e-9)
+    run.selector.observe(cfg, run.step, result.scored)
+    m.update(run.selector.report(cfg, result.counts))
+
+    def hist(name: str, values: list, edges: list) -> None:
+        run.sink.histogram(run.step, name, histogram(values, edges))
+
+    m.update(run.rollout.report(cfg, result, run.version, step_s, hist))
+    lengths = [len(s.response_ids) for g in result.scored for s in g.samples]
+    if lengths:
+        hist("rollout/response_len", lengths, length_edges(cfg.rollout.max_response_len))
+    return m
+
+
+def ledger_metrics(run, result, trained_tokens: int) -> dict[str, float]:
+    """Where the step's generated tokens went: trained, and the complete groups the objective
+    left out (algo.skip_zero_adv) dropped as zero-variance."""
+    observe_generation(run)
+    ledger = run.rollout.ledger
+    ledger.train(trained_tokens)
+    ledger.drop("zero_variance", sum(g.tokens() for g in result.groups) - trained_tokens)
+    return ledger.step_metrics()
+
+
+def observe_generation(run) -> None:
+    """Hand the ledger the engine's count of rollout tokens (evaluations' taken out)."""
+    run.rollout.ledger.observe_engine(run.engine.stats.generated_tokens - run.eval_tokens)
+
+
+def process_metrics(run, ranks) -> dict[str, float]:
+    """proc/<lane>/cpu_pct and rss_gb: this process, the engine's processes, the ranks'."""
+    lanes = {CONTROLLER: os.getpid(), **getattr(run.engine, "lane_pids", dict)()}
+    m = run.meter.local(lanes, time.time())
+    for rank, _, end, cpu_s, rss in ranks:
+        m.update(run.meter.observe(rank_lane(rank), cpu_s, rss, end))
+    return m

@@ -1,0 +1,151 @@
+"""A run's exports (GET /api/runs/<id>/export?format=..., `manage.py export_run`): every metric point
+as CSV, the rollout samples as CSV, the whole run as JSON, its launch config as TOML, and one
+self-contained HTML report (Plotly, charts, data and tables inlined; no network). Every CSV goes
+through spreadsheet_safe. Reads only."""
+from __future__ import annotations
+
+import io
+import json
+from typing import Any
+
+from django.conf import settings
+from django.template.loader import render_to_string
+from django.utils import timezone
+
+from trainer import config as config_mod
+from webapp.dashboard import formatting, sample_rows, timeline_rows
+from webapp.dashboard.live import streams
+from webapp.dashboard.models import HistogramSnapshot, MetricPoint, RolloutSample, Run, RunEvent
+from webapp.dashboard.reports import summary
+from webapp.dashboard.reports.spreadsheet_safe import SafeWriter
+
+
+def _iso(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{**r, "time": r["time"].isoformat()} for r in rows]
+
+
+def all_points(run: Run):
+    """Every point written, in order: (seq, step, key, value); NaN/inf are stored as NULL."""
+    return (MetricPoint.objects.filter(run_id=run.pk).order_by("seq", "id")
+            .values_list("seq", "step", "key", "value").iterator(chunk_size=5000))
+
+
+def export_csv(run: Run) -> str:
+    buf = io.StringIO()
+    w = SafeWriter(buf)
+    w.writerow(["seq", "step", "key", "value"])
+    for seq, step, key, value in all_points(run):
+        w.writerow([seq, step, key, "" if value is None else value])
+    return buf.getvalue()
+
+
+def full_series(run: Run) -> dict[str, dict[str, list]]:
+    series: dict[str, dict[str, list]] = {}
+    for _, step, key, value in all_points(run):
+        s = series.setdefault(key, {"steps": [], "values": []})
+        s["steps"].append(step)
+        s["values"].append(value)
+    return series
+
+
+def run_meta(run: Run) -> dict[str, Any]:
+    return {"id": run.pk, "name": run.name, "owner": run.owner.get_username(), "preset": run.preset,
+            "status": run.status, "step": run.step, "max_steps": run.max_steps, "queue": run.queue,
+            "worker_host": run.worker_host, "note": run.note, "tags": run.tags, "archived": run.archived,
+            "created_at": run.created_at.isoformat(),
+            "started_at": run.started_at.isoformat() if run.started_at else None,
+            "finished_at": run.finished_at.isoformat() if run.finished_at else None,
+            "error": run.error, "parent": run.parent_id, "fork_step": run.fork_step}
+
+
+def export_json(run: Run) -> dict[str, Any]:
+    return {"run": run_meta(run), "config": run.config, "knobs": run.knobs, "summary": summary.summary(run),
+            "trainer_summary": (run.summary or {}).get("final"),
+            "metrics": full_series(run),
+            "histograms": [{"step": h.step, "name": h.name, "edges": h.edges, "counts": h.counts}
+                           for h in HistogramSnapshot.objects.filter(run_id=run.pk).order_by("seq")],
+            "events": [{"seq": e.seq, "step": e.step, "kind": e.kind, "time": e.time.isoformat(),
+                        "data": e.data} for e in RunEvent.objects.filter(run_id=run.pk).order_by("seq")],
+            "knob_timeline": _iso(summary.knob_timeline(run)),
+            "advice": {part: _iso(rows) for part, rows in summary.advice_history(run).items()},
+            "timeline": [{"step": t["step"], "spans": t["spans"]}
+                         for t in timeline_rows.snapshot(run.pk)["slices"]],   # every step's spans
+            # every sample but its per-token arrays (the samples CSV has those: they can be large)
+            "samples": list(sample_rows.export_rows(run.pk, per_token=False))}
+
+
+SAMPLE_COLUMNS = ["id", "seq", "step", "group", "index", "why", "finish", "length", "reward", "score",
+                  "penalty", "advantage", "staleness", "tis_weight", "reward_status", "reward_error",
+                  "segments", "prompt", "completion", "tokens", "logprobs"]
+_JSON_COLUMNS = ("segments", "tokens", "logprobs")
+
+
+def iter_samples_csv(run: Run):
+    """The run's rollout samples as CSV lines, one row each (segments, tokens and
+    log-probabilities as JSON; a missing number empty), produced as they are read."""
+    buf = io.StringIO()
+    w = SafeWriter(buf)
+    w.writerow(SAMPLE_COLUMNS)
+    for s in sample_rows.export_rows(run.pk):
+        w.writerow([json.dumps(s[c], ensure_ascii=False) if c in _JSON_COLUMNS
+                    else "" if s[c] is None else s[c] for c in SAMPLE_COLUMNS])
+        yield buf.getvalue()
+        buf.seek(0)
+        buf.truncate()
+    yield buf.getvalue()
+
+
+def export_samples_csv(run: Run) -> str:
+    return "".join(iter_samples_csv(run))
+
+
+REPORT_SAMPLES = 1000       # samples in the offline HTML report's table (the latest)
+REPORT_TEXT = 4000          # characters of a prompt or completion shown there
+
+
+def report_samples(run: Run, limit: int = REPORT_SAMPLES) -> dict[str, Any]:
+    """The offline report's sample table: the latest `limit` samples, texts shortened."""
+    qs = RolloutSample.objects.filter(run_id=run.pk)
+    rows = []
+    for s in qs.order_by("-seq", "-id").defer("tokens", "logprobs")[:limit]:
+        rows.append({"id": s.pk, "step": s.step, "group": s.group, "index": s.index, "length": s.length,
+                     "reward": formatting.figure(s.reward), "score": formatting.figure(s.score),
+                     "finish": s.finish, "why": s.why,
+                     "reward_status": s.reward_status, "reward_error": s.reward_error,
+                     "staleness": s.staleness,
+                     "versions": ", ".join(f"v{v}×{n}" for v, n in (s.segments or [])),
+                     "prompt": s.prompt if len(s.prompt) <= REPORT_TEXT else s.prompt[:REPORT_TEXT] + "…",
+                     "completion": (s.completion if len(s.completion) <= REPORT_TEXT
+                                    else s.completion[:REPORT_TEXT] + "…")})
+    rows.reverse()
+    return {"rows": rows, "total": qs.count(), "limit": limit}
+
+
+def export_toml(run: Run) -> str:
+    head = (f"# rlpilot run {run.pk} {json.dumps(run.name)} ({run.status}): the launch config.\n"
+            f"# Knob values at the end: {json.dumps(run.knobs, sort_keys=True)}\n")
+    return head + config_mod.to_toml(config_mod.from_dict(run.config))
+
+
+def _inline_script(source: str) -> str:
+    return source.replace("</script", "<\\/script").replace("<!--", "<\\!--")
+
+
+def export_html(run: Run, max_points: int = 2000) -> str:
+    """One HTML file: Plotly, the chart code, the data and the tables inlined; no network."""
+    static = settings.BASE_DIR / "static"
+    snap = streams.metrics_snapshot(run, None, None, max_points, max_histograms=300, max_events=2000)
+    return render_to_string("dashboard/report_export.html", {
+        "run": run, "rows": summary.summary_rows(summary.summary(run)), "timeline": summary.knob_timeline(run),
+        "advice": summary.advice_history(run),
+        "alerts": summary.alerts(run),
+        "events": summary.event_rows(RunEvent.objects.filter(run_id=run.pk).order_by("seq")[:2000]),
+        "config_toml": export_toml(run), "generated": timezone.now(), "samples": report_samples(run),
+        "css": (static / "dashboard" / "style.css").read_text(),
+        "plotly_js": _inline_script((static / "vendor" / "plotly.min.js").read_text()),
+        "charts_js": _inline_script((static / "dashboard" / "charts.js").read_text()),
+        "timeline_js": _inline_script((static / "dashboard" / "timeline.js").read_text()),
+        "timeline_data": timeline_rows.snapshot(run.pk, max_slices=150),
+        "data": {"points": snap["points"], "histograms": snap["histograms"],
+                 "events": snap["events"], "config": run.config, "knobs": run.knobs},
+    })
