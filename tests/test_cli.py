@@ -57,6 +57,21 @@ def test_knobs_json_lists_the_tunable_schema():
             "april.segment_max_tokens"} <= {r["name"] for r in rows}
 
 
+def test_presets_say_what_an_opt_in_preset_needs():
+    needs = ("opt-in: needs model.path = var/models/smollm2-135m-instruct "
+             "(create it with `python -m trainer import-gguf smollm2`; docs/models.md)")
+    p = cli("presets")
+    assert p.returncode == 0, p.stderr
+    lines = p.stdout.splitlines()
+    assert "demo" in lines and "all" in lines   # a preset that runs as installed: its name alone
+    assert f"smollm2-math: {needs}" in lines
+    p = cli("presets", "--json")
+    data = json.loads(p.stdout)
+    assert data["smollm2-math"]["requires"] == needs
+    assert data["smollm2-math"]["config"]["model"]["path"].endswith("var/models/smollm2-135m-instruct")
+    assert data["demo"]["requires"] is None and data["demo"]["config"]["model"]["path"] == "builtin"
+
+
 def test_control_writes_commands_the_run_reads(tmp_path):
     source = FileControlSource(tmp_path)  # makes control/
     p = cli("control", str(tmp_path), "--set", "optim.lr=5e-5", "--pause")

@@ -56,7 +56,7 @@ def test_async_process_worker_decodes_on_cuda(tmp_path):
                           "rollout.rollout_batch_size=4", "rollout.n_samples_per_prompt=4",
                           "run.max_steps=2", "run.eval_every=0", "run.checkpoint_every=0"])
     with Runner(cfg, tmp_path, sink=MemorySink()) as r:
-        info = r.engine.child_infos[0]   # a pool of one generation process
+        info = r.engine.members[0].engine.child_info   # a pool of one generation process
         assert info["device"].startswith("cuda")
         assert info["dtype"] == str(r.dtype)
         assert r.run() == "finished"

@@ -25,6 +25,12 @@ def children():
     return {p.pid for p in psutil.Process().children(recursive=True)}
 
 
+def workers(before: set[int]) -> set[int]:
+    """The reward workers: this process's direct children started since `before` (a worker's own
+    sandboxed runs are its children, not ours)."""
+    return {p.pid for p in psutil.Process().children()} - before
+
+
 @pytest.fixture
 def slow_rewards(tmp_path, monkeypatch):
     """A reward function module that hangs on "hang" and kills its process on "crash"."""
@@ -49,22 +55,24 @@ def slow_rewards(tmp_path, monkeypatch):
 
 def test_pool_scores_the_sum_task_and_stays_alive_between_batches():
     problems, completions, expected = sum_batch()
+    before = children()
     with RewardService(workers=2, timeout_s=30) as svc:
-        pids = svc.worker_pids()
+        pids = workers(before)
         assert len(pids) == 2
         first = svc.score_batch(problems, completions)
         for _ in range(3):
             b = svc.score_batch(problems, completions)
-        assert svc.worker_pids() == pids   # the same processes: no start-up per batch
+        assert workers(before) == pids   # the same processes: no start-up per batch
     assert first.scores == expected and b.scores == expected
     assert (b.errors, b.timeouts) == (0, 0) and b.statuses == ["ok"] * len(expected)
 
 
 def test_in_process_scoring_matches_the_pool():
     problems, completions, expected = sum_batch(50)
+    before = children()
     with RewardService(workers=0) as svc:
         b = svc.score_batch(problems, completions)
-        assert svc.worker_pids() == []
+        assert workers(before) == set()
     assert b.scores == expected
 
 
@@ -83,16 +91,18 @@ def test_a_reward_that_raises_counts_as_an_error(workers):
 
 def test_a_timeout_is_counted_and_the_pool_works_afterwards(slow_rewards):
     problems = [Problem("a", "p", 3, "sum"), Problem("b", "p", 4, "sum")]
+    before = children()
     with RewardService(workers=1, timeout_s=1.0, reward_fn=slow_rewards) as svc:
         assert svc.score_batch(problems, [">3", ">4"]).scores == [1.0, 1.0]
-        old = svc.worker_pids()
+        old = workers(before)
         t0 = time.monotonic()
         b = svc.score_batch(problems, ["hang", ">4"])
         assert time.monotonic() - t0 < 5
         assert b.scores == [0.0, 0.0] and b.timeouts == 2 and b.errors == 0
         assert b.statuses == ["timeout", "timeout"]
-        new = svc.worker_pids()
-        assert len(new) == 1 and new != old and not psutil.pid_exists(old[0])  # killed, replaced
+        new = workers(before)
+        assert len(old) == len(new) == 1 and not new & old   # killed (and reaped), replaced
+        assert not any(psutil.pid_exists(pid) for pid in old)
         b = svc.score_batch(problems, [">3", ">4"])
         assert b.scores == [1.0, 1.0] and (b.errors, b.timeouts) == (0, 0)
 
@@ -110,10 +120,11 @@ def test_code_items_run_in_parallel_workers_with_their_own_timeouts():
     probs = [Problem(str(i), "p", ADD, "code") for i in range(4)]
     comps = ["def add(a, b): return a + b", "def add(a, b):\n    while True: pass",
              "def add(a, b): return a - b", "def add(a, b): return b + a"]
+    before = children()
     with RewardService(workers=2, timeout_s=20, item_timeout_s=1.0) as svc:
-        pids = svc.worker_pids()
+        pids = workers(before)
         b = svc.score_batch(probs, comps)
-        assert svc.worker_pids() == pids   # an item timeout does not cost a worker
+        assert workers(before) == pids and len(pids) == 2   # an item timeout does not cost a worker
     assert b.scores == [1.0, 0.0, 0.0, 1.0]
     assert b.statuses == ["ok", "timeout", "ok", "ok"] and b.timeouts == 1
 

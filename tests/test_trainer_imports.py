@@ -5,9 +5,13 @@ and the rollout mechanism and the engines never import the pilot that advises on
 The graph is read from every module's syntax tree, imports inside functions included, with the
 checker of tests/web/test_import_graph.py. The registry and reward modules are also each
 imported first in a fresh interpreter: a package that re-exports a module which imports back
-into a package still being initialised fails only in some import orders."""
+into a package still being initialised fails only in some import orders.
+
+The layout shows the architecture: nothing at trainer/'s root but the entry point, every package
+says its job in its docstring, and no module of trainer/ or webapp/ outgrows a reading."""
 from __future__ import annotations
 
+import ast
 import functools
 import importlib.util
 import subprocess
@@ -77,3 +81,33 @@ def test_each_registry_and_reward_module_imports_first_in_a_fresh_interpreter(mo
     out = subprocess.run([sys.executable, "-c", f"import {module}"], cwd=ROOT, capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
+
+
+# The trainer's root holds only the entry point; everything else lives in a package named for its
+# job (run/, rollout/, algo/, engine/, cluster/, observe/, ...), each saying that job first.
+ROOT_MODULES = {"__init__.py", "__main__.py"}
+DATA_DIRS = {"assets", "presets", "__pycache__"}
+MAX_MODULE_LINES = 600
+
+
+def test_the_trainer_root_holds_no_module_beyond_its_entry_point():
+    found = {p.name for p in (ROOT / "trainer").glob("*.py")}
+    assert "__main__.py" in found   # it looked in the right place
+    assert found <= ROOT_MODULES, (
+        f"modules at trainer/'s root: {sorted(found - ROOT_MODULES)}; put each in the package of its job")
+
+
+def test_every_trainer_package_says_its_job_in_its_docstring():
+    packages = [p for p in (ROOT / "trainer").rglob("*") if p.is_dir() and not DATA_DIRS & set(p.parts)]
+    assert len(packages) >= 10   # it walked the tree
+    missing = [str(p.relative_to(ROOT)) for p in packages
+               if not (p / "__init__.py").exists() or not ast.get_docstring(ast.parse((p / "__init__.py").read_text()))]
+    assert not missing, "packages without a docstring in __init__.py: " + ", ".join(missing)
+
+
+def test_no_python_module_is_over_the_size_a_reader_takes_in():
+    sources = [p for top in ("trainer", "webapp") for p in (ROOT / top).rglob("*.py") if "migrations" not in p.parts]
+    assert len(sources) > 100
+    long = [f"{p.relative_to(ROOT)}: {n} lines" for p in sources
+            if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES]
+    assert not long, f"over {MAX_MODULE_LINES} lines, split by job:\n" + "\n".join(long)

@@ -19,6 +19,7 @@ import socket
 import subprocess
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -249,6 +250,72 @@ def wait_until(predicate, timeout: float, what: str, interval: float = 0.2):
 @pytest.fixture(name="wait_until")
 def wait_until_fixture():
     return wait_until
+
+
+# --- headless Chromium ------------------------------------------------------------------------------
+
+CHROMIUM = "/usr/bin/chromium"   # `make test` installs it (apt-get install -y chromium) when run as root
+ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+        "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+
+
+def prepare_page(page, errors: list, *, timeout_ms: int | None = None, echo_errors: bool = False,
+                 dialogs: str | None = None, init_script: str | None = None, on: dict | None = None):
+    """Set a page up before its first navigation: its uncaught errors appended to `errors` (printed
+    too with echo_errors); `dialogs`: "accept" every dialog (a confirmation), or "fail": count it as
+    an error and dismiss it (by default Playwright dismisses them); `init_script` runs in every
+    document; `on` maps more page events to their listeners. Returns the page."""
+    def page_error(e):
+        errors.append(str(e))
+        if echo_errors:
+            print("page error:", e)
+
+    def dialog(d):
+        if dialogs == "accept":
+            d.accept()
+        else:
+            errors.append("dialog: " + d.message)
+            d.dismiss()
+
+    if init_script:
+        page.add_init_script(init_script)
+    page.on("pageerror", page_error)
+    if dialogs:
+        assert dialogs in ("accept", "fail"), dialogs
+        page.on("dialog", dialog)
+    for event, listener in (on or {}).items():
+        page.on(event, listener)
+    if timeout_ms is not None:
+        page.set_default_timeout(timeout_ms)
+    return page
+
+
+@contextmanager
+def browser_page(*, viewport: dict | None = None, **setup):
+    """A page of a headless Chromium (the project's CHROMIUM and ARGS), set up by prepare_page
+    (`setup`: its keywords), closed with its browser at the end; yields (page, errors), `errors`
+    for the test to assert empty once the block is over. The page has a context of its own (a
+    second tab: page.context.new_page(); another session: page.context.browser.new_page()).
+    Playwright's sync API runs an event loop in this thread: a test that uses the ORM inside the
+    block sets DJANGO_ALLOW_ASYNC_UNSAFE."""
+    from playwright.sync_api import sync_playwright
+
+    errors: list[str] = []
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS, headless=True)
+        try:
+            context = browser.new_context(**({"viewport": viewport} if viewport else {}))
+            yield prepare_page(context.new_page(), errors, **setup), errors
+        finally:
+            browser.close()
+
+
+@contextmanager
+def logged_in_page(base_url: str, username: str, password: str, *, timeout_ms: int = 30_000, **kwargs):
+    """browser_page (the same keywords), logged in through the login form (browser_login)."""
+    with browser_page(timeout_ms=timeout_ms, **kwargs) as (page, errors):
+        browser_login(page, base_url, username, password)
+        yield page, errors
 
 
 def browser_login(page, base_url: str, username: str, password: str) -> None:

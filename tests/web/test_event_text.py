@@ -121,9 +121,8 @@ def test_the_live_page_shows_the_server_s_text(live_asgi, django_user_model, mon
     banner and a knob change's line in the tuning panel too."""
     import shutil
 
-    from conftest import browser_login, make_run
-    from playwright.sync_api import expect, sync_playwright
-    from test_lifecycle_browser import ARGS, CHROMIUM
+    from conftest import CHROMIUM, logged_in_page, make_run
+    from playwright.sync_api import expect
 
     assert shutil.which(CHROMIUM), f"{CHROMIUM} is missing"
     owner = django_user_model.objects.create_user("erin", password="erin-pw-123")
@@ -133,28 +132,20 @@ def test_the_live_page_shows_the_server_s_text(live_asgi, django_user_model, mon
         f"step {1 + i} {kind} {formatting.describe_event(kind, data)}" for i, (kind, data) in enumerate(EVENTS)]
 
     monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")   # Playwright's loop runs in this thread
-    errors = []
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS, headless=True)
-        try:
-            page = browser.new_page(viewport={"width": 1400, "height": 1000})
-            page.on("pageerror", lambda e: errors.append(str(e)))
-            page.set_default_timeout(20_000)
-            browser_login(page, live_asgi, "erin", "erin-pw-123")
-            page.goto(f"{live_asgi}/runs/{run.pk}/")
-            expect(page.locator("#conn")).to_have_text("live")
-            log = page.locator("#event-log > li")
-            expect(log).to_have_text(list(reversed(expected)))   # the newest first
-            assert EVIL in log.all_inner_texts()[len(EVENTS) - 7]   # as text, not markup
-            expect(page.locator('#alerts li[data-rule="stalled"]')).to_have_text("stalled (step 6): seconds=61.5")
-            expect(page.locator("#kc-c4")).to_have_text(
-                "rejected: " + formatting.describe_event("knob_rejected", EVENTS[4][1]))
-            # the socket's: the same lines, after the page has loaded
-            actions.append(run.pk, _records(20), {"step": 20 + len(EVENTS)})
-            more = [f"step {20 + i} {kind} {formatting.describe_event(kind, data)}"
-                    for i, (kind, data) in enumerate(EVENTS)]
-            expect(log).to_have_text(list(reversed(expected + more)))
-            page.screenshot(path="/tmp/event-text.png", full_page=True)
-        finally:
-            browser.close()
+    with logged_in_page(live_asgi, "erin", "erin-pw-123", viewport={"width": 1400, "height": 1000},
+                        timeout_ms=20_000) as (page, errors):
+        page.goto(f"{live_asgi}/runs/{run.pk}/")
+        expect(page.locator("#conn")).to_have_text("live")
+        log = page.locator("#event-log > li")
+        expect(log).to_have_text(list(reversed(expected)))   # the newest first
+        assert EVIL in log.all_inner_texts()[len(EVENTS) - 7]   # as text, not markup
+        expect(page.locator('#alerts li[data-rule="stalled"]')).to_have_text("stalled (step 6): seconds=61.5")
+        expect(page.locator("#kc-c4")).to_have_text(
+            "rejected: " + formatting.describe_event("knob_rejected", EVENTS[4][1]))
+        # the socket's: the same lines, after the page has loaded
+        actions.append(run.pk, _records(20), {"step": 20 + len(EVENTS)})
+        more = [f"step {20 + i} {kind} {formatting.describe_event(kind, data)}"
+                for i, (kind, data) in enumerate(EVENTS)]
+        expect(log).to_have_text(list(reversed(expected + more)))
+        page.screenshot(path="/tmp/event-text.png", full_page=True)
     assert not errors, errors

@@ -150,39 +150,28 @@ def test_an_imported_run_has_the_rows_of_the_same_run_launched_from_the_dashboar
 def test_the_report_page_of_an_uploaded_run_draws_its_charts(cli_run, live_asgi, django_user_model,
                                                             tmp_path, monkeypatch):
     """Upload through the runs page's form in headless Chromium, then count what Plotly drew."""
-    from conftest import browser_login
-    from playwright.sync_api import sync_playwright
-    from test_lifecycle_browser import ARGS, CHROMIUM
+    from conftest import logged_in_page
 
     django_user_model.objects.create_user("erin", password="erin-pw-123")
     archive = tmp_path / "tiny-cli.tar.gz"
     with tarfile.open(archive, "w:gz") as tf:
         tf.add(cli_run, arcname="tiny-cli")
     monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
-    errors = []
     drawn = """() => Object.fromEntries([...document.querySelectorAll('#charts .js-plotly-plot')]
       .filter(gd => (gd.data || []).length && gd.data.every(t => t.type === 'scatter'))
       .map(gd => [gd.id, (gd.data || []).map((t, i) => ((gd.calcdata || [])[i] || []).length)]))"""
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS, headless=True)
-        try:
-            page = browser.new_page()
-            page.on("pageerror", lambda e: errors.append(str(e)))
-            page.set_default_timeout(60_000)
-            browser_login(page, live_asgi, "erin", "erin-pw-123")
-            page.set_input_files("#id_archive", str(archive))
-            page.click("#import-submit")
-            page.wait_for_url("**/runs/*/")
-            assert "Imported as run #" in page.locator(".messages").inner_text()
-            rid = int(page.url.rstrip("/").rsplit("/", 1)[1])
-            assert page.locator("#run-status").inner_text() == "finished"
-            page.goto(f"{live_asgi}/runs/{rid}/report/")
-            page.wait_for_function("() => document.querySelectorAll('#charts .js-plotly-plot').length >= 3")
-            page.wait_for_function("() => { const gd = document.getElementById('chart-reward');"
-                                   " return gd && gd.calcdata && gd.calcdata.length; }")
-            charts = page.evaluate(drawn)
-        finally:
-            browser.close()
+    with logged_in_page(live_asgi, "erin", "erin-pw-123", timeout_ms=60_000) as (page, errors):
+        page.set_input_files("#id_archive", str(archive))
+        page.click("#import-submit")
+        page.wait_for_url("**/runs/*/")
+        assert "Imported as run #" in page.locator(".messages").inner_text()
+        rid = int(page.url.rstrip("/").rsplit("/", 1)[1])
+        assert page.locator("#run-status").inner_text() == "finished"
+        page.goto(f"{live_asgi}/runs/{rid}/report/")
+        page.wait_for_function("() => document.querySelectorAll('#charts .js-plotly-plot').length >= 3")
+        page.wait_for_function("() => { const gd = document.getElementById('chart-reward');"
+                               " return gd && gd.calcdata && gd.calcdata.length; }")
+        charts = page.evaluate(drawn)
     assert not errors, errors
     # every line chart drew its traces; the reward chart one point per step and trace
     assert charts["chart-reward"] and all(n == STEPS for n in charts["chart-reward"]), charts

@@ -5,12 +5,10 @@ row without a worker; the trainer's `paused` event is written as the database si
 import shutil
 
 import pytest
+from conftest import CHROMIUM
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow, pytest.mark.embedded_only]
 
-CHROMIUM = "/usr/bin/chromium"
-ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-        "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 BUTTONS = ("pause", "resume", "stop", "kill")
 
 
@@ -20,8 +18,8 @@ def enabled(page) -> dict[str, bool]:
 
 def test_the_buttons_follow_the_allowed_actions(live_asgi, django_user_model, make_run, monkeypatch):
     assert shutil.which(CHROMIUM), f"{CHROMIUM} is missing"
-    from conftest import browser_login, wait_until
-    from playwright.sync_api import expect, sync_playwright
+    from conftest import logged_in_page, prepare_page, wait_until
+    from playwright.sync_api import expect
 
     from webapp.dashboard import actions
     from webapp.dashboard.actions import Record
@@ -29,52 +27,42 @@ def test_the_buttons_follow_the_allowed_actions(live_asgi, django_user_model, ma
     owner = django_user_model.objects.create_user("dave", password="dave-pw-123")
     run = make_run(owner, "running", name="buttons")
     monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")   # Playwright's loop runs in this thread
-    errors = []
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS, headless=True)
-        try:
-            context = browser.new_context()
-            page, watcher = context.new_page(), context.new_page()   # same session, two tabs
-            for pg in (page, watcher):
-                pg.on("pageerror", lambda e: errors.append(str(e)))
-                pg.set_default_timeout(30_000)
-            browser_login(page, live_asgi, "dave", "dave-pw-123")
-            for pg in (page, watcher):
-                pg.goto(f"{live_asgi}/runs/{run.pk}/")
-                expect(pg.locator("#conn")).to_have_text("live")
+    with logged_in_page(live_asgi, "dave", "dave-pw-123") as (page, errors):
+        watcher = prepare_page(page.context.new_page(), errors, timeout_ms=30_000)   # same session, a second tab
+        for pg in (page, watcher):
+            pg.goto(f"{live_asgi}/runs/{run.pk}/")
+            expect(pg.locator("#conn")).to_have_text("live")
 
-            def buttons_are(pg, **want):
-                for b, on in want.items():
-                    (expect(pg.locator(f"#btn-{b}")).to_be_enabled if on
-                     else expect(pg.locator(f"#btn-{b}")).to_be_disabled)()
-                assert enabled(pg) == want, enabled(pg)
+        def buttons_are(pg, **want):
+            for b, on in want.items():
+                (expect(pg.locator(f"#btn-{b}")).to_be_enabled if on
+                 else expect(pg.locator(f"#btn-{b}")).to_be_disabled)()
+            assert enabled(pg) == want, enabled(pg)
 
-            buttons_are(page, pause=True, resume=False, stop=True, kill=True)
-            # a pause the trainer has not reached yet: still running, and Resume takes it back
-            page.click("#btn-pause")
-            expect(page.locator("#action-msg")).to_have_text("pause requested")
-            expect(page.locator("#run-status")).to_have_text("running")
-            for pg in (page, watcher):   # the watcher learns it from the pause_requested frame
-                buttons_are(pg, pause=False, resume=True, stop=True, kill=True)
-            page.click("#btn-resume")
-            expect(page.locator("#action-msg")).to_have_text("resume requested")
-            for pg in (page, watcher):
-                buttons_are(pg, pause=True, resume=False, stop=True, kill=True)
-            assert wait_until(lambda: type(run).objects.get(pk=run.pk).desired == "run", 5, "desired run")
+        buttons_are(page, pause=True, resume=False, stop=True, kill=True)
+        # a pause the trainer has not reached yet: still running, and Resume takes it back
+        page.click("#btn-pause")
+        expect(page.locator("#action-msg")).to_have_text("pause requested")
+        expect(page.locator("#run-status")).to_have_text("running")
+        for pg in (page, watcher):   # the watcher learns it from the pause_requested frame
+            buttons_are(pg, pause=False, resume=True, stop=True, kill=True)
+        page.click("#btn-resume")
+        expect(page.locator("#action-msg")).to_have_text("resume requested")
+        for pg in (page, watcher):
+            buttons_are(pg, pause=True, resume=False, stop=True, kill=True)
+        assert wait_until(lambda: type(run).objects.get(pk=run.pk).desired == "run", 5, "desired run")
 
-            # the trainer pauses at its step boundary: paused, Resume stays enabled
-            page.click("#btn-pause")
-            expect(page.locator("#action-msg")).to_have_text("pause requested")
-            actions.append(run.pk, [Record("event", 1, "paused", {"requested_by": "web"})])
-            for pg in (page, watcher):
-                expect(pg.locator("#run-status")).to_have_text("paused")
-                buttons_are(pg, pause=False, resume=True, stop=True, kill=True)
-            # stopping: only kill is left, and no knob change is accepted
-            watcher.click("#btn-stop")
-            for pg in (page, watcher):
-                expect(pg.locator("#run-status")).to_have_text("stopping")
-                buttons_are(pg, pause=False, resume=False, stop=False, kill=True)
-                expect(pg.locator("#knob-apply")).to_be_disabled()
-        finally:
-            browser.close()
+        # the trainer pauses at its step boundary: paused, Resume stays enabled
+        page.click("#btn-pause")
+        expect(page.locator("#action-msg")).to_have_text("pause requested")
+        actions.append(run.pk, [Record("event", 1, "paused", {"requested_by": "web"})])
+        for pg in (page, watcher):
+            expect(pg.locator("#run-status")).to_have_text("paused")
+            buttons_are(pg, pause=False, resume=True, stop=True, kill=True)
+        # stopping: only kill is left, and no knob change is accepted
+        watcher.click("#btn-stop")
+        for pg in (page, watcher):
+            expect(pg.locator("#run-status")).to_have_text("stopping")
+            buttons_are(pg, pause=False, resume=False, stop=False, kill=True)
+            expect(pg.locator("#knob-apply")).to_be_disabled()
     assert not errors, errors

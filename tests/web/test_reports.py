@@ -209,7 +209,7 @@ def test_exports_round_trip(alice, user, make_run, tmp_path):
 @pytest.mark.slow
 @pytest.mark.embedded_only
 def test_html_report_opens_offline_in_chromium(user, make_run, tmp_path, monkeypatch):
-    from test_web_e2e import ARGS, CHROMIUM
+    from conftest import CHROMIUM, browser_page
 
     assert shutil.which(CHROMIUM)
     gpu = {"system/gpu_util": 80.0, "system/gpu_mem_gb": 40.0, "system/gpu_power_w": 500.0,
@@ -217,30 +217,22 @@ def test_html_report_opens_offline_in_chromium(user, make_run, tmp_path, monkeyp
     run = fill(make_run(user, "finished", name=EVIL), steps=20, **gpu)
     path = tmp_path / "report.html"
     path.write_text(exports.export_html(run))
-    from playwright.sync_api import sync_playwright
-
     monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
-    blocked, errors = [], []
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS, headless=True)
-        try:
-            page = browser.new_page()
-            page.route("**/*", lambda route: route.continue_() if route.request.url.startswith("file://")
-                       else (blocked.append(route.request.url), route.abort()))
-            page.on("pageerror", lambda e: errors.append(str(e)))
-            page.goto(path.as_uri())
-            page.wait_for_selector("body[data-charts-drawn='1']", timeout=30_000)
-            assert page.locator("#chart-reward .main-svg").count() >= 1
-            assert int(page.locator("#chart-reward").get_attribute("data-npoints")) == 40
-            assert page.locator("#chart-len-heat .main-svg").count() >= 1
-            assert page.locator("#run-name").inner_text() == EVIL
-            # GPU telemetry: the mean over devices, and one trace per device
-            assert "GPU utilisation" in page.locator("#chart-system").inner_text()
-            for chart in ("gpu-util", "gpu-mem", "gpu-power"):
-                assert int(page.locator(f"#chart-{chart}").get_attribute("data-npoints")) >= 40, chart
-            assert "system/gpu1/util" in page.locator("#chart-gpu-util").inner_text()
-        finally:
-            browser.close()
+    blocked = []
+    with browser_page() as (page, errors):
+        page.route("**/*", lambda route: route.continue_() if route.request.url.startswith("file://")
+                   else (blocked.append(route.request.url), route.abort()))
+        page.goto(path.as_uri())
+        page.wait_for_selector("body[data-charts-drawn='1']", timeout=30_000)
+        assert page.locator("#chart-reward .main-svg").count() >= 1
+        assert int(page.locator("#chart-reward").get_attribute("data-npoints")) == 40
+        assert page.locator("#chart-len-heat .main-svg").count() >= 1
+        assert page.locator("#run-name").inner_text() == EVIL
+        # GPU telemetry: the mean over devices, and one trace per device
+        assert "GPU utilisation" in page.locator("#chart-system").inner_text()
+        for chart in ("gpu-util", "gpu-mem", "gpu-power"):
+            assert int(page.locator(f"#chart-{chart}").get_attribute("data-npoints")) >= 40, chart
+        assert "system/gpu1/util" in page.locator("#chart-gpu-util").inner_text()
     assert not errors, errors
     assert not blocked, blocked
 

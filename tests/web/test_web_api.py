@@ -33,7 +33,9 @@ def test_presets(alice):
     assert names == config_mod.preset_names()
     demo = next(p for p in r.json() if p["name"] == "demo")
     assert demo["config"]["run"]["max_steps"] == config_mod.load("demo").run.max_steps
-    assert "[optim]" in demo["toml"]
+    assert "[optim]" in demo["toml"] and demo["requires"] is None
+    opt_in = next(p for p in r.json() if p["name"] == "smollm2-math")
+    assert opt_in["requires"] == config_mod.preset_requires("smollm2-math")
 
 
 def test_login_required_and_token_auth(client, user):

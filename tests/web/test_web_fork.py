@@ -12,6 +12,7 @@ import re
 import shutil
 
 import pytest
+from conftest import CHROMIUM
 
 from trainer import config as config_mod
 from trainer.run import fork as fork_mod
@@ -251,9 +252,6 @@ def test_api_fork_of_a_running_run_with_the_real_worker(celery_worker, alice, us
 
 # --- in Chromium -----------------------------------------------------------------------------------
 
-CHROMIUM = "/usr/bin/chromium"
-ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-        "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 # what the comparison's reward chart has DRAWN: per trace its name, points, first and last x
 DRAWN = """() => { const gd = document.querySelector('#compare-charts [data-metric="reward/mean"]');
   return {traces: gd.data.map((t, i) => { const cd = (gd.calcdata || [])[i] || [];
@@ -279,73 +277,65 @@ def shot(page, folder, name):
 def test_browser_fork_from_the_live_page_then_the_comparison(live_asgi, django_user_model, monkeypatch,
                                                              tiny, wait_until, tmp_path):
     assert shutil.which(CHROMIUM), f"{CHROMIUM} is missing (apt-get install -y chromium)"
-    from conftest import browser_login, submit_launch_form
-    from playwright.sync_api import expect, sync_playwright
+    from conftest import logged_in_page, submit_launch_form
+    from playwright.sync_api import expect
 
     django_user_model.objects.create_user("fern", password="fern-pw-123")
     monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")   # Playwright's loop in this thread
-    errors = []
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS, headless=True)
+    with logged_in_page(live_asgi, "fern", "fern-pw-123",
+                        viewport={"width": 1300, "height": 900}) as (page, errors):
+        page.fill("#id_name", "fork parent")
+        page.evaluate("document.querySelectorAll('details.section').forEach(d => d.open = true)")
+        # every checkpoint kept: the one chosen cannot be rotated away before the form is sent
+        pid = submit_launch_form(page, {**{k: str(v) for k, v in tiny.items()},
+                                        "run.checkpoint_every": "2", "run.keep_checkpoints": "100",
+                                        "run.max_steps": "200"})
+        expect(page.locator("#run-status")).to_have_text("running", timeout=120_000)
+        # the live page's fork link; the form lists the checkpoints there (once there is one)
+        page.click("#fork-link")
+        page.wait_for_selector("#fork-form")
+        for _ in range(240):
+            if page.locator("#id_step option").count():
+                break
+            page.wait_for_timeout(500)
+            page.reload()
+        step = int(page.locator("#id_step option").first.get_attribute("value"))
+        page.select_option("#id_step", str(step))
+        page.fill("#id_name", "fork child")
+        page.evaluate("document.querySelectorAll('details.section').forEach(d => d.open = true)")
+        page.fill("#f-optim\\.lr", "3e-5")
+        page.fill("#f-run\\.max_steps", str(step + 3))
+        shot(page, tmp_path, "fork-form")
+        page.click("#fork-submit")
         try:
-            page = browser.new_page(viewport={"width": 1300, "height": 900})
-            page.on("pageerror", lambda e: errors.append(str(e)))
-            page.set_default_timeout(30_000)
-            browser_login(page, live_asgi, "fern", "fern-pw-123")
-            page.fill("#id_name", "fork parent")
-            page.evaluate("document.querySelectorAll('details.section').forEach(d => d.open = true)")
-            # every checkpoint kept: the one chosen cannot be rotated away before the form is sent
-            pid = submit_launch_form(page, {**{k: str(v) for k, v in tiny.items()},
-                                            "run.checkpoint_every": "2", "run.keep_checkpoints": "100",
-                                            "run.max_steps": "200"})
-            expect(page.locator("#run-status")).to_have_text("running", timeout=120_000)
-            # the live page's fork link; the form lists the checkpoints there (once there is one)
-            page.click("#fork-link")
-            page.wait_for_selector("#fork-form")
-            for _ in range(240):
-                if page.locator("#id_step option").count():
-                    break
-                page.wait_for_timeout(500)
-                page.reload()
-            step = int(page.locator("#id_step option").first.get_attribute("value"))
-            page.select_option("#id_step", str(step))
-            page.fill("#id_name", "fork child")
-            page.evaluate("document.querySelectorAll('details.section').forEach(d => d.open = true)")
-            page.fill("#f-optim\\.lr", "3e-5")
-            page.fill("#f-run\\.max_steps", str(step + 3))
-            shot(page, tmp_path, "fork-form")
-            page.click("#fork-submit")
-            try:
-                page.wait_for_url(re.compile(r"/runs/\d+/$"), timeout=60_000)
-            except Exception:
-                raise AssertionError("the fork form refused: " + "; ".join(
-                    page.locator(".field-error, .error").all_inner_texts())) from None
-            cid = int(re.search(r"/runs/(\d+)/", page.url).group(1))
-            assert cid != pid
-            expect(page.locator("#forked-from")).to_have_text(
-                re.compile(rf"forked from #{pid} fork parent at step {step}"))
-            assert status_of(pid) == "running"   # the parent goes on
-            # the parent's page lists the fork; its own Stop ends it (the worker then trains the fork)
-            page.goto(f"{live_asgi}/runs/{pid}/")
-            expect(page.locator("#forks")).to_contain_text(f"#{cid}")
-            page.click("#btn-stop")
-            wait_until(lambda: status_of(pid) in ("stopped", "finished", "failed") and
-                       status_of(cid) in ("finished", "failed"), 400, "both runs to end")
-            assert (status_of(pid), status_of(cid)) == ("stopped", "finished")
-            last = Run.objects.get(pk=pid).step
-            assert last > step
-            # the comparison from the child's page: both drawn, the child from the fork step on
-            page.goto(f"{live_asgi}/runs/{cid}/")
-            page.click("#compare-parent")
-            page.wait_for_selector("body[data-charts-drawn='1']")
-            drawn = page.evaluate(DRAWN)
-            parent, child = drawn["traces"]
-            assert parent["name"].startswith(f"#{pid} fork parent") and (parent["n"], parent["first"],
-                                                                          parent["last"]) == (last, 1, last)
-            assert child["name"] == f"#{cid} fork child (fork of #{pid} @ {step})"
-            assert (child["n"], child["first"], child["last"]) == (3, step + 1, step + 3)
-            assert drawn["shapes"] == [step]
-            shot(page, tmp_path, "compare")
-        finally:
-            browser.close()
+            page.wait_for_url(re.compile(r"/runs/\d+/$"), timeout=60_000)
+        except Exception:
+            raise AssertionError("the fork form refused: " + "; ".join(
+                page.locator(".field-error, .error").all_inner_texts())) from None
+        cid = int(re.search(r"/runs/(\d+)/", page.url).group(1))
+        assert cid != pid
+        expect(page.locator("#forked-from")).to_have_text(
+            re.compile(rf"forked from #{pid} fork parent at step {step}"))
+        assert status_of(pid) == "running"   # the parent goes on
+        # the parent's page lists the fork; its own Stop ends it (the worker then trains the fork)
+        page.goto(f"{live_asgi}/runs/{pid}/")
+        expect(page.locator("#forks")).to_contain_text(f"#{cid}")
+        page.click("#btn-stop")
+        wait_until(lambda: status_of(pid) in ("stopped", "finished", "failed") and
+                   status_of(cid) in ("finished", "failed"), 400, "both runs to end")
+        assert (status_of(pid), status_of(cid)) == ("stopped", "finished")
+        last = Run.objects.get(pk=pid).step
+        assert last > step
+        # the comparison from the child's page: both drawn, the child from the fork step on
+        page.goto(f"{live_asgi}/runs/{cid}/")
+        page.click("#compare-parent")
+        page.wait_for_selector("body[data-charts-drawn='1']")
+        drawn = page.evaluate(DRAWN)
+        parent, child = drawn["traces"]
+        assert parent["name"].startswith(f"#{pid} fork parent") and (parent["n"], parent["first"],
+                                                                      parent["last"]) == (last, 1, last)
+        assert child["name"] == f"#{cid} fork child (fork of #{pid} @ {step})"
+        assert (child["n"], child["first"], child["last"]) == (3, step + 1, step + 3)
+        assert drawn["shapes"] == [step]
+        shot(page, tmp_path, "compare")
     assert not errors, errors

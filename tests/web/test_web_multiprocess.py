@@ -18,8 +18,8 @@ import time
 
 import psutil
 import pytest
-from conftest import browser_login, submit_launch_form
-from test_web_e2e import ARGS, CHROMIUM, DRAWN
+from conftest import CHROMIUM, logged_in_page, submit_launch_form
+from test_web_e2e import DRAWN
 
 from webapp.dashboard.models import KnobChange, MetricPoint, Run, RunEvent
 
@@ -111,95 +111,86 @@ def engine_children(tree: list[psutil.Process]) -> list[psutil.Process]:
 def test_a_multi_process_run_from_the_form(preset, cluster, layout, engine_procs, live_asgi, celery_worker,
                                            django_user_model, monkeypatch, tmp_path):
     assert shutil.which(CHROMIUM), f"{CHROMIUM} is missing (apt-get install -y chromium)"
-    from playwright.sync_api import expect, sync_playwright
+    from playwright.sync_api import expect
 
     django_user_model.objects.create_user("mp", password="mp-pw-123")
     form = {**FORM, **cluster}
     monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")   # Playwright's loop in this thread
-    errors = []
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS, headless=True)
-        try:
-            page = browser.new_page(viewport={"width": 1400, "height": 1000})
-            page.on("pageerror", lambda e: errors.append(str(e)))
-            page.on("dialog", lambda d: d.accept())   # the kill's confirmation
-            page.set_default_timeout(30_000)
-            browser_login(page, live_asgi, "mp", "mp-pw-123")
+    with logged_in_page(live_asgi, "mp", "mp-pw-123", viewport={"width": 1400, "height": 1000},
+                        dialogs="accept") as (page, errors):   # the kill's confirmation
 
-            # launch: the cluster fields are in the form, with a note on what they start
-            page.fill("#id_name", f"{preset} in several processes")
-            page.select_option("#id_preset", preset)
-            page.evaluate("document.querySelectorAll('details.section').forEach(d => d.open = true)")
-            expect(page.locator("#note-cluster")).to_contain_text("torchrun")
-            expect(page.locator("#f-cluster\\.gen_procs")).to_be_visible()
-            rid = submit_launch_form(page, form)
-            config = Run.objects.get(pk=rid).config["cluster"]
-            asked = {k: v for k, v in cluster.items() if k.startswith("cluster.")}
-            assert {f"cluster.{k}": str(v) for k, v in config.items() if f"cluster.{k}" in asked} == asked
-            expect(page.locator("#run-layout")).to_have_text(layout)
+        # launch: the cluster fields are in the form, with a note on what they start
+        page.fill("#id_name", f"{preset} in several processes")
+        page.select_option("#id_preset", preset)
+        page.evaluate("document.querySelectorAll('details.section').forEach(d => d.open = true)")
+        expect(page.locator("#note-cluster")).to_contain_text("torchrun")
+        expect(page.locator("#f-cluster\\.gen_procs")).to_be_visible()
+        rid = submit_launch_form(page, form)
+        config = Run.objects.get(pk=rid).config["cluster"]
+        asked = {k: v for k, v in cluster.items() if k.startswith("cluster.")}
+        assert {f"cluster.{k}": str(v) for k, v in config.items() if f"cluster.{k}" in asked} == asked
+        expect(page.locator("#run-layout")).to_have_text(layout)
 
-            # watched: both ranks run under one torchrun, the reward chart draws
-            expect(page.locator("#run-status")).to_have_text("running", timeout=60_000)
-            launcher, ranks, _ = torchrun_and_ranks(rid)
-            page.wait_for_function(f"() => ({REWARD_POINTS})() >= 2", timeout=120_000)
-            reward = page.evaluate(DRAWN)["chart-reward"][0]
-            assert reward["n"] >= 2 and reward["finite"] == reward["n"], reward
-            assert MetricPoint.objects.filter(run_id=rid, key="dist/world_size", value=2).exists()
+        # watched: both ranks run under one torchrun, the reward chart draws
+        expect(page.locator("#run-status")).to_have_text("running", timeout=60_000)
+        launcher, ranks, _ = torchrun_and_ranks(rid)
+        page.wait_for_function(f"() => ({REWARD_POINTS})() >= 2", timeout=120_000)
+        reward = page.evaluate(DRAWN)["chart-reward"][0]
+        assert reward["n"] >= 2 and reward["finite"] == reward["n"], reward
+        assert MetricPoint.objects.filter(run_id=rid, key="dist/world_size", value=2).exists()
 
-            # a knob: optim.lr, applied at a step boundary (rank 0 broadcasts it)
-            page.evaluate("document.querySelectorAll('#knob-rows details').forEach(d => d.open = true)")
-            page.fill('#knob-rows input[name="optim.lr"]', NEW_LR)
-            page.click("#knob-apply")
-            expect(page.locator("#knob-changes li").first).to_have_text(
-                re.compile(r"applied at step \d+"), timeout=60_000)
-            applied = KnobChange.objects.get(run_id=rid).applied_step
-            assert applied and applied >= 1
-            # the ranks step together with the new rate: a later step's actor/lr is it
-            deadline = time.monotonic() + 60
-            while not MetricPoint.objects.filter(run_id=rid, key="actor/lr", value=3e-5).exists():
-                assert time.monotonic() < deadline, "no step trained with the new learning rate"
-                time.sleep(0.3)
+        # a knob: optim.lr, applied at a step boundary (rank 0 broadcasts it)
+        page.evaluate("document.querySelectorAll('#knob-rows details').forEach(d => d.open = true)")
+        page.fill('#knob-rows input[name="optim.lr"]', NEW_LR)
+        page.click("#knob-apply")
+        expect(page.locator("#knob-changes li").first).to_have_text(
+            re.compile(r"applied at step \d+"), timeout=60_000)
+        applied = KnobChange.objects.get(run_id=rid).applied_step
+        assert applied and applied >= 1
+        # the ranks step together with the new rate: a later step's actor/lr is it
+        deadline = time.monotonic() + 60
+        while not MetricPoint.objects.filter(run_id=rid, key="actor/lr", value=3e-5).exists():
+            assert time.monotonic() < deadline, "no step trained with the new learning rate"
+            time.sleep(0.3)
 
-            tree = launcher.children(recursive=True)   # the engine's processes started by now
-            assert bool(engine_children(tree)) == engine_procs, [p.cmdline() for p in tree]
+        tree = launcher.children(recursive=True)   # the engine's processes started by now
+        assert bool(engine_children(tree)) == engine_procs, [p.cmdline() for p in tree]
 
-            # pause holds every rank at a step boundary; resume goes on
-            page.click("#btn-pause")
-            expect(page.locator("#run-status")).to_have_text("paused", timeout=60_000)
-            held = Run.objects.get(pk=rid).step
-            assert all(_alive(p) for p in [launcher, *ranks]), "a process ended while paused"
-            page.click("#btn-resume")
-            expect(page.locator("#run-status")).to_have_text("running", timeout=60_000)
-            page.wait_for_function(f"() => Number(document.querySelector('#run-step').textContent) > {held}",
-                                   timeout=60_000)
+        # pause holds every rank at a step boundary; resume goes on
+        page.click("#btn-pause")
+        expect(page.locator("#run-status")).to_have_text("paused", timeout=60_000)
+        held = Run.objects.get(pk=rid).step
+        assert all(_alive(p) for p in [launcher, *ranks]), "a process ended while paused"
+        page.click("#btn-resume")
+        expect(page.locator("#run-status")).to_have_text("running", timeout=60_000)
+        page.wait_for_function(f"() => Number(document.querySelector('#run-step').textContent) > {held}",
+                               timeout=60_000)
 
-            # stop: the step ends, a checkpoint is written, torchrun and its ranks exit
-            page.click("#btn-stop")
-            expect(page.locator("#run-status")).to_have_text("stopped", timeout=90_000)
-            stopped_at = _step(page)
-            wait_gone([launcher, *tree], rid, "after stop")
-            run = Run.objects.get(pk=rid)
-            assert run.status == "stopped" and not run.error, run.error
-            assert RunEvent.objects.filter(run_id=rid, kind="checkpoint", step=stopped_at).exists()
+        # stop: the step ends, a checkpoint is written, torchrun and its ranks exit
+        page.click("#btn-stop")
+        expect(page.locator("#run-status")).to_have_text("stopped", timeout=90_000)
+        stopped_at = _step(page)
+        wait_gone([launcher, *tree], rid, "after stop")
+        run = Run.objects.get(pk=rid)
+        assert run.status == "stopped" and not run.error, run.error
+        assert RunEvent.objects.filter(run_id=rid, kind="checkpoint", step=stopped_at).exists()
 
-            # resume from the checkpoint: a new torchrun, the steps go on from there
-            page.click("#btn-resume")
-            expect(page.locator("#run-status")).to_have_text("running", timeout=60_000)
-            launcher2, ranks2, _ = torchrun_and_ranks(rid)
-            assert launcher2.pid != launcher.pid
-            assert RunEvent.objects.filter(run_id=rid, kind="rewound", step=stopped_at).exists()
-            page.wait_for_function(f"() => Number(document.querySelector('#run-step').textContent) >= "
-                                   f"{stopped_at + 2}", timeout=120_000)
-            tree2 = launcher2.children(recursive=True)
-            assert bool(engine_children(tree2)) == engine_procs, [p.cmdline() for p in tree2]
-            assert Run.objects.get(pk=rid).knobs["optim.lr"] == pytest.approx(3e-5)   # kept on resume
+        # resume from the checkpoint: a new torchrun, the steps go on from there
+        page.click("#btn-resume")
+        expect(page.locator("#run-status")).to_have_text("running", timeout=60_000)
+        launcher2, ranks2, _ = torchrun_and_ranks(rid)
+        assert launcher2.pid != launcher.pid
+        assert RunEvent.objects.filter(run_id=rid, kind="rewound", step=stopped_at).exists()
+        page.wait_for_function(f"() => Number(document.querySelector('#run-step').textContent) >= "
+                               f"{stopped_at + 2}", timeout=120_000)
+        tree2 = launcher2.children(recursive=True)
+        assert bool(engine_children(tree2)) == engine_procs, [p.cmdline() for p in tree2]
+        assert Run.objects.get(pk=rid).knobs["optim.lr"] == pytest.approx(3e-5)   # kept on resume
 
-            # kill: the worker child is SIGKILLed; torchrun, the ranks and their children end
-            page.click("#btn-kill")
-            expect(page.locator("#run-status")).to_have_text("stopped", timeout=30_000)
-            wait_gone([launcher2, *tree2], rid, "after kill")
-            expect(page.locator("#event-log")).to_contain_text("killed")
-            page.screenshot(path=str(tmp_path / "killed.png"), full_page=True)
-        finally:
-            browser.close()
+        # kill: the worker child is SIGKILLed; torchrun, the ranks and their children end
+        page.click("#btn-kill")
+        expect(page.locator("#run-status")).to_have_text("stopped", timeout=30_000)
+        wait_gone([launcher2, *tree2], rid, "after kill")
+        expect(page.locator("#event-log")).to_contain_text("killed")
+        page.screenshot(path=str(tmp_path / "killed.png"), full_page=True)
     assert not errors, errors

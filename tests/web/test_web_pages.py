@@ -41,6 +41,9 @@ def test_launch_form_is_built_from_the_schema(alice):
         assert f'name="cfg:{p.name}"' in html
     for name in config_mod.preset_names():
         assert f'<option value="{name}"' in html
+    # an opt-in preset says what it needs before a launch is refused for it
+    needs = config_mod.preset_requires("smollm2-math")
+    assert needs and f'<p class="muted" data-preset-requires="smollm2-math">smollm2-math: {needs}</p>' in html
     assert 'name="toml"' in html and 'name="csrfmiddlewaretoken"' in html
 
 

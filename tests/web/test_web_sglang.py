@@ -17,8 +17,8 @@ import socket
 import time
 
 import pytest
-from conftest import _TMP, Proc, _test_db_env, browser_login, submit_launch_form
-from test_web_e2e import ARGS, CHROMIUM, DRAWN
+from conftest import _TMP, CHROMIUM, Proc, _test_db_env, logged_in_page, submit_launch_form
+from test_web_e2e import DRAWN
 
 from trainer.engine.sglang.server import ROOT, VENV, SGLangServer
 from trainer.models import gguf_import
@@ -117,72 +117,64 @@ def _step(page) -> int:
 def test_a_run_on_a_real_sglang_server_from_the_browser(sglang_server, sglang_site,
                                                          django_user_model, monkeypatch):
     assert shutil.which(CHROMIUM), f"{CHROMIUM} is missing (apt-get install -y chromium)"
-    from playwright.sync_api import expect, sync_playwright
+    from playwright.sync_api import expect
 
     from webapp.dashboard.models import Run
 
     django_user_model.objects.create_user("sgl", password="sgl-pw-123")
     monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")   # Playwright's loop in this thread
-    errors = []
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS, headless=True)
-        try:
-            page = browser.new_page(viewport={"width": 1400, "height": 1000})
-            page.on("pageerror", lambda e: errors.append(str(e)))
-            page.set_default_timeout(30_000)
-            browser_login(page, sglang_site, "sgl", "sgl-pw-123")
+    with logged_in_page(sglang_site, "sgl", "sgl-pw-123",
+                        viewport={"width": 1400, "height": 1000}) as (page, errors):
 
-            # launch: the sglang engine (offered: the site lists the server), its URL, the model
-            page.fill("#id_name", "sglang run")
-            page.select_option("#id_preset", "smollm2-math")
-            page.evaluate("document.querySelectorAll('details.section').forEach(d => d.open = true)")
-            page.select_option("#f-rollout\\.engine", "sglang")
-            page.fill("#f-rollout\\.sglang_urls", sglang_server.url)
-            page.fill("#f-model\\.path", str(MODEL_DIR))
-            run = Run.objects.get(pk=submit_launch_form(page, FORM))
-            assert run.config["rollout"]["engine"] == "sglang"
-            assert run.config["rollout"]["sglang_urls"] == sglang_server.url
-            assert run.config["model"]["path"] == str(MODEL_DIR)
+        # launch: the sglang engine (offered: the site lists the server), its URL, the model
+        page.fill("#id_name", "sglang run")
+        page.select_option("#id_preset", "smollm2-math")
+        page.evaluate("document.querySelectorAll('details.section').forEach(d => d.open = true)")
+        page.select_option("#f-rollout\\.engine", "sglang")
+        page.fill("#f-rollout\\.sglang_urls", sglang_server.url)
+        page.fill("#f-model\\.path", str(MODEL_DIR))
+        run = Run.objects.get(pk=submit_launch_form(page, FORM))
+        assert run.config["rollout"]["engine"] == "sglang"
+        assert run.config["rollout"]["sglang_urls"] == sglang_server.url
+        assert run.config["model"]["path"] == str(MODEL_DIR)
 
-            # live: Plotly draws the steps as they arrive
-            expect(page.locator("#run-status")).to_have_text("running", timeout=120_000)
-            page.wait_for_function(f"() => ({REWARD_POINTS})() >= 2", timeout=180_000)
-            drawn = page.evaluate(DRAWN)
-            reward = drawn["chart-reward"][0]
-            assert reward["n"] >= 2 and reward["finite"] == reward["n"], reward
+        # live: Plotly draws the steps as they arrive
+        expect(page.locator("#run-status")).to_have_text("running", timeout=120_000)
+        page.wait_for_function(f"() => ({REWARD_POINTS})() >= 2", timeout=180_000)
+        drawn = page.evaluate(DRAWN)
+        reward = drawn["chart-reward"][0]
+        assert reward["n"] >= 2 and reward["finite"] == reward["n"], reward
 
-            # tune: optim.lr, applied at a step boundary
-            page.evaluate("document.querySelectorAll('#knob-rows details').forEach(d => d.open = true)")
-            page.fill('#knob-rows input[name="optim.lr"]', NEW_LR)
-            page.click("#knob-apply")
-            expect(page.locator("#knob-changes li").first).to_have_text(
-                re.compile(r"applied at step \d+"), timeout=120_000)
-            expect(page.locator('[data-current="optim.lr"]')).to_have_text(re.compile(r"^(2e-5|0\.00002)$"))
-            expect(page.locator("#event-log")).to_contain_text("knob_applied")
+        # tune: optim.lr, applied at a step boundary
+        page.evaluate("document.querySelectorAll('#knob-rows details').forEach(d => d.open = true)")
+        page.fill('#knob-rows input[name="optim.lr"]', NEW_LR)
+        page.click("#knob-apply")
+        expect(page.locator("#knob-changes li").first).to_have_text(
+            re.compile(r"applied at step \d+"), timeout=120_000)
+        expect(page.locator('[data-current="optim.lr"]')).to_have_text(re.compile(r"^(2e-5|0\.00002)$"))
+        expect(page.locator("#event-log")).to_contain_text("knob_applied")
 
-            # stop: the step ends, a checkpoint is written, the run is stopped short of the end
-            page.click("#btn-stop")
-            expect(page.locator("#run-status")).to_have_text("stopped", timeout=120_000)
-            stopped_at = _step(page)
-            print(f"stopped at step {stopped_at} of {MAX_STEPS}")
-            assert 1 <= stopped_at < MAX_STEPS, \
-                f"stopped at step {stopped_at} of {MAX_STEPS}: the resume below would prove nothing"
-            expect(page.locator("#event-log")).to_contain_text("run_stopped")
+        # stop: the step ends, a checkpoint is written, the run is stopped short of the end
+        page.click("#btn-stop")
+        expect(page.locator("#run-status")).to_have_text("stopped", timeout=120_000)
+        stopped_at = _step(page)
+        print(f"stopped at step {stopped_at} of {MAX_STEPS}")
+        assert 1 <= stopped_at < MAX_STEPS, \
+            f"stopped at step {stopped_at} of {MAX_STEPS}: the resume below would prove nothing"
+        expect(page.locator("#event-log")).to_contain_text("run_stopped")
 
-            # resume from the report's checkpoint: it goes on to its last step and finishes
-            page.click("#report-link")
-            resume = page.locator(f'#checkpoints tr[data-step="{stopped_at}"] button.resume-from')
-            expect(resume).to_be_visible()
-            resume.click()
-            page.wait_for_url(re.compile(r"/runs/\d+/$"))
-            expect(page.locator("#run-status")).to_have_text("finished", timeout=240_000)
-            assert _step(page) == MAX_STEPS
-            page.wait_for_function(f"() => ({REWARD_POINTS})() >= {MAX_STEPS}", timeout=30_000)
-            reward = page.evaluate(DRAWN)["chart-reward"][0]
-            assert reward["n"] == MAX_STEPS and reward["last"] == MAX_STEPS, reward
-            expect(page.locator("#event-log")).to_contain_text("run_finished")
-        finally:
-            browser.close()
+        # resume from the report's checkpoint: it goes on to its last step and finishes
+        page.click("#report-link")
+        resume = page.locator(f'#checkpoints tr[data-step="{stopped_at}"] button.resume-from')
+        expect(resume).to_be_visible()
+        resume.click()
+        page.wait_for_url(re.compile(r"/runs/\d+/$"))
+        expect(page.locator("#run-status")).to_have_text("finished", timeout=240_000)
+        assert _step(page) == MAX_STEPS
+        page.wait_for_function(f"() => ({REWARD_POINTS})() >= {MAX_STEPS}", timeout=30_000)
+        reward = page.evaluate(DRAWN)["chart-reward"][0]
+        assert reward["n"] == MAX_STEPS and reward["last"] == MAX_STEPS, reward
+        expect(page.locator("#event-log")).to_contain_text("run_finished")
     run.refresh_from_db()
     assert run.status == "finished" and run.step == MAX_STEPS, run.error
     assert run.knobs["optim.lr"] == pytest.approx(2e-5)   # the change survived the resume

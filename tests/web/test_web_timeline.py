@@ -169,8 +169,7 @@ def _last_bar(page, trace: int):
 def test_the_offline_report_draws_every_lane_in_order(make_run, user, tmp_path, monkeypatch):
     """Four training ranks (rank 10 after rank 2), two generators, one named with markup: the
     offline HTML export, no network."""
-    from playwright.sync_api import sync_playwright
-    from test_web_e2e import ARGS, CHROMIUM
+    from conftest import browser_page
 
     from webapp.dashboard.reports import exports
 
@@ -190,29 +189,23 @@ def test_the_offline_report_draws_every_lane_in_order(make_run, user, tmp_path, 
     path = tmp_path / "report.html"
     path.write_text(exports.export_html(run))
     monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
-    blocked, errors = [], []
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS, headless=True)
-        try:
-            page = browser.new_page(viewport={"width": 1300, "height": 900})
-            page.route("**/*", lambda route: route.continue_() if route.request.url.startswith("file://")
-                       else (blocked.append(route.request.url), route.abort()))
-            page.on("pageerror", lambda e: errors.append(str(e)))
-            page.goto(path.as_uri())
-            page.wait_for_selector("#timeline[data-loaded] #timeline-chart .barlayer .point path")
-            drawn = page.evaluate(DRAWN)
-            assert drawn["lanes"] == ["rank 0", "rank 1", "rank 2", "rank 10", EVIL, "engine"], drawn
-            assert drawn["legend"] == ["generating", "waiting", "training"], drawn
-            # per step: 2 generating bars (engine, the markup lane) + rank 0's, 3 waiting, 4 training
-            assert drawn["bars"] == [4 * 3, 4 * 3, 4 * 4], drawn
-            # the shares: each lane's phases, plus idle where a lane is busy less than the 8 s each
-            # step covers: rank 0 2, rank 1 and rank 2 3 (idle), rank 10 2, the generators 2 each
-            assert page.evaluate(TOTALS) == 2 + 3 + 3 + 2 + 2 + 2
-            page.locator("#timeline").scroll_into_view_if_needed()
-            page.screenshot(path=str(tmp_path / "offline.png"))
-            print("screenshot:", tmp_path / "offline.png")
-        finally:
-            browser.close()
+    blocked = []
+    with browser_page(viewport={"width": 1300, "height": 900}) as (page, errors):
+        page.route("**/*", lambda route: route.continue_() if route.request.url.startswith("file://")
+                   else (blocked.append(route.request.url), route.abort()))
+        page.goto(path.as_uri())
+        page.wait_for_selector("#timeline[data-loaded] #timeline-chart .barlayer .point path")
+        drawn = page.evaluate(DRAWN)
+        assert drawn["lanes"] == ["rank 0", "rank 1", "rank 2", "rank 10", EVIL, "engine"], drawn
+        assert drawn["legend"] == ["generating", "waiting", "training"], drawn
+        # per step: 2 generating bars (engine, the markup lane) + rank 0's, 3 waiting, 4 training
+        assert drawn["bars"] == [4 * 3, 4 * 3, 4 * 4], drawn
+        # the shares: each lane's phases, plus idle where a lane is busy less than the 8 s each
+        # step covers: rank 0 2, rank 1 and rank 2 3 (idle), rank 10 2, the generators 2 each
+        assert page.evaluate(TOTALS) == 2 + 3 + 3 + 2 + 2 + 2
+        page.locator("#timeline").scroll_into_view_if_needed()
+        page.screenshot(path=str(tmp_path / "offline.png"))
+        print("screenshot:", tmp_path / "offline.png")
     assert not errors and not blocked, (errors, blocked)
 
 
@@ -220,9 +213,8 @@ def test_the_offline_report_draws_every_lane_in_order(make_run, user, tmp_path, 
 @pytest.mark.embedded_only   # the live stream over Redis: test_web_e2e's story
 def test_timeline_live_and_in_the_report(live_asgi, django_user_model, monkeypatch, tmp_path, tiny,
                                           wait_until):
-    from conftest import browser_login
-    from playwright.sync_api import expect, sync_playwright
-    from test_web_e2e import ARGS, CHROMIUM
+    from conftest import CHROMIUM, logged_in_page
+    from playwright.sync_api import expect
 
     assert shutil.which(CHROMIUM), f"{CHROMIUM} is missing"
     shots = Path(os.environ.get("RLPILOT_TIMELINE_SCREENSHOT_DIR") or tmp_path / "screenshots")
@@ -240,14 +232,9 @@ def test_timeline_live_and_in_the_report(live_asgi, django_user_model, monkeypat
     wait_until(lambda: TimelineSlice.objects.filter(run_id=rid).count() >= 2, 180, "two steps' timelines")
 
     monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
-    errors = []
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS, headless=True)
-        try:
-            page = browser.new_page(viewport={"width": 1400, "height": 1000})
-            page.on("pageerror", lambda e: (errors.append(str(e)), print("page error:", e)))
-            page.set_default_timeout(30_000)
-            browser_login(page, live_asgi, "tess", "tess-pw-123")
+    try:
+        with logged_in_page(live_asgi, "tess", "tess-pw-123", viewport={"width": 1400, "height": 1000},
+                            echo_errors=True) as (page, errors):
             page.goto(f"{live_asgi}/runs/{rid}/")
             expect(page.locator("#conn")).to_have_text("live")
             page.wait_for_selector("#timeline-chart .barlayer .point path")
@@ -310,7 +297,6 @@ def test_timeline_live_and_in_the_report(live_asgi, django_user_model, monkeypat
             page.locator("#timeline").scroll_into_view_if_needed()
             page.screenshot(path=str(shots / "timeline-report.png"), full_page=False)
             print("screenshot:", shots / "timeline-report.png")
-        finally:
-            browser.close()
-            Run.objects.filter(pk=rid, status__in=("running", "paused")).update(desired="stop")
+    finally:   # the run is stopped whatever happened in the browser
+        Run.objects.filter(pk=rid, status__in=("running", "paused")).update(desired="stop")
     assert not errors, errors

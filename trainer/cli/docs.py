@@ -112,7 +112,8 @@ def configuration_markdown() -> str:
 def _presets_markdown() -> str:
     defaults = {p.name: p.default for p in config_mod.schema()}
     out = ["## Presets\n",
-           "Shipped in `trainer/presets/`; `python -m trainer presets --json` prints each in full. "
+           "Shipped in `trainer/presets/`; `python -m trainer presets --json` prints each in full "
+           "(`{name: {requires, config}}`; `requires`: what an opt-in preset needs, else null). "
            "A preset sets only the keys its file names; every other key keeps its schema default. "
            "Each table lists what a preset changes from the defaults.\n"]
     for name in config_mod.preset_names():

@@ -6,7 +6,7 @@
                                                     (cluster.train_procs=K > 1: K processes, torchrun)
   control RUN_DIR (--set k=v ... | --pause | --resume | --stop)   steer a running run
   knobs [--json]                                                   the parameter schema
-  presets [--json]                                                 shipped presets
+  presets [--json]                                                 shipped presets (what an opt-in one needs)
   reward --dataset D.jsonl --completions C.jsonl                   score completions
   warmup [--out DIR]                                               rebuild the built-in model
   bench learn|... [--json]                                         benchmarks
@@ -196,12 +196,16 @@ def _cmd_knobs(args) -> int:
 
 
 def _cmd_presets(args) -> int:
-    data = {name: config_mod.load(name).to_dict() for name in config_mod.preset_names()}
+    """Each preset; an opt-in one says what it needs (config.preset_requires)."""
+    names = config_mod.preset_names()
     if args.json:
-        print(json.dumps(data, indent=2))
+        print(json.dumps({name: {"requires": config_mod.preset_requires(name),
+                                 "config": config_mod.load(name).to_dict()} for name in names},
+                         indent=2))
     else:
-        for name in data:
-            print(name)
+        for name in names:
+            needs = config_mod.preset_requires(name)
+            print(f"{name}: {needs}" if needs else name)
     return 0
 
 

@@ -14,6 +14,7 @@ import tomli_w
 from trainer.config.checks import check
 from trainer.config.params import ConfigError
 from trainer.config.sections import SECTIONS, Config, param_spec
+from trainer.models.gguf_import import KNOWN as GGUF_SOURCES  # stdlib only: no torch here
 
 PRESETS_PACKAGE = "trainer.presets"
 
@@ -48,13 +49,15 @@ def preset_config(name: str, *, project_dir: str | Path = ".",
 
 def preset_requires(name: str) -> str | None:
     """What a preset needs beyond the default install, or None. A preset whose model.path is
-    not "builtin" needs a model directory of your own: it is opt-in, and the per-preset tests
-    (which must pass on a fresh checkout) skip it with this reason."""
+    not "builtin" needs a model directory of your own: it is opt-in. `python -m trainer presets`
+    and the launch form say so with this text (the per-preset tests skip it with it too)."""
     path = preset_dict(name).get("model", {}).get("path", "builtin")
     if path == "builtin":
         return None
-    return (f"opt-in preset: needs the model directory model.path = {path!r} "
-            "(see docs/models.md)")
+    source = GGUF_SOURCES.get(Path(path).name)
+    how = (f"create it with `python -m trainer import-gguf {source}`" if source
+           else "a model directory of your own")
+    return f"opt-in: needs model.path = {path} ({how}; docs/models.md)"
 
 
 def from_dict(data: dict[str, Any], base: Config | None = None) -> Config:

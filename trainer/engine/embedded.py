@@ -180,10 +180,6 @@ class EmbeddedEngine(RolloutEngine):
             self.prompt_kv_version.clear()
 
     # --- memory (engine and trainer sharing one GPU) ----------------------------------------------
-    @property
-    def memory_released(self) -> bool:
-        return self.cache is None
-
     def release_memory(self) -> bool:
         """Free the KV cache for the training phase (and return it to CUDA with empty_cache).
         Refused while sequences are running (their cache would be lost); queued samples stay

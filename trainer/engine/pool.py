@@ -178,11 +178,6 @@ class EnginePool(RolloutEngine):
             return {m.index: m.engine.proc.pid for m in self._live()}
 
     @property
-    def child_infos(self) -> list[dict]:
-        with self._lock:
-            return [m.engine.child_info for m in self._live()]
-
-    @property
     def stats(self) -> EngineStats:
         with self._lock:
             total = list(self._dead_stats.astuple())

@@ -220,9 +220,6 @@ class RewardService:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def worker_pids(self) -> list[int]:
-        return [w.proc.pid for w in self._workers]
-
     # -- in-process ----------------------------------------------------------------------------
 
     def _score_inline(self, items) -> list[tuple[float, str, str]]:

@@ -7,6 +7,7 @@ or another's that checks answers the same way (arith's problems are "math" probl
 
 The registry imports the task modules and the verifiers, never the reward pool, and no task
 module imports it, so there is no import cycle between trainer.tasks and trainer.rewards.
+How a problem becomes a prompt (template, system prompt, chat template) is prompts.py.
 """
 from __future__ import annotations
 

@@ -151,7 +151,8 @@ def presets(request, body):
     out = []
     for name in config_mod.preset_names():
         cfg = actions.shipped_preset(name)
-        out.append({"name": name, "config": cfg.to_dict(), "toml": config_mod.to_toml(cfg)})
+        out.append({"name": name, "config": cfg.to_dict(), "toml": config_mod.to_toml(cfg),
+                    "requires": config_mod.preset_requires(name)})
     return JsonResponse(out, safe=False)
 
 

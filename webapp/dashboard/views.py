@@ -95,7 +95,9 @@ def runs_page(request):
         "runs": runs, "statuses": [s.value for s in Status], "filters": request.GET,
         "sections": _sections(errors, values), "form": form, "errors": errors,
         "other_errors": {k: v for k, v in errors.items() if k not in known},
-        "presets": list(presets), "preset_toml": presets,
+        # (name, what an opt-in preset needs or None): the form says it before a launch is refused
+        "presets": [(name, config_mod.preset_requires(name)) for name in presets],
+        "preset_toml": presets,
         "owners": sorted(set(Run.objects.values_list("owner__username", flat=True))),
         "queues": settings.RLPILOT_QUEUES, "compare_error": compare_error,
         "ended": [Status.STOPPED, Status.FINISHED, Status.FAILED, Status.INTERRUPTED],

@@ -22,6 +22,7 @@ from urllib.parse import urlsplit
 from django.conf import settings
 
 from trainer import config as config_mod
+from trainer.engine.sglang.urls import parse_urls  # URL parsing only: no requests, no torch
 
 MAX_NAME_LEN = 200          # Run.name is a CharField(200)
 MAX_NOTE_LEN = 20_000
@@ -238,10 +239,6 @@ def config_problems(cfg: config_mod.Config, on_worker: bool = False) -> dict[str
             key = "rollout.engine" if r.engine == "sglang" else "rollout.sglang_urls"
             errors[key] = SGLANG_DISABLED
         else:
-            # imported here, not at the top (no import cycle involved): the SGLang client pulls
-            # in requests and urllib3, which only a run naming SGLang servers needs
-            from trainer.engine.sglang import parse_urls
-
             try:
                 urls = parse_urls(r.sglang_urls)
             except ValueError:
