@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from trainer import config as C
+from trainer.models.tensors import own_storage
 from trainer.observe.metrics import MemorySink
 from trainer.run import checkpoint
 from trainer.run.runner import Runner
@@ -376,10 +377,10 @@ def test_own_storage_gives_each_written_tensor_memory_of_its_own():
     """The one rule both safetensors writers follow (checkpoints, the SGLang engine's weights)."""
     base = torch.arange(6.0)
     seen: set = set()
-    first = checkpoint.own_storage(base, seen)
-    same = checkpoint.own_storage(base.view(2, 3), seen)    # the same storage again
-    part = checkpoint.own_storage(torch.arange(4.0)[:2], set())   # a view of a larger one
-    empty = checkpoint.own_storage(torch.zeros(0), seen)
+    first = own_storage(base, seen)
+    same = own_storage(base.view(2, 3), seen)    # the same storage again
+    part = own_storage(torch.arange(4.0)[:2], set())   # a view of a larger one
+    empty = own_storage(torch.zeros(0), seen)
     assert first is base
     assert same.untyped_storage().data_ptr() != base.untyped_storage().data_ptr()
     assert torch.equal(same, base.view(2, 3)) and torch.equal(part, torch.arange(2.0))

@@ -5,7 +5,7 @@
 // RLAdvice.create(ctx), ctx = {page, state, charts, knobs, cookie(name)}, from run.js (charts:
 // RLCharts.create's, for the highlight; knobs: RLKnobs.create's, which sends the changes); returns
 // {load, schedule, onEvent, onOutcome, render, renderAutopilot}. An event's text is the server's
-// (the event's "text", reports.describe_event). Every text is inserted as text.
+// (the event's "text", formatting.describe_event). Every text is inserted as text.
 (function () {
   "use strict";
   const el = RLCharts.el, fmt = RLCharts.fmt;   // static/dashboard/charts.js, loaded first

@@ -359,7 +359,7 @@
     (data.histograms || []).forEach(h => (state.hists[h.name] = state.hists[h.name] || []).push(h));
     (data.events || []).forEach(function (m) {
       if (m.type === "event" && (m.kind === "knob_applied" || m.kind === "auto_staleness"))
-        state.annotations.push({ step: m.step, text: m.text });   // the server's text (reports.describe_event)
+        state.annotations.push({ step: m.step, text: m.text });   // the server's text (formatting.describe_event)
     });
     return state;
   }

@@ -127,7 +127,7 @@
   }
 
   // an event's text is the server's (the "text" of each event and status message:
-  // reports.describe_event), the same line the report's event list shows
+  // formatting.describe_event), the same line the report's event list shows
   function logEvent(step, kind, text) {
     const li = el("li");
     li.appendChild(el("span", { class: "muted" }, "step " + step + " "));
@@ -170,8 +170,10 @@
       knobValuesChanged();
     } else if (m.kind === "alert" || m.kind === "alert_cleared") {
       // any rule (staleness, kl_high, stalled, ...): the banner shows its name and message
-      const rule = d.rule || "alert", text = String(m.text || "");   // text: "rule: message"
-      showAlert(m.kind === "alert", rule, text.startsWith(rule + ": ") ? text.slice(rule.length + 2) : d.message, m.step);
+      // the rule's own message, else the server's line without its "rule: " prefix
+      const rule = d.rule || "alert", text = String(m.text || "");
+      const message = d.message || (text.startsWith(rule + ": ") ? text.slice(rule.length + 2) : text);
+      showAlert(m.kind === "alert", rule, message, m.step);
     }
   }
   // the alerts banner: one line per active rule (raised once, removed when it clears)

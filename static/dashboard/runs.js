@@ -8,23 +8,13 @@
   const area = document.getElementById("id_toml");
   if (btn) {
     btn.addEventListener("click", function () {
-      const name = sel.value;
-      area.value = presets[name] || "";
+      const preset = presets[sel.value];
+      area.value = preset ? preset.toml : "";
     });
   }
-  function parseToml(text) { // flat [section] key = value reader, enough for placeholders
-    const out = {};
-    let section = "";
-    text.split("\n").forEach(function (line) {
-      const m = line.match(/^\s*\[([^\]]+)\]\s*$/);
-      if (m) { section = m[1].trim(); return; }
-      const kv = line.match(/^\s*([A-Za-z0-9_]+)\s*=\s*(.*)$/);
-      if (kv && section) out[section + "." + kv[1]] = kv[2].replace(/^"|"$/g, "");
-    });
-    return out;
-  }
+  // the preset's values by dotted key, as the server read them (no TOML parsing here)
   function placeholders() {
-    const vals = presets[sel.value] ? parseToml(presets[sel.value]) : {};
+    const vals = presets[sel.value] ? presets[sel.value].values : {};
     document.querySelectorAll("input[data-key]").forEach(function (inp) {
       if (vals[inp.dataset.key] !== undefined) inp.placeholder = vals[inp.dataset.key];
     });

@@ -49,7 +49,7 @@ def test_an_unknown_record_kind_is_refused_by_name_and_writes_nothing(running):
 
 def test_the_doorbell_rings_once_the_write_commits(running, django_capture_on_commit_callbacks, monkeypatch):
     rung = []
-    monkeypatch.setattr("webapp.dashboard.live.doorbell.ring", lambda run_id, seq: rung.append((run_id, seq)))
+    monkeypatch.setattr("webapp.dashboard.doorbell.ring", lambda run_id, seq: rung.append((run_id, seq)))
     with django_capture_on_commit_callbacks(execute=True):
         seq = actions.append(running.pk, [Record("event", 1, "checkpoint")])
         assert rung == []

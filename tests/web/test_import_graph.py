@@ -194,8 +194,8 @@ def test_the_layers_import_one_way():
     # validation is pure (settings and the config schema) and throttling stands alone: no webapp module
     assert not set(graph[d + "access.validation"]) and not set(graph[d + "access.throttle"])
     assert d + "actions" in graph[d + "worker.alerts"] and d + "worker.alerts" not in actions
-    assert set(graph[d + "live.doorbell"]) == set() and d + "live.doorbell" in actions
-    assert d + "live.doorbell" in graph[d + "worker.telemetry"]
+    assert set(graph[d + "doorbell"]) == set() and d + "doorbell" in actions
+    assert d + "doorbell" in graph[d + "worker.telemetry"]
     # the server's text (numbers, event lines) is pure: the pages, reports and live feed all use it
     assert not set(graph[d + "formatting"])
     assert not set(graph["webapp.settings"]) - {"webapp.env"}

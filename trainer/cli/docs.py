@@ -95,7 +95,7 @@ def configuration_markdown() -> str:
         out.append("|---|---|---|---|---|---|")
         for p in params:
             out.append("| " + " | ".join([
-                f"`{p.name}`", config_mod._TYPE_NAMES[p.type], f"`{_value(p.default)}`",
+                f"`{p.name}`", config_mod.TYPE_NAMES[p.type], f"`{_value(p.default)}`",
                 _allowed(p), "knob" if p.tunable else "", _cell(p.help)]) + " |")
         out.append("")
     out.append("## Knobs at a glance\n")

@@ -30,9 +30,9 @@ from trainer.config.loading import (
     to_toml,
 )
 from trainer.config.params import (
-    _TYPE_NAMES,
     MAX_STOP_LEN,
     MAX_STOP_STRINGS,
+    TYPE_NAMES,
     ConfigError,
     ParamSpec,
     param,
@@ -62,7 +62,7 @@ from trainer.config.text import MAX_TEXT_LEN, UNSTORABLE, short_repr, text_probl
 
 __all__ = [
     "AUTOPILOT_RULES", "MAX_STOP_LEN", "MAX_STOP_STRINGS", "MAX_TEXT_LEN", "PRESETS_PACKAGE",
-    "SECTIONS", "TRACKERS", "UNSTORABLE", "_TYPE_NAMES",
+    "SECTIONS", "TRACKERS", "UNSTORABLE", "TYPE_NAMES",
     "AlgoConfig", "AprilConfig", "AsyncConfig", "ClusterConfig", "Config", "ConfigError",
     "DataConfig", "GresoConfig", "ModelConfig", "OptimConfig", "ParamSpec", "PilotConfig",
     "RolloutConfig", "RunConfig",

@@ -162,7 +162,7 @@ def apply_knob_change(cfg: Config, knobs: dict[str, Any]) -> tuple[Config, dict[
 
 
 def to_toml(cfg: Config) -> str:
-    """Serialise a config as TOML (round-trips through loads_toml). tomli-w writes every shipped
-    preset byte for byte as the hand-written writer before it did; a non-empty list now takes one
-    line per item."""
+    """Serialise a config as TOML with tomli-w (round-trips through loads_toml). Every shipped
+    preset comes out as it is written; a non-empty list takes one line per item and a tab stays a
+    tab in a string (both valid TOML: read it with a TOML parser, never line by line)."""
     return tomli_w.dumps(cfg.to_dict())

@@ -30,7 +30,7 @@ def param(default, *, help: str, min=None, max=None, choices=None, tunable=False
     return field(default=default, metadata=meta)
 
 
-_TYPE_NAMES = {bool: "bool", int: "int", float: "float", str: "str", list: "list"}
+TYPE_NAMES = {bool: "bool", int: "int", float: "float", str: "str", list: "list"}
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,7 @@ class ParamSpec:
 
     def as_json(self) -> dict[str, Any]:
         default = list(self.default) if self.type is list else self.default
-        return {"name": self.name, "type": _TYPE_NAMES[self.type], "default": default,
+        return {"name": self.name, "type": TYPE_NAMES[self.type], "default": default,
                 "min": self.min, "max": self.max,
                 "choices": list(self.choices) if self.choices else None,
                 "help": self.help, "tunable": self.tunable}

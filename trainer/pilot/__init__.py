@@ -9,7 +9,7 @@ by how much and why (docs/pilot.md).
   greso.py       GRESO's exploration bounds
   health.py      length hacking, entropy collapse, KL runaway
   rules.py       `advise(rows, cfg)`: every rule over the latest window
-  cli.py         `python -m trainer advise RUN_DIR`
+  `python -m trainer advise RUN_DIR` is trainer/cli/advise.py
 
 Pure logic: no model, no torch, no Django.
 """

@@ -8,8 +8,10 @@ reports: the task and its prompts, the engine, the rollout driver with its promp
 the timeline and the telemetry. The other ranks hold None for the engine, the reward pool and the
 telemetry (trainer/cluster/training_ranks.py sends them their share of each update).
 
-A resumed run: `read_checkpoint` (rank 0 reads the latest checkpoint, every rank gets its config)
-before the collaborators, `resume_state` (every rank takes its part of the checkpoint) after.
+`collaborators` sets them as the Runner's attributes (runner.engine, runner.rollout, ...). A
+resumed run: `checkpoint_and_config` (rank 0 reads the latest checkpoint, every rank gets its
+config) before the collaborators, `resume_state` (every rank takes its part of the checkpoint)
+after.
 """
 from __future__ import annotations
 
@@ -41,9 +43,10 @@ def track_reference(cfg) -> bool:
     return cfg.algo.track_kl or cfg.algo.kl_coef > 0
 
 
-def read_checkpoint(run, resume: bool, keep_knobs=()):
+def checkpoint_and_config(run, resume: bool, keep_knobs=()):
     """Rank 0 reads the latest checkpoint when resuming (its knob values win over the config's,
-    except `keep_knobs`); every rank takes rank 0's config. Returns (resumed: (checkpoint path,
+    except `keep_knobs`); every rank sets `run.cfg` to rank 0's config, with the layout torchrun
+    gave (checked again when it has several processes). Returns (resumed: (checkpoint path,
     its model in DCP shards) or None, and rank 0's checkpoint state and tensors, else None)."""
     state = tensors = resumed = None
     if resume and run.dist.is_main:

@@ -56,6 +56,8 @@ import torch
 from safetensors.torch import load_file as _load_safetensors
 from safetensors.torch import save_file as _save_safetensors
 
+from trainer.models.tensors import own_storage
+
 PREFIX = "step_"
 TENSORS_FILE = "trainer.safetensors"
 STATE_FILE = "trainer.json"
@@ -225,20 +227,6 @@ def _read_legacy(where: Path) -> Any:
 
 
 # --- the encoding ---------------------------------------------------------------------------------
-def own_storage(t: torch.Tensor, seen: set[tuple[int, int]]) -> torch.Tensor:
-    """`t`, cloned when its memory is not its own: a storage already in `seen` (another tensor
-    written before it) or a larger one it is a view of. safetensors refuses tensors that share
-    memory; every writer of a safetensors file (checkpoints, the SGLang engine's weights) passes
-    its tensors through this, with one `seen` per file. Adds t's storage to `seen`."""
-    if t.numel():
-        storage = t.untyped_storage()
-        if (storage.data_ptr(), storage.nbytes()) in seen or storage.nbytes() != t.nbytes:
-            t = t.clone()
-            storage = t.untyped_storage()
-        seen.add((storage.data_ptr(), storage.nbytes()))
-    return t
-
-
 def encode(tree: Any) -> tuple[Any, dict[str, torch.Tensor]]:
     """(JSON-able data, {key: contiguous CPU tensor}) for `tree`; see the module doc."""
     tensors: dict[str, torch.Tensor] = {}

@@ -69,7 +69,7 @@ class Runner:
         self.eval_tokens = 0
 
         # rank 0's config (knob values resumed) and checkpoint, for every rank
-        resumed, ckpt_state, ckpt_tensors = build.read_checkpoint(self, resume, keep_knobs)
+        resumed, ckpt_state, ckpt_tensors = build.checkpoint_and_config(self, resume, keep_knobs)
         self.sharded = self.dist.size > 1 and self.cfg.cluster.sharding == "fsdp"
         # run.report_to: every record mirrored to TensorBoard / W&B / MLflow on a thread of its
         # own (trainer/observe/trackers/); it starts with the first record, so a failed build leaves nothing

@@ -23,7 +23,7 @@ from trainer.rollout.base import RolloutResult, step_metrics
 @dataclass
 class StepResults:
     """What one step produced, for its record."""
-    result: RolloutResult       # the driver's groups (and every group it scored)
+    rollout: RolloutResult      # the driver's groups (and every group it scored)
     engine_stats: EngineStats   # the engine's counters over the step (EngineStats.minus)
     seqs: list                  # the objective's train sequences
     adv_metrics: dict
@@ -35,18 +35,18 @@ class StepResults:
     step_s: float
 
 
-def record(run, cfg, step: StepResults) -> dict[str, float]:
+def record(run, cfg, results: StepResults) -> dict[str, float]:
     """The step's metric record (`run.step` is the step's number by now)."""
-    result, step_s = step.result, step.step_s
-    m = rollout_metrics(run, cfg, result, step.engine_stats, step_s)
-    trained_tokens = sum(len(s.response_ids) for s in step.seqs)
-    m.update(step.adv_metrics)
-    m.update(step.train_metrics)
+    result, step_s = results.rollout, results.step_s
+    m = rollout_metrics(run, cfg, result, results.engine_stats, step_s)
+    trained_tokens = sum(len(s.response_ids) for s in results.seqs)
+    m.update(results.adv_metrics)
+    m.update(results.train_metrics)
     m.update({
         "perf/trained_tokens_per_s": trained_tokens / max(step_s, 1e-9),
         "perf/rollout_trained_tokens_per_s": trained_tokens / max(result.gen_seconds, 1e-9),
-        "timing/train_s": step.train_s, "timing/samples_s": step.samples_s,
-        "timing/weight_sync_s": step.sync_s, "timing/step_s": step_s, "actor/lr": cfg.optim.lr,
+        "timing/train_s": results.train_s, "timing/samples_s": results.samples_s,
+        "timing/weight_sync_s": results.sync_s, "timing/step_s": step_s, "actor/lr": cfg.optim.lr,
         # what the update copied to the generators (0: the in-process engine shares them)
         "perf/weight_sync_bytes": getattr(run.engine, "last_sync_bytes", 0),
         "train/policy_version": run.version, "rollout/trained_tokens": trained_tokens,
@@ -65,7 +65,7 @@ def record(run, cfg, step: StepResults) -> dict[str, float]:
                   if k in ("samples", "gen_tokens", "trained_tokens")})
     if run.system is not None:
         m.update(run.system.summary())
-        m.update(process_metrics(run, step.ranks))
+        m.update(process_metrics(run, results.ranks))
     return m
 
 

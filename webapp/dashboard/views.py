@@ -89,15 +89,17 @@ def runs_page(request):
         r.figures = [formatting.number(v, digits=3) if isinstance(v := latest.get(k), (int, float)) else ""
                      for k in ("reward/accuracy", "reward/mean", "rollout/response_len/mean", "perf/gen_tokens_per_s")]
     known = set(p.name for p in config_mod.schema()) | {"name", "preset", "toml", "queue"}
-    presets = {name: config_mod.to_toml(actions.shipped_preset(name))   # the model.path it will use
-               for name in config_mod.preset_names()}
+    presets = {name: actions.shipped_preset(name) for name in config_mod.preset_names()}   # the model.path it will use
     ctx = {
         "runs": runs, "statuses": [s.value for s in Status], "filters": request.GET,
         "sections": _sections(errors, values), "form": form, "errors": errors,
         "other_errors": {k: v for k, v in errors.items() if k not in known},
         # (name, what an opt-in preset needs or None): the form says it before a launch is refused
         "presets": [(name, config_mod.preset_requires(name)) for name in presets],
-        "preset_toml": presets,
+        # each preset's full TOML (the editor's "load") and its values by dotted key (placeholders)
+        "preset_toml": {name: {"toml": config_mod.to_toml(cfg),
+                               "values": {p.name: _shown(cfg.get(p.name)) for p in config_mod.schema()}}
+                        for name, cfg in presets.items()},
         "owners": sorted(set(Run.objects.values_list("owner__username", flat=True))),
         "queues": settings.RLPILOT_QUEUES, "compare_error": compare_error,
         "ended": [Status.STOPPED, Status.FINISHED, Status.FAILED, Status.INTERRUPTED],

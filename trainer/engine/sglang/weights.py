@@ -195,7 +195,7 @@ class WeightPublisher:
         import torch
         from safetensors.torch import save_file
 
-        from trainer.run.checkpoint import own_storage
+        from trainer.models.tensors import own_storage
 
         if self.weights_dir is None:
             self.weights_dir = Path(tempfile.mkdtemp(prefix="rlpilot-sglang-weights-"))

@@ -17,7 +17,7 @@ stale-run sweep and the management commands all go through these functions, by n
 
 The package sits low in the import graph: it imports the models, lifecycle.py, errors.py,
 access/validation.py and access/policy.py (which never import it), sample_rows.py,
-timeline_rows.py, live/doorbell.py, files/ and the Celery app, and none of the modules that call
+timeline_rows.py, doorbell.py, files/ and the Celery app, and none of the modules that call
 it; worker/alerts.py and worker/sweep.py hand it what it needs as arguments.
 Callers use `from webapp.dashboard import actions; actions.launch_run(...)`.
 """
@@ -45,8 +45,8 @@ from webapp.dashboard.actions.rows import (
     status_record,
 )
 from webapp.dashboard.actions.runs import annotate_run, control, delete_run, end_run, heartbeat, rewind
+from webapp.dashboard.doorbell import group_name
 from webapp.dashboard.errors import ActionError, Conflict, Forbidden, Invalid
-from webapp.dashboard.live.doorbell import group_name
 
 __all__ = [
     "ActionError", "Conflict", "Forbidden", "Imported", "Invalid", "KEY_FIGURES", "Record",

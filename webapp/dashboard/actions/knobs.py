@@ -38,14 +38,16 @@ def validate_knobs(run: Run, knobs: Any) -> dict[str, Any]:
 def _say_not_a_knob(errors: dict[str, str], knobs: dict[str, Any]) -> dict[str, str]:
     """The errors, a requested key that is a parameter but no knob saying so (a person asked for
     it; the trainer's "cannot change during a run" alone does not say why)."""
-    out = {}
-    for key, message in errors.items():
-        try:
-            knob = key not in knobs or config_mod.param_spec(key).tunable
-        except config_mod.ConfigError:   # no such parameter: its message says so
-            knob = True
-        out[key] = message if knob else f"{message} (not a knob)"
-    return out
+    return {key: f"{message} (not a knob)" if key in knobs and _fixed_parameter(key) else message
+            for key, message in errors.items()}
+
+
+def _fixed_parameter(key: str) -> bool:
+    """A parameter of the schema that cannot change during a run (an unknown key is none)."""
+    try:
+        return not config_mod.param_spec(key).tunable
+    except config_mod.ConfigError:
+        return False
 
 
 def request_knobs(run: Run, user, knobs: Any, advice: Any = None) -> KnobChange:

@@ -18,8 +18,7 @@ from typing import Any, Callable, Iterable
 from django.db import transaction
 from django.utils import timezone
 
-from webapp.dashboard import lifecycle, sample_rows, timeline_rows
-from webapp.dashboard.live import doorbell
+from webapp.dashboard import doorbell, lifecycle, sample_rows, timeline_rows
 from webapp.dashboard.models import (
     HistogramSnapshot,
     KnobChange,

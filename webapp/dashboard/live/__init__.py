@@ -1,2 +1,2 @@
-"""The live run page's feed: the WebSocket consumer and its routing, the channel-layer doorbell
-that wakes it when rows land, the streams it reads them back with, and the origin check."""
+"""The live run page's feed: the WebSocket consumer and its routing, the streams it reads rows
+back with, and the origin check; it wakes on the doorbell (dashboard/doorbell.py) the writers ring."""

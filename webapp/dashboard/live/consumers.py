@@ -33,8 +33,8 @@ from django.conf import settings
 
 from trainer.config import short_repr
 from webapp.dashboard import actions
+from webapp.dashboard.doorbell import group_name
 from webapp.dashboard.live import streams
-from webapp.dashboard.live.doorbell import group_name
 from webapp.dashboard.models import Run
 from webapp.dashboard.monitoring import sockets
 from webapp.dashboard.worker import sweep

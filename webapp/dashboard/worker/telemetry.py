@@ -10,7 +10,7 @@ Commands (which command, lifecycle.trainer_command says; a change made from the 
 carries its marker as the command's reason).
 
 Heartbeat beats for the run and evaluates the `stalled` alert. Every write here goes through the
-actions layer (webapp/dashboard/actions/); the doorbell is webapp/dashboard/live/doorbell.py.
+actions layer (webapp/dashboard/actions/); the doorbell is webapp/dashboard/doorbell.py.
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ from trainer.observe.metrics import MetricsSink
 from trainer.run.controls import SET_KNOBS, STOP, Command, ControlSource
 from webapp.dashboard import actions, lifecycle
 from webapp.dashboard.actions import Record
-from webapp.dashboard.live.doorbell import Doorbell
+from webapp.dashboard.doorbell import Doorbell
 from webapp.dashboard.models import KnobChange, Run
 from webapp.dashboard.worker import alerts
 
@@ -71,7 +71,7 @@ class DbSink(MetricsSink):
 
     def samples(self, step: int, rows: list[dict[str, Any]]) -> None:
         """A step's rollout samples (the inspector): buffered like a histogram, one sequence
-        number for the batch; cleaned and capped by the actions layer (samples.py)."""
+        number for the batch; cleaned and capped by the actions layer (sample_rows.py)."""
         rows = [dict(r) for r in (rows or []) if isinstance(r, dict)]
         if not rows:
             return
