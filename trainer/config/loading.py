@@ -68,22 +68,15 @@ def from_dict(data: dict[str, Any], base: Config | None = None) -> Config:
     errors: dict[str, str] = {}
     if not isinstance(data, dict):
         raise ConfigError({"config": "expected a table of sections"})
+    pairs = []
     for section, values in data.items():
         if section not in SECTIONS:
             errors[section] = "unknown section; sections are " + ", ".join(SECTIONS)
-            continue
-        if not isinstance(values, dict):
+        elif not isinstance(values, dict):
             errors[section] = "expected a table of keys"
-            continue
-        for name, value in values.items():
-            try:
-                cfg.set(f"{section}.{name}", value)
-            except ConfigError as e:
-                errors.update(e.errors)
-    if errors:
-        raise ConfigError(errors)
-    check(cfg)
-    return cfg
+        else:
+            pairs += [(f"{section}.{name}", value) for name, value in values.items()]
+    return _set_checked(cfg, pairs, errors)
 
 
 def loads_toml(text: str, base: Config | None = None) -> Config:
@@ -116,8 +109,12 @@ def apply_overrides(cfg: Config, overrides: dict[str, Any] | Iterable[str]) -> C
         pairs = [parse_override(o) for o in overrides]
     else:
         pairs = list(overrides.items())
-    cfg = cfg.copy()
-    errors: dict[str, str] = {}
+    return _set_checked(cfg.copy(), pairs, {})
+
+
+def _set_checked(cfg: Config, pairs: list[tuple[str, Any]], errors: dict[str, str]) -> Config:
+    """Set every (dotted key, value) on `cfg`, then check it whole; every error raised at once
+    (with `errors` already found), so the user sees all of them."""
     for key, value in pairs:
         try:
             cfg.set(key, value)
