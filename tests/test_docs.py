@@ -5,7 +5,8 @@
 - every repository path, relative link and anchor they name exists, and so does every command
   (`python -m trainer X`, `bench X`, `manage.py X`) and test file they name;
 - every setting read from the environment is documented;
-- nothing in the repository points outside it (a design document or notes kept next to it).
+- nothing in the repository points outside it (a design document or notes kept next to it), nor
+  names an issue number of the tracker.
 """
 from __future__ import annotations
 
@@ -212,3 +213,16 @@ def test_no_file_points_outside_the_repository():
                 for i, line in enumerate(lines, 1) if OUTSIDE.search(line)]
     assert not bad, ("these lines point to a document outside the repository; point them to "
                      "docs/ instead (design.md, benchmarks.md):\n" + "\n".join(bad))
+
+
+# The tracker's issue numbers mean nothing to a reader of the repository: the docs and the code say
+# what a thing does and why, not which ticket asked for it.
+ISSUE_NUMBER = re.compile(r"\bissues? ?#?\d+\b|\(#\d+\)", re.IGNORECASE)
+
+
+def test_no_file_names_an_issue_number():
+    files = doc_files() + [f for f in _repository_files() if f.suffix in {".py", ".js", ".html", ".toml"}]
+    assert any(f.suffix == ".py" for f in files)   # it read the code too
+    bad = [f"{f.relative_to(ROOT)}:{i}: {line.strip()[:120]}" for f in files
+           for i, line in enumerate(text(f).splitlines(), 1) if ISSUE_NUMBER.search(line)]
+    assert not bad, "lines naming an issue number:\n" + "\n".join(bad)
