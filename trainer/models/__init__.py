@@ -1,3 +1,2 @@
-"""Models: loading local Hugging Face directories and the built-in model, never downloading
-(loading.py); a GGUF file to a local directory (gguf_import.py); the built-in model's warm-up
-(warmup.py); tensors bound for a safetensors file (tensors.py)."""
+"""Models from local directories, never downloaded (loading.py), a GGUF file made one (gguf_import.py),
+the built-in model's warm-up (warmup.py), and tensors bound for a safetensors file (tensors.py)."""

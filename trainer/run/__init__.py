@@ -1,4 +1,2 @@
-"""One training run from start to stop: the step loop (runner.py), its collaborators for each rank
-role and a resume's state (build.py), a step's metric record (step_record.py), the step boundary
-where knob changes, pause and stop land (boundary.py, controls.py), checkpoints and resuming
-(checkpoint.py, state.py), forks (fork.py) and held-out evaluation (evaluate.py)."""
+"""One training run, start to stop: the step loop (runner.py) and what it is built from (build.py,
+step_record.py), the step boundary (boundary.py, controls.py), checkpoints, resume, fork, evaluation."""
