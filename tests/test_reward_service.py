@@ -25,6 +25,19 @@ def children():
     return {p.pid for p in psutil.Process().children(recursive=True)}
 
 
+def sandboxed_interpreters() -> list[int]:
+    """Sandboxed interpreters (python -I) running under this process. A zombie runs nothing and
+    has no command line: an earlier test's unreaped child is none of the pool's business."""
+    found = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if "-I" in p.cmdline():
+                found.append(p.pid)
+        except (psutil.ZombieProcess, psutil.NoSuchProcess):
+            pass
+    return found
+
+
 def workers(before: set[int]) -> set[int]:
     """The reward workers: this process's direct children started since `before` (a worker's own
     sandboxed runs are its children, not ours)."""
@@ -139,7 +152,7 @@ def test_close_leaves_no_child_processes(slow_rewards):
     assert b.timeouts == 1
     # The worker was killed together with the sandboxed interpreter it had started.
     assert len(children() - before) == 2
-    assert not [p for p in psutil.Process().children(recursive=True) if "-I" in p.cmdline()]
+    assert not sandboxed_interpreters()
     svc.close()
     svc.close()   # idempotent
     deadline = time.monotonic() + 5

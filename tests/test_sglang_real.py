@@ -18,7 +18,7 @@ import torch
 from helpers import full_forward_logprobs
 
 from trainer import config as C
-from trainer.engine.base import ABORT, LENGTH, STOP, Sample, SamplingParams
+from trainer.engine.base import ABORT, LENGTH, STOP, EngineError, Sample, SamplingParams
 from trainer.engine.sglang import SGLangEngine
 from trainer.engine.sglang.server import VENV, SGLangServer
 from trainer.models import gguf_import
@@ -63,12 +63,20 @@ def policy(model_dir):
 
 @pytest.fixture
 def original_weights_after(server, model_dir):
-    """Put the model's own weights back on the server after a test that changed them."""
+    """Put the model's own weights back on the server after a test that changed them. The test is
+    over: what still runs on the server (an answer the run's close aborted, still winding down)
+    is aborted. An update refused meanwhile ("weights were updated, but the cache was not flushed
+    because requests are still running") is made again once the server is idle (/flush_cache
+    waits for that, up to its timeout)."""
     yield
     eng = SGLangEngine(server.url)
+    body = {"model_path": str(model_dir), "weight_version": "0", "abort_all_requests": True}
     try:
-        eng._call(eng.servers[0], "POST", "/update_weights_from_disk",
-                  {"model_path": str(model_dir), "weight_version": "0"})
+        try:
+            eng._call(eng.servers[0], "POST", "/update_weights_from_disk", body)
+        except EngineError:
+            requests.post(server.url + "/flush_cache", params={"timeout": 60}, timeout=90).raise_for_status()
+            eng._call(eng.servers[0], "POST", "/update_weights_from_disk", body)
     finally:
         eng.close()
 
