@@ -7,6 +7,8 @@ import json
 from decimal import Decimal
 from typing import Any
 
+from trainer.run.controls import AUTOPILOT  # requested_by of the autopilot's knob changes
+
 MISSING = "—"   # a figure a run does not have (summary tables, comparisons)
 
 
@@ -44,7 +46,6 @@ def figure(v: Any) -> str:
 
 # --- events -------------------------------------------------------------------------------------
 
-AUTOPILOT = "autopilot"   # requested_by of the autopilot's knob changes (trainer/pilot/)
 
 
 def value(v: Any) -> str:

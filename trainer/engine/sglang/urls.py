@@ -20,7 +20,6 @@ def parse_urls(urls: str | Iterable[str]) -> list[str]:
     return out
 
 
-
 def request_base(url: str) -> str:
     """The scheme://host:port/path a server's requests go to: no user:password@, no ?query."""
     parts = urlsplit(url)
