@@ -9,7 +9,9 @@ The clipped surrogate is centred on pi_prox, not on pi_b, so the trust region is
 from a recent policy however stale the data is; the off-policyness of the data is corrected
 separately by the behaviour importance weight pi_prox / pi_b (detached), bounded by a cap:
 
-    w_b   = pi_prox / pi_b             (tokens with w_b > cap: masked out, or w_b := cap)
+    w_b   = pi_prox / pi_b             (tokens with w_b > cap: masked out, or w_b := cap;
+                                        cap mode "none": w_b := 1, the rollout correction
+                                        applies this ratio instead, trainer/algo/rollout_correction.py)
     r     = pi_theta / pi_prox
     loss  = w_b * max(-A * r, -A * clip(r, 1 - clip_low, 1 + clip_high))
 
@@ -60,22 +62,25 @@ def behaviour_weights(prox: torch.Tensor, behave: torch.Tensor, cap: float,
         w = torch.where(over, torch.zeros_like(w), w)
     elif mode == "clamp":
         w = w.clamp(max=cap)
+    elif mode == "none":
+        w, over = torch.ones_like(w), torch.zeros_like(over)
     else:
-        raise ValueError(f"behave_cap_mode must be 'mask' or 'clamp', not {mode!r}")
+        raise ValueError(f"behave_cap_mode must be 'mask', 'clamp' or 'none', not {mode!r}")
     return w.detach(), over
 
 
 def token_loss(logp: torch.Tensor, prox: torch.Tensor, behave: torch.Tensor,
                advantages: torch.Tensor, weights: torch.Tensor, *, clip_low: float,
                clip_high: float, cap: float, cap_mode: str, total_tokens: float,
-               ref_logp: torch.Tensor | None = None,
-               kl_coef: float = 0.0) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+               ref_logp: torch.Tensor | None = None, kl_coef: float = 0.0,
+               is_weights: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The decoupled loss of one micro-batch (same aggregation as grpo.token_loss: the sum over
     micro-batches is the token mean of the batch). Returns (loss, sums of statistics)."""
     w_b, over = behaviour_weights(prox, behave, cap, cap_mode)
     loss, stats = grpo.token_loss(logp, prox, advantages, weights * w_b, clip_low=clip_low,
                                   clip_high=clip_high, ref_logp=ref_logp, kl_coef=kl_coef,
-                                  total_tokens=total_tokens)
+                                  is_weights=is_weights, total_tokens=total_tokens)
     stats["behave_imp_weight"] = (torch.exp(prox - behave) * weights).sum().detach()
     stats["behave_capped"] = (over.float() * weights).sum().detach()
     return loss, stats

@@ -10,7 +10,10 @@
        loss  = max(-A * ratio, -A * clip(ratio, 1 - clip_low, 1 + clip_high))
 4. Optional KL penalty to a frozen reference, k3 estimator (always non-negative):
        kl = exp(ref - logp) - (ref - logp) - 1
-5. Token-level aggregation (DAPO): the sum of weighted per-token losses divided by the number
+5. Optional importance weights on the surrogate (the rollout correction,
+   trainer/algo/rollout_correction.py): loss_t := w_t * loss_t for the policy-gradient term only
+   (not the KL penalty, not the token count).
+6. Token-level aggregation (DAPO): the sum of weighted per-token losses divided by the number
    of loss tokens in the whole batch, so long answers are not down-weighted per token.
 
 Everything here is plain tensor math with no model or config access, so it is unit-tested with
@@ -59,14 +62,18 @@ def clipped_surrogate(logp: torch.Tensor, old_logp: torch.Tensor, advantages: to
 def token_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
                weights: torch.Tensor, *, clip_low: float, clip_high: float,
                ref_logp: torch.Tensor | None = None, kl_coef: float = 0.0,
+               is_weights: torch.Tensor | None = None,
                total_tokens: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The GRPO loss of one micro-batch, scaled so that summing over micro-batches gives the
     token mean of the whole batch.
 
     All tensors are per token with one shape ([B, T] padded, or flat). `weights` is the loss
     mask (0 on prompt and padding; APRIL/async may put fractional weights on old tokens).
-    `total_tokens` is sum(weights) over the whole batch. Returns (loss, sums of statistics)."""
+    `total_tokens` is sum(weights) over the whole batch. `is_weights` (default 1) scale each
+    token's surrogate. Returns (loss, sums of statistics)."""
     pg, clipped = clipped_surrogate(logp, old_logp, advantages, clip_low, clip_high)
+    if is_weights is not None:
+        pg = pg * is_weights
     loss_tokens = pg
     stats = {"pg_loss": (pg * weights).sum().detach(),
              "clipped": (clipped.float() * weights).sum().detach(),

@@ -32,6 +32,9 @@ class TrainSequence:
     # weight pi_prox / pi_b); objective.py points it at the sample's metadata, which the rollout
     # inspector shows
     report: dict | None = None
+    # the rollout correction's weight per response token (trainer/algo/rollout_correction.py):
+    # scales the token's surrogate, not its count in the token mean; None = 1
+    is_weights: list[float] | None = None
 
     def __post_init__(self):
         if not self.weights:
@@ -39,9 +42,10 @@ class TrainSequence:
         n = len(self.response_ids)
         if len(self.old_logprobs) != n or len(self.weights) != n:
             raise ValueError("response_ids, old_logprobs and weights must have one entry per token")
-        for extra in (self.behave_logprobs, self.versions):
+        for extra in (self.behave_logprobs, self.versions, self.is_weights):
             if extra is not None and len(extra) != n:
-                raise ValueError("behave_logprobs and versions must have one entry per token")
+                raise ValueError("behave_logprobs, versions and is_weights must have one entry "
+                                 "per token")
 
     @property
     def length(self) -> int:
@@ -112,6 +116,7 @@ class Learner:
         w = torch.zeros((B, T - 1))
         behave = torch.zeros((B, T - 1))
         vers = torch.zeros((B, T - 1))
+        isw = torch.ones((B, T - 1))
         for b, s in enumerate(batch):
             seq = s.prompt_ids + s.response_ids
             ids[b, :len(seq)] = torch.tensor(seq)
@@ -124,10 +129,12 @@ class Learner:
                                                 else s.old_logprobs)
             if s.versions is not None:
                 vers[b, start:end] = torch.tensor(s.versions, dtype=torch.float32)
+            if s.is_weights is not None:
+                isw[b, start:end] = torch.tensor(s.is_weights, dtype=torch.float32)
         temps = torch.tensor([s.temperature for s in batch]).view(B, 1, 1)
         dev = self.device
         return (ids.to(dev), attn.to(dev), old.to(dev), adv.to(dev), w.to(dev), temps.to(dev),
-                behave.to(dev), vers.to(dev))
+                behave.to(dev), vers.to(dev), isw.to(dev))
 
     def _accumulating(self, last: bool):
         """The gradients' all-reduce (DDP) or reduce-scatter (FSDP) runs once per mini-batch, at
@@ -152,7 +159,7 @@ class Learner:
     def _micro_batch_loss(self, mb, pad_id, mb_index, mini_batches, decoupled_loss, total, *,
                           clip_low, clip_high, kl_coef):
         """One micro-batch's share of the loss (GRPO, or decoupled PPO for asynchronous runs)."""
-        ids, attn, old, adv, w, temps, behave, vers = self._pack(mb, pad_id)
+        ids, attn, old, adv, w, temps, behave, vers, isw = self._pack(mb, pad_id)
         logp, entropy = self._token_logprobs(self.ddp or self.model, ids, attn, temps, True)
         ref = None
         if self.reference is not None:
@@ -160,7 +167,8 @@ class Learner:
                 ref, _ = self._token_logprobs(self.reference, ids, attn, temps)
         if decoupled_loss is None:
             loss, stats = grpo.token_loss(logp, old, adv, w, clip_low=clip_low, clip_high=clip_high,
-                                          ref_logp=ref, kl_coef=kl_coef, total_tokens=total)
+                                          ref_logp=ref, kl_coef=kl_coef, is_weights=isw,
+                                          total_tokens=total)
         else:
             prox = old
             if decoupled_loss.prox == "loglinear":
@@ -169,7 +177,7 @@ class Learner:
             loss, stats = decoupled.token_loss(
                 logp, prox, behave, adv, w, clip_low=clip_low, clip_high=clip_high,
                 cap=decoupled_loss.cap, cap_mode=decoupled_loss.cap_mode,
-                total_tokens=total, ref_logp=ref, kl_coef=kl_coef)
+                total_tokens=total, ref_logp=ref, kl_coef=kl_coef, is_weights=isw)
             if any(s.report is not None for s in mb):
                 w_b, _ = decoupled.behaviour_weights(prox, behave, decoupled_loss.cap,
                                                      decoupled_loss.cap_mode)
@@ -197,7 +205,7 @@ class Learner:
         model = self.reference if reference else self.model
         out: dict[int, list[float]] = {}
         for mb in self._matched(micro_batches(seqs, max_tokens), pad_id):
-            ids, attn, _, _, _, temps, _, _ = self._pack(mb, pad_id)
+            ids, attn, _, _, _, temps, _, _, _ = self._pack(mb, pad_id)
             logp, _ = self._token_logprobs(model, ids, attn, temps)
             for b, s in enumerate(mb):
                 start = len(s.prompt_ids) - 1

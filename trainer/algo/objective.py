@@ -8,23 +8,47 @@
 4. off-policy tokens (APRIL's partial rollouts carry tokens of older policies): kept, masked or
    weighted by truncated importance sampling, times decay^age (`token_weights`);
 5. asynchronous training: the behaviour log-probabilities and per-token versions the decoupled
-   PPO loss needs (trainer/algo/decoupled.py), and pi_prox recomputed or interpolated.
+   PPO loss needs (trainer/algo/decoupled.py), and pi_prox recomputed or interpolated;
+6. the training–inference mismatch (trainer/algo/rollout_correction.py): the engine's
+   log-probabilities against the trainer's, measured (`mismatch.measure`) and, with
+   `mismatch.correction`, corrected by the weight pi_old / pi_rollout, which then replaces
+   APRIL's version TIS and AReaL's behaviour weight (the same ratio; never applied twice).
 
 The loss itself is trainer/algo/grpo.py (or decoupled.py); the learner aggregates it.
 """
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 
 from trainer.algo import grpo
+from trainer.algo import rollout_correction as rc
 from trainer.algo.decoupled import DecoupledLoss
 from trainer.algo.learner import TrainSequence
 
 # current-policy log-probabilities of sequences (a forward pass of the model being trained)
 Logprobs = Callable[[list[TrainSequence]], list[list[float]]]
+
+# edges of the per-sequence log-ratio histogram (log pi_old(y) - log pi_rollout(y)), fixed so
+# that every step's histogram lines up; values beyond them land in the end bins
+SEQ_LOG_RATIO_EDGES = [round(-2.0 + 0.1 * i, 1) for i in range(41)]
+
+
+class Objective(NamedTuple):
+    """What the update trains on: the sequences, the step's metrics and histograms ({name:
+    (values, edges)}), and the decoupled-loss settings (asynchronous runs; else None)."""
+    seqs: list[TrainSequence]
+    metrics: dict[str, float]
+    decoupled: DecoupledLoss | None
+    histograms: dict[str, tuple[list[float], list[float]]]
+
+
+def correction(cfg) -> rc.Correction:
+    """The config's rollout correction."""
+    mm = cfg.mismatch
+    return rc.Correction(mode=mm.correction, level=mm.level, lower=mm.lower, upper=mm.upper)
 
 
 def shaped_rewards(scores: list[float], lengths: list[int], cfg) -> list[float]:
@@ -67,11 +91,10 @@ def token_weights(versions: list[int], version: int, behaviour_logp: list[float]
     return weights, old
 
 
-def train_sequences(groups, cfg, version: int, logprobs: Logprobs
-                    ) -> tuple[list[TrainSequence], dict[str, float], DecoupledLoss | None]:
-    """The sequences to train on, their metrics, and the decoupled-loss settings (async)."""
+def train_sequences(groups, cfg, version: int, logprobs: Logprobs) -> Objective:
+    """The sequences to train on, their metrics and histograms, and the decoupled-loss settings."""
     if not groups:
-        return [], {}, None
+        return Objective([], {}, None, {})
     rewards = torch.tensor([g.rewards for g in groups], dtype=torch.float32)
     adv = grpo.group_advantages(rewards, scale_by_std=cfg.algo.scale_adv_by_std)
     seqs, samples = [], []
@@ -83,49 +106,109 @@ def train_sequences(groups, cfg, version: int, logprobs: Logprobs
                                       float(adv[gi, si]), s.params.temperature))
             samples.append(s)
     m = {"actor/advantage_abs_mean": float(adv.abs().mean()) if adv.numel() else 0.0}
+    hists: dict = {}
+    fix = correction(cfg)
     if cfg.async_.enabled:
-        return seqs, m, _decoupled(seqs, samples, cfg, version, logprobs)
-    # pi_old: the engine's behaviour logprobs, or recomputed; APRIL's off-policy tokens
+        return Objective(seqs, m, _decoupled(seqs, samples, cfg, version, logprobs, fix, m, hists),
+                         hists)
+    # pi_old: the engine's behaviour logprobs, or the trainer's; APRIL's off-policy tokens
     stale = [any(v < version for v in s.versions) for s in samples]
     offpolicy = cfg.april.enabled and any(stale)
+    trainers_old = cfg.algo.recompute_old_logprobs or fix.on   # pi_old := the trainer's
     current = None
-    if cfg.algo.recompute_old_logprobs and seqs:
+    if seqs and (trainers_old or cfg.mismatch.measure):
         current = logprobs(seqs)
+        _measure(samples, current, version, cfg, m, hists)
     elif offpolicy and cfg.april.offpolicy == "tis":
         # TIS needs the current policy's logprobs only where a token is stale: a sample made
-        # wholly by the current policy has them already, its behaviour logprobs (the engine
-        # equals a forward pass), so the trainer's extra forward runs over the stale ones alone
+        # wholly by the current policy has them already, its behaviour logprobs (taken to equal
+        # a forward pass: with mismatch.measure off nothing checks it), so the trainer's extra
+        # forward runs over the stale ones alone
         which = [i for i, st in enumerate(stale) if st]
         current = [list(s.logprobs) for s in samples]
         for i, lp in zip(which, logprobs([seqs[i] for i in which])):
             current[i] = lp
+    # the correction owns pi_old / pi_rollout for every token: APRIL's TIS (that ratio, for old
+    # tokens) steps aside, its mask and decay stay
+    mode = "as_is" if fix.on and cfg.april.offpolicy == "tis" else cfg.april.offpolicy
     masked = 0
     for i, (seq, s) in enumerate(zip(seqs, samples)):
         cur = current[i] if current is not None else None
         if offpolicy:
             seq.weights, seq.old_logprobs = token_weights(
-                s.versions, version, s.logprobs, cur, mode=cfg.april.offpolicy,
-                cap=cfg.april.tis_cap, decay=cfg.april.decay)
+                s.versions, version, s.logprobs, cur if trainers_old or mode == "tis" else None,
+                mode=mode, cap=cfg.april.tis_cap, decay=cfg.april.decay)
             masked += sum(1 for w in seq.weights if w == 0.0)
             s.meta["is_weight"] = sum(seq.weights) / max(len(seq.weights), 1)  # rollout inspector
-        elif cur is not None:
+        elif trainers_old and cur is not None:
             seq.old_logprobs = cur
+    if fix.on and seqs:
+        _correct(seqs, samples, [q.old_logprobs for q in seqs], fix, m)
     seqs = [s for s in seqs if any(w > 0 for w in s.weights)]
     if offpolicy:
         m["april/masked_tokens"] = masked
-    return seqs, m, None
+    return Objective(seqs, m, None, hists)
 
 
-def _decoupled(seqs, samples, cfg, version: int, logprobs: Logprobs) -> DecoupledLoss:
+def _measure(samples, trainer_logp: list[list[float]], version: int, cfg, m: dict,
+             hists: dict) -> None:
+    """The mismatch figures of the step's trained samples (mismatch/*), per version age where
+    the rollout mixes versions, and the histogram of each sequence's log-ratio."""
+    old, mask = rc.padded(trainer_logp)
+    engine, _ = rc.padded([list(s.logprobs) for s in samples])
+    mm = cfg.mismatch
+    m.update({f"mismatch/{k}": v for k, v in
+              rc.figures(old, engine, mask, lower=mm.lower, upper=mm.upper).items()})
+    if cfg.april.enabled or cfg.async_.enabled:
+        ages, _ = rc.padded([[version - v for v in s.versions] for s in samples])
+        m.update({f"mismatch/{k}": v for k, v in rc.figures_by_age(old, engine, mask, ages).items()})
+    ratios = rc.sequence_log_ratios(old, engine, mask)
+    for s, r in zip(samples, ratios):
+        s.meta["seq_log_ratio"] = r    # the rollout inspector's
+    hists["mismatch/seq_log_ratio"] = (ratios, SEQ_LOG_RATIO_EDGES)
+
+
+def _correct(seqs, samples, old_logp: list[list[float]], fix: rc.Correction, m: dict) -> None:
+    """The correction's weights on each sequence (pi_old / pi_rollout, pi_old = `old_logp`),
+    and what they did: mean weight, share of tokens masked out, share truncated."""
+    old, mask = rc.padded(old_logp)
+    engine, _ = rc.padded([list(s.logprobs) for s in samples])
+    w = rc.weights(old, engine, mask, fix)
+    n = float(mask.sum()) or 1.0
+    raw = rc.weights(old, engine, mask, rc.Correction("mask", fix.level, 0.0, math.inf))
+    m["mismatch/correction_weight"] = float(w.sum()) / n
+    m["mismatch/correction_zeroed_ratio"] = float(((w == 0) & (mask > 0)).sum()) / n
+    m["mismatch/correction_truncated_ratio"] = float(((raw > w) & (w > 0)).sum()) / n
+    for i, (seq, s) in enumerate(zip(seqs, samples)):
+        seq.is_weights = w[i, :len(seq.response_ids)].tolist()
+        s.meta["is_weight"] = (sum(a * b for a, b in zip(seq.is_weights, seq.weights))
+                               / max(sum(seq.weights), 1e-9))
+        seq.report = None   # the inspector's weight is this one (asynchronous runs)
+        # a masked token leaves the loss and the token count (a whole sequence: it is not trained)
+        seq.weights = [x if iw > 0 else 0.0 for x, iw in zip(seq.weights, seq.is_weights)]
+
+
+def _decoupled(seqs, samples, cfg, version: int, logprobs: Logprobs, fix: rc.Correction,
+               m: dict, hists: dict) -> DecoupledLoss:
     """Decoupled PPO inputs: behaviour logprobs and versions from the engine, pi_prox
     recomputed with the pre-update weights (or interpolated in the learner). The learner
-    reports each sample's mean applied behaviour weight into its metadata (the inspector)."""
+    reports each sample's mean applied behaviour weight into its metadata (the inspector).
+    pi_prox / pi_b is the mismatch measured (one more forward pass with loglinear); with a
+    correction on, the correction's weight replaces the behaviour weight's cap."""
     a = cfg.async_
     for seq, s in zip(seqs, samples):
         seq.behave_logprobs, seq.versions = list(s.logprobs), list(s.versions)
         seq.report = s.meta
-    if a.prox_logp == "recompute" and seqs:
-        for seq, p in zip(seqs, logprobs(seqs)):
+    trainer = None
+    if seqs and (a.prox_logp == "recompute" or cfg.mismatch.measure):
+        trainer = logprobs(seqs)
+        _measure(samples, trainer, version, cfg, m, hists)
+    if a.prox_logp == "recompute" and trainer is not None:
+        for seq, p in zip(seqs, trainer):
             seq.old_logprobs = p
-    return DecoupledLoss(cap=a.behave_imp_cap, cap_mode=a.behave_cap_mode, prox=a.prox_logp,
+    cap_mode = a.behave_cap_mode
+    if fix.on and trainer is not None:   # checks.py refuses a correction with loglinear
+        _correct(seqs, samples, trainer, fix, m)
+        cap_mode = "none"
+    return DecoupledLoss(cap=a.behave_imp_cap, cap_mode=cap_mode, prox=a.prox_logp,
                          version=version)

@@ -51,6 +51,11 @@ def check(cfg: Config) -> None:
     if cfg.april.segment_max_tokens > cfg.rollout.max_response_len:
         errors["april.segment_max_tokens"] = (f"must not exceed rollout.max_response_len "
                                               f"({cfg.rollout.max_response_len})")
+    if (cfg.mismatch.correction != "off" and cfg.async_.enabled
+            and cfg.async_.prox_logp != "recompute"):
+        errors["mismatch.correction"] = ("corrects by pi_prox / pi_b, which needs the trainer's "
+                                         "pi_prox: set async.prox_logp = 'recompute' (loglinear "
+                                         "interpolates it from the engine's own log-probabilities)")
     if errors:
         raise ConfigError(errors)
 

@@ -79,6 +79,10 @@ class RolloutConfig:
     max_response_len: int = param(256, min=1, max=32768, help="most tokens in one response")
     max_slots: int = param(128, min=1, max=4096,
                            help="sequences the engine decodes at once (continuous batching)")
+    dtype: str = param("auto", choices=["auto", "float32", "bfloat16", "float16"],
+                       help="the engine's precision, apart from the trainer's (model.dtype): auto "
+                       "= the trainer's; embedded engine and pool: any; SGLang: the servers' "
+                       "--dtype, checked against this (docs/engines.md)")
     temperature: float = param(1.0, min=0.05, max=2.0, tunable=True, help="sampling temperature")
     top_p: float = param(1.0, min=0.01, max=1.0, tunable=True, help="nucleus sampling threshold")
     recompute_kv_on_update: bool = param(False, help="recompute in-flight sequences' KV cache "
@@ -114,7 +118,27 @@ class AlgoConfig:
     overlong_penalty_factor: float = param(1.0, min=0.0, max=10.0, tunable=True,
                                            help="largest overlong penalty")
     recompute_old_logprobs: bool = param(False, help="recompute pi_old with the trainer instead of "
-                                         "using the engine's logprobs (use with bf16 engines)")
+                                         "using the engine's logprobs (a mismatch.correction "
+                                         "does too)")
+
+
+@dataclass
+class MismatchConfig:
+    measure: bool = param(True, tunable=True,
+                          help="measure how far the engine's log-probabilities are from the "
+                          "trainer's each step (mismatch/*; one more forward pass where the loss "
+                          "does not recompute pi_old already)")
+    correction: str = param("off", choices=["off", "truncate", "mask", "band"], tunable=True,
+                            help="correct the loss by pi_old / pi_rollout (pi_old then the "
+                            "trainer's): truncate = TIS, min(w, upper); mask = MIS, w inside "
+                            "[lower, upper] else 0; band = IcePop, 1 inside else 0")
+    level: str = param("token", choices=["token", "sequence", "geometric"], tunable=True,
+                       help="the correction's ratio: per token, the sequence's product, or its "
+                       "geometric mean per token")
+    lower: float = param(0.5, min=0.0, max=1.0, tunable=True,
+                         help="lower end of the band (mask, band, and the outside-band figure)")
+    upper: float = param(2.0, min=1.0, max=1000.0, tunable=True,
+                         help="upper end of the band, and the truncation cap")
 
 
 @dataclass
@@ -284,6 +308,7 @@ SECTIONS: dict[str, type] = {
     "data": DataConfig,
     "rollout": RolloutConfig,
     "algo": AlgoConfig,
+    "mismatch": MismatchConfig,
     "optim": OptimConfig,
     "april": AprilConfig,
     "greso": GresoConfig,
@@ -304,6 +329,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
+    mismatch: MismatchConfig = field(default_factory=MismatchConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     april: AprilConfig = field(default_factory=AprilConfig)
     greso: GresoConfig = field(default_factory=GresoConfig)

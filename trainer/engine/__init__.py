@@ -10,6 +10,9 @@ def build_engine(cfg, model, tokenizer, device, dtype, max_seq_len: int, *,
                  weights_dir: str | Path | None = None):
     """The engine `cfg.rollout.engine` names.
 
+    `dtype` is the trainer's; `rollout.dtype` other than "auto" sets the engine's own (the
+    engine then samples from a policy that differs from the trainer's by that precision: the
+    training–inference mismatch, trainer/algo/rollout_correction.py).
     embedded: an EmbeddedEngine over `model` on `device`/`dtype` with `cfg.rollout.max_slots`
     slots of `max_seq_len` positions, seeded with `cfg.run.seed`. On CUDA the KV cache is sized
     from free memory: at most max_slots, as many as fit in half the memory free now (and again
@@ -17,7 +20,7 @@ def build_engine(cfg, model, tokenizer, device, dtype, max_seq_len: int, *,
     With `cluster.gen_procs` >= 1 the embedded engine decodes in that many child processes
     (`process.ProcessEngine`) behind one `pool.EnginePool` (balanced; a child that dies is
     restarted and its samples go on elsewhere), each with `async.worker_threads` torch threads
-    and the trainer's dtype; on CUDA member i decodes on cuda:(LOCAL_WORLD_SIZE + i) when that many
+    and the engine's dtype; on CUDA member i decodes on cuda:(LOCAL_WORLD_SIZE + i) when that many
     GPUs are visible, else on the trainer's device. With gen_procs = 0, `async.enabled` and
     `async.worker = "process"` make it a pool of one.
     sglang: an SGLangEngine over `cfg.rollout.sglang_urls` (checked with /health now: raises
@@ -33,6 +36,7 @@ def build_engine(cfg, model, tokenizer, device, dtype, max_seq_len: int, *,
     from trainer.models.loading import stop_token_ids
 
     r = cfg.rollout
+    dtype = engine_dtype(r.dtype, dtype)
     eos = stop_token_ids(model, tokenizer)  # the tokenizer's eos and the generation config's
     stops = stop_strings(r.stop)
     if r.engine == "sglang":
@@ -58,6 +62,13 @@ def build_engine(cfg, model, tokenizer, device, dtype, max_seq_len: int, *,
     return _with_stops(tokenizer, stops, EmbeddedEngine(
         model, eos_token_ids=eos, kv_memory_fraction=0.5, max_seq_len=max_seq_len,
         seed=cfg.run.seed, device=device, dtype=dtype, **slots))
+
+
+def engine_dtype(name: str, trainer_dtype):
+    """The engine's torch dtype for `rollout.dtype` (auto: the trainer's)."""
+    import torch
+
+    return trainer_dtype if name == "auto" else getattr(torch, name)
 
 
 def _process_pool(model, size: int, *, device, seed: int, **kwargs):

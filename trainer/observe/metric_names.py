@@ -55,6 +55,18 @@ SCALARS: dict[str, str] = {
     "actor/behave_capped_ratio": "share of tokens over the behaviour-weight cap",
     "actor/grad_norm": "gradient norm before clipping", "actor/lr": "learning rate",
     "actor/loss_tokens": "tokens in the loss", "actor/advantage_abs_mean": "mean |advantage|",
+    # training–inference mismatch (trainer/algo/rollout_correction.py): the engine's
+    # log-probability pi_rollout (pi_b) against the trainer's pi_old (pi_prox), per trained token
+    "mismatch/kl": "engine vs trainer: k3 estimate of KL(pi_rollout || pi_old), token mean",
+    "mismatch/kl_k1": "engine vs trainer: k1 estimate (log pi_rollout - log pi_old), token mean",
+    "mismatch/abs_logp_diff": "mean |log pi_old - log pi_rollout| per token",
+    "mismatch/abs_logp_diff_max": "largest |log pi_old - log pi_rollout| of the step",
+    "mismatch/outside_band_ratio": "share of tokens whose pi_old / pi_rollout is outside "
+                                   "[mismatch.lower, mismatch.upper]",
+    "mismatch/tokens": "tokens measured",
+    "mismatch/correction_weight": "mean correction weight applied (1 = no correction)",
+    "mismatch/correction_zeroed_ratio": "share of tokens the correction masked out of the loss",
+    "mismatch/correction_truncated_ratio": "share of tokens whose weight was truncated at upper",
     # throughput and time
     "perf/gen_tokens_per_s": "generated tokens per second of generation",
     "perf/trained_tokens_per_s": "trained tokens per second of step",
@@ -107,18 +119,23 @@ SCALARS: dict[str, str] = {
 # of the run, named by its timeline lane (rank0, rank1, engine, ...: trainer/observe/timeline.py):
 # proc/<lane>/cpu_pct (% of one core) and proc/<lane>/rss_gb (trainer/observe/system.py ProcessMeter)
 PATTERNS = {r"^system/gpu\d+/(util|mem_gb|power_w)$": "per-GPU telemetry",
-            r"^proc/[A-Za-z0-9_-]+/(cpu_pct|rss_gb)$": "per-process CPU (% of one core) and memory (GB)"}
+            r"^proc/[A-Za-z0-9_-]+/(cpu_pct|rss_gb)$": "per-process CPU (% of one core) and memory (GB)",
+            # by policy-version age (APRIL, asynchronous): age 0 is the engine's mismatch alone,
+            # older tokens add the policy's drift since they were sampled
+            r"^mismatch/age(0|1|2plus)/(kl|abs_logp_diff)$": "mismatch by token age (versions)"}
 
 HISTOGRAM_AXES: dict[str, str] = {  # histogram name -> what its x axis counts
     "rollout/response_len": "response length (tokens)",
     "async/staleness": "staleness (policy versions behind)",
     "april/version_span": "versions spanned by one sample (policy versions)",
     "april/buffer_age": "age of a buffered partial sample (policy versions)",
+    "mismatch/seq_log_ratio": "log pi_old(y) - log pi_rollout(y) per sequence",
 }
 
 # The dashboard's charts, in page order. keys: line traces; "fallback": used when the first
 # key has no data (no GPU); "pattern": traces for every matching name (one per device);
-# "prefix": every name under it; type "hist"/"heat": the histogram `name`; "eta": draw eta.
+# "prefix": every name under it; type "hist"/"heat": the histogram `name`; "eta": draw eta;
+# "band": draw the mismatch band's |log| ends (mismatch.lower, mismatch.upper) on the y2 axis.
 CHARTS: list[dict] = [
     {"id": "system", "title": "GPU utilisation (%) and memory (GB), mean over devices",
      "keys": ["system/gpu_util", "system/gpu_mem_gb"], "y2": 1,
@@ -133,6 +150,16 @@ CHARTS: list[dict] = [
     {"id": "reward", "title": "Reward and accuracy",
      "keys": ["reward/mean", "reward/accuracy", "eval/accuracy"]},
     {"id": "kl", "title": "KL to the reference (k3)", "keys": ["actor/kl"]},
+    {"id": "mismatch", "title": "Engine vs trainer: KL (k3) and max |Δ log p|",
+     "keys": ["mismatch/kl", "mismatch/abs_logp_diff_max"], "y2": 1, "band": True},
+    {"id": "mismatch-age", "title": "Engine vs trainer by token age (versions): KL (k3)",
+     "pattern": r"^mismatch/age[^/]+/kl$"},
+    {"id": "mismatch-correction",
+     "title": "Engine vs trainer: tokens outside the band, and the correction",
+     "keys": ["mismatch/outside_band_ratio", "mismatch/correction_weight",
+              "mismatch/correction_zeroed_ratio", "mismatch/correction_truncated_ratio"]},
+    {"id": "mismatch-hist", "type": "hist", "name": "mismatch/seq_log_ratio",
+     "title": "Engine vs trainer: log-ratio per sequence (latest step)"},
     {"id": "len-hist", "type": "hist", "name": "rollout/response_len",
      "title": "Rollout length (latest step)"},
     {"id": "len-heat", "type": "heat", "name": "rollout/response_len",

@@ -205,8 +205,8 @@ class Runner:
         groups = result.groups
         # the objective's forward passes (old and reference logprobs) count as training
         t_train, wall = time.monotonic(), time.time()
-        seqs, adv_metrics, decoupled_loss = objective.train_sequences(groups, cfg, self.version,
-                                                                      self._logprobs)
+        seqs, adv_metrics, decoupled_loss, histograms = objective.train_sequences(
+            groups, cfg, self.version, self._logprobs)
         train_metrics, ranks, train_s = self._update(cfg, seqs, groups, decoupled_loss,
                                                      t_train, wall)
         samples_s = self._record_samples(cfg, result)   # after the update: the behaviour weights
@@ -216,7 +216,8 @@ class Runner:
         step_s = time.monotonic() - t_step
         m = step_record.record(self, cfg, StepResults(
             result, self.engine.stats.minus(stats0), seqs, adv_metrics, train_metrics, ranks,
-            train_s=train_s, samples_s=samples_s, sync_s=sync_s, step_s=step_s))
+            train_s=train_s, samples_s=samples_s, sync_s=sync_s, step_s=step_s,
+            histograms=histograms))
         self._retune(train_metrics)
         self.sink.scalars(self.step, m)
         self._pilot_after_step(m)

@@ -33,6 +33,7 @@ class StepResults:
     samples_s: float
     sync_s: float
     step_s: float
+    histograms: dict            # the objective's: {name: (values, edges)}
 
 
 def record(run, cfg, results: StepResults) -> dict[str, float]:
@@ -41,6 +42,8 @@ def record(run, cfg, results: StepResults) -> dict[str, float]:
     m = rollout_metrics(run, cfg, result, results.engine_stats, step_s)
     trained_tokens = sum(len(s.response_ids) for s in results.seqs)
     m.update(results.adv_metrics)
+    for name, (values, edges) in results.histograms.items():
+        run.sink.histogram(run.step, name, histogram(values, edges))
     m.update(results.train_metrics)
     m.update({
         "perf/trained_tokens_per_s": trained_tokens / max(step_s, 1e-9),
