@@ -254,3 +254,75 @@ def test_a_persons_change_to_another_knob_ends_the_watch_without_a_judgement():
     assert [(m["changes"][ETA]["old"], m["changes"][ETA]["new"]) for m in made] == [(1, 2), (2, 1)]
     assert "undo_of" not in made[1]["reason"] and made[1]["reason"]["reason"] == "accuracy_fell_after_raise"
     assert made[1]["step"] >= 6 + 3 and etas[-1] == 1
+
+
+# --- the mismatch rule -------------------------------------------------------------------------
+MISMATCH = "mismatch.correction"
+
+
+def simulate_mismatch(cfg, steps: int, *, kl: float = 2e-3, accuracy=lambda correction, step: 0.5):
+    """A synchronous run whose engine disagrees with the trainer by `kl` every step; the steps
+    with the correction on report its weight. Returns (events, the correction at each step)."""
+    sink, pilot = Events(), LivePilot()
+    boundary = StepBoundary(People({}), sink, Driver())
+
+    def changed(cmd, applied):
+        if cmd.requested_by != AUTOPILOT:
+            return
+        if applied:
+            pilot.autopilot.knob_applied(list(cmd.knobs), True)
+        else:
+            pilot.autopilot.knob_refused(list(cmd.knobs))
+
+    boundary.on_knobs = changed
+    seen = []
+    for step in range(1, steps + 1):
+        cfg = boundary.cross(step - 1, cfg)
+        fix = cfg.mismatch.correction
+        seen.append(fix)
+        row = dict(healthy(1)[0], step=step, **{"mismatch/kl": kl, "mismatch/outside_band_ratio": 0.0,
+                                                "reward/accuracy": accuracy(fix, step),
+                                                "reward/mean": accuracy(fix, step)})
+        if fix != "off":
+            row.update({"mismatch/correction_weight": 1.0, "mismatch/correction_zeroed_ratio": 0.0})
+        _, move = pilot.after_step(step, row, cfg)
+        if move is not None:
+            boundary.request(move.knobs, move.reason, requested_by=AUTOPILOT)
+    return sink.events, seen
+
+
+def test_the_autopilot_turns_the_correction_on_once_and_leaves_the_precision_to_a_person():
+    cfg = cfg_of("demo", rollout__dtype="bfloat16", pilot__autopilot=["mismatch"], pilot__every=3)
+    events, seen = simulate_mismatch(cfg, 20)
+    made = moves(events)
+    assert [(m["step"], m["changes"][MISMATCH]["old"], m["changes"][MISMATCH]["new"]) for m in made] \
+        == [(5, "off", "truncate")]                      # min_steps measured steps, then once
+    assert (made[0]["reason"]["rule"], made[0]["reason"]["reason"]) == ("mismatch", "mismatch_high")
+    assert seen[5:] == ["truncate"] * 15 and not [e for e in events if e["kind"] == "knob_rejected"]
+    # still high with it on: the precision advice is a note (a fork), announced, never applied
+    on = cfg_of("demo", rollout__dtype="bfloat16", mismatch__correction="truncate",
+                pilot__autopilot=["mismatch"], pilot__every=3)
+    pilot, announced = LivePilot(), []
+    for s in range(1, 21):
+        row = dict(healthy(1)[0], step=s, **{"mismatch/kl": 2e-3, "mismatch/correction_weight": 1.0})
+        advice, move = pilot.after_step(s, row, on)
+        announced += [(s, a.rule, a.reason, a.knob) for a in advice]
+        assert move is None
+    assert announced == [(5, "mismatch", "mismatch_high", None)]
+
+
+def test_the_correction_is_undone_when_accuracy_falls_and_not_turned_on_again():
+    cfg = cfg_of("demo", pilot__autopilot=["mismatch"], pilot__every=3)
+    events, seen = simulate_mismatch(cfg, 20, accuracy=lambda fix, step: 0.6 if fix == "off" else 0.4)
+    made = moves(events)
+    assert [(m["changes"][MISMATCH]["old"], m["changes"][MISMATCH]["new"]) for m in made] == [
+        ("off", "truncate"), ("truncate", "off")]
+    assert made[1]["reason"]["guard"] == "accuracy" and seen[-1] == "off"
+
+
+def test_an_asynchronous_run_that_interpolates_pi_prox_gets_a_note_not_a_move():
+    # checks.py refuses the correction with async.prox_logp = loglinear (the async preset's)
+    cfg = cfg_of("async", pilot__autopilot=["mismatch"], pilot__every=3)
+    assert cfg.async_.prox_logp == "loglinear"
+    events, seen = simulate_mismatch(cfg, 12)
+    assert moves(events) == [] and set(seen) == {"off"}

@@ -12,7 +12,7 @@ from helpers import TINY_RUN
 
 from trainer import config as config_mod
 from trainer.cli import main as cli
-from trainer.pilot import april, greso, health, staleness
+from trainer.pilot import april, greso, health, mismatch, staleness
 from trainer.pilot.advice import propose
 from trainer.pilot.rules import advise
 from trainer.pilot.thresholds import DEFAULT, Thresholds
@@ -296,6 +296,152 @@ def test_a_kl_runaway_raises_the_kl_coefficient_and_lowers_eta():
     assert a.knob is None and a.message.startswith("stop")
 
 
+# --- engine-trainer mismatch ----------------------------------------------------------------
+# a bfloat16 engine against the float32 trainer, as measured (demo preset, CPU, steps 1-12):
+# healthy, however noisy (one step at 1.8e-4)
+BF16_KL = [5.69e-05, 2.77e-05, 4.24e-05, 4.76e-05, 2.43e-05, 5.23e-05, 4.64e-05, 4.63e-05,
+           7.61e-05, 1.826e-04, 9.79e-05, 3.81e-05]
+BF16_MAX = [0.193, 0.057, 0.134, 0.1, 0.068, 0.104, 0.103, 0.098, 0.208, 0.597, 0.282, 0.108]
+
+
+def measured(kl, *, outside=0.0, n=N, **more) -> list[dict]:
+    """A synchronous run's rows with the mismatch figures: kl one value or a list of n (cycled)."""
+    kls = kl if isinstance(kl, list) else [kl]
+    rows = []
+    for i, row in enumerate(healthy(n)):
+        row.update({"mismatch/kl": kls[i % len(kls)], "mismatch/outside_band_ratio": outside,
+                    "mismatch/abs_logp_diff_max": BF16_MAX[i % len(BF16_MAX)],
+                    **{k.replace("__", "/"): (v[i] if isinstance(v, list) else v)
+                       for k, v in more.items()}})
+        rows.append(row)
+    return rows
+
+
+def corrected(kl, zeroed=0.0, **kw) -> list[dict]:
+    """Rows of steps with the correction on (it reports its weight and what it dropped)."""
+    return measured(kl, mismatch__correction_weight=1.0, mismatch__correction_zeroed_ratio=zeroed,
+                    **kw)
+
+
+def mismatch_advice(rows, cfg):
+    return [a for a in advise(rows, cfg) if a.rule == "mismatch"]
+
+
+def test_a_high_mismatch_with_nothing_correcting_it_turns_the_correction_on():
+    kl = [1.5e-3, 2.5e-3] * 10
+    a = only(measured(kl), cfg_of("demo"), mismatch.mismatch_uncorrected)
+    assert (a.rule, a.reason, a.knob, a.current, a.proposed) == (
+        "mismatch", "mismatch_high", "mismatch.correction", "off", "truncate")
+    median = fig(a, "mismatch/kl", "median")
+    assert median.value == pytest.approx(2e-3) and (median.first_step, median.last_step) == (1, 20)
+    assert fig(a, "mismatch/kl", "last").value == 2.5e-3
+    assert fig(a, "mismatch/outside_band_ratio", "mean").value == 0.0
+    assert "median KL(pi_rollout || pi_old) 0.002" in a.message and "truncate" in a.message
+    assert propose(a.knob, a.proposed) == "truncate"                    # a knob, in its choices
+    assert [x.knob for x in mismatch_advice(measured(kl), cfg_of("demo"))] == ["mismatch.correction"]
+
+
+def test_tokens_outside_the_band_or_a_rising_kl_turn_the_correction_on_too():
+    a = only(measured(1e-4, outside=0.02), cfg_of("demo"), mismatch.mismatch_uncorrected)
+    assert (a.reason, a.proposed) == ("mismatch_high", "truncate")
+    assert fig(a, "mismatch/outside_band_ratio", "mean").value == pytest.approx(0.02)
+    assert "2.0% of the tokens" in a.message
+    # under the level limit all along, but its median quadruples past the rise floor
+    a = only(measured([2e-4] * 10 + [8e-4] * 10), cfg_of("demo"), mismatch.mismatch_uncorrected)
+    assert (a.reason, a.proposed) == ("mismatch_rising", "truncate")
+    assert fig(a, "mismatch/kl", "median, first half").value == pytest.approx(2e-4)
+    assert fig(a, "mismatch/kl", "median, second half").value == pytest.approx(8e-4)
+
+
+@pytest.mark.parametrize("rows", [
+    measured(9e-4),                                   # just under the level limit
+    measured(1e-4, outside=0.009),                    # just under the outside-band limit
+    measured([2.4e-4] * 10 + [4.9e-4] * 10),          # doubled, but under the rise floor
+    measured([3e-4] * 10 + [5.9e-4] * 10),            # over the floor, but x1.97
+    measured(BF16_KL),                                # a bfloat16 engine, as measured
+    measured(1e-9),                                   # a float32 engine, as measured
+    measured(2e-3, n=4),                              # fewer than min_steps measured steps
+    healthy(),                                        # no mismatch figures: a run before them
+])
+def test_the_mismatch_rules_are_silent_under_their_limits_and_without_figures(rows):
+    for cfg in (cfg_of("demo"), cfg_of("demo", mismatch__correction="truncate"),
+                cfg_of("demo", rollout__dtype="bfloat16", mismatch__correction="mask")):
+        with_weights = [dict(r, **{"mismatch/correction_weight": 1.0}) if "mismatch/kl" in r else r
+                        for r in rows]
+        assert mismatch_advice(rows, cfg) == [] and mismatch_advice(with_weights, cfg) == []
+
+
+def test_still_high_with_the_correction_on_raises_the_engines_precision_by_a_fork():
+    cfg = cfg_of("demo", rollout__dtype="bfloat16", mismatch__correction="truncate")
+    assert only(corrected(2e-3), cfg, mismatch.mismatch_uncorrected) is None    # it is on already
+    a = only(corrected(2e-3), cfg, mismatch.mismatch_despite_correction)
+    assert (a.rule, a.reason, a.knob, a.proposed, a.confidence) == (
+        "mismatch", "mismatch_high", None, None, "medium")
+    assert "from bfloat16 to float32" in a.message and "--set rollout.dtype=float32" in a.message
+    assert "mismatch.correction = truncate at token level" in a.message
+    assert "mismatch.level = geometric" in a.message                  # the algorithm-level way
+    assert fig(a, "mismatch/kl", "median").value == pytest.approx(2e-3)
+    # "still": only the steps the correction was on count; three of them are not enough
+    rows = measured(2e-3)
+    for r in rows[-3:]:
+        r["mismatch/correction_weight"] = 1.0
+    assert only(rows, cfg, mismatch.mismatch_despite_correction) is None
+    # rising, with the correction on
+    a = only(corrected([2e-4] * 10 + [8e-4] * 10), cfg, mismatch.mismatch_despite_correction)
+    assert a.reason == "mismatch_rising"
+    # asked for by advise, as a note: the autopilot never acts on it
+    assert [(x.reason, x.knob) for x in mismatch_advice(corrected(2e-3), cfg)] == [
+        ("mismatch_high", None)]
+
+
+def test_a_correction_that_drops_many_tokens_raises_the_engines_precision():
+    cfg = cfg_of("demo", rollout__dtype="float16", mismatch__correction="mask")
+    a = only(corrected(5e-5, zeroed=0.08), cfg, mismatch.mismatch_despite_correction)
+    assert (a.reason, a.knob) == ("correction_drops_tokens", None)
+    assert fig(a, "mismatch/correction_zeroed_ratio", "mean").value == pytest.approx(0.08)
+    assert "drops 8.0% of the tokens" in a.message and "from float16 to float32" in a.message
+    assert only(corrected(5e-5, zeroed=0.049), cfg, mismatch.mismatch_despite_correction) is None
+    # already geometric masking: no need to suggest it
+    geo = cfg_of("demo", rollout__dtype="float16", mismatch__correction="mask",
+                 mismatch__level="geometric")
+    assert "mismatch.level = geometric" not in only(corrected(5e-5, zeroed=0.08), geo,
+                                                    mismatch.mismatch_despite_correction).message
+
+
+@pytest.mark.parametrize("engine", ["auto", "float32"])
+def test_an_engine_at_full_precision_points_to_the_kernels_not_the_engines_dtype(engine):
+    cfg = cfg_of("demo", rollout__dtype=engine, mismatch__correction="truncate")
+    a = only(corrected(2e-3), cfg, mismatch.mismatch_despite_correction)
+    assert (a.knob, a.confidence) == (None, "low")
+    assert "kernels" in a.message and "from bfloat16" not in a.message
+    assert ("in float32" if engine == "float32" else "at the trainer's precision") in a.message
+
+
+def test_runs_with_versions_read_the_age_0_mismatch_alone():
+    # APRIL: older tokens add the policy's drift to mismatch/kl and to the outside-band share;
+    # the engine's own figure is age 0's
+    drift = measured(5e-3, outside=0.2, mismatch__age0__kl=5e-5, mismatch__age1__kl=1e-2)
+    assert mismatch_advice(drift, cfg_of("april")) == []
+    a = only(measured(5e-5, mismatch__age0__kl=2e-3), cfg_of("april"), mismatch.mismatch_uncorrected)
+    assert (a.knob, a.proposed) == ("mismatch.correction", "truncate")
+    assert fig(a, "mismatch/age0/kl", "median").value == pytest.approx(2e-3)
+    assert not any(f.name == "mismatch/outside_band_ratio" for f in a.evidence)
+
+
+def test_asynchronous_runs_count_the_behaviour_weight_as_the_correction():
+    rows = measured(5e-5, mismatch__age0__kl=2e-3)
+    # pi_prox recomputed: the decoupled loss weights each token by pi_prox / pi_b already
+    cfg = cfg_of("async", rollout__dtype="bfloat16", async__prox_logp="recompute")
+    assert only(rows, cfg, mismatch.mismatch_uncorrected) is None
+    a = only(rows, cfg, mismatch.mismatch_despite_correction)
+    assert a.knob is None and "behaviour weight" in a.message and "rollout.dtype=float32" in a.message
+    # pi_prox interpolated (the preset's): nothing corrects it, and the correction needs a fork
+    # (checks.py refuses it with loglinear)
+    cfg = cfg_of("async", async__prox_logp="loglinear")
+    a = only(rows, cfg, mismatch.mismatch_uncorrected)
+    assert a.knob is None and "--set async.prox_logp=recompute" in a.message
+    assert only(rows, cfg, mismatch.mismatch_despite_correction) is None
+
 # --- the whole ----------------------------------------------------------------------------------
 def test_advise_reads_the_latest_window_and_keys_are_stable():
     rows = healthy() + [{**r, "step": r["step"] + N} for r in series(**STARVED)]
@@ -386,6 +532,45 @@ def test_advise_says_what_is_wrong_with_a_run_directory(tiny_run_dir, tmp_path, 
     assert cli.main(["advise", str(bad)]) == 2
     assert "optim.lr" in capsys.readouterr().err
 
+
+
+@pytest.fixture(scope="module")
+def bf16_run(tmp_path_factory):
+    """A real short CPU run whose engine computes in bfloat16 against the float32 trainer, with
+    the mask correction on (so both rules read its rows): its config and metric rows."""
+    from trainer.observe.metrics import MemorySink
+    from trainer.run.runner import Runner
+
+    cfg = config_mod.load("demo", list(TINY_RUN) + ["rollout.dtype=bfloat16",
+                                                   "mismatch.correction=mask", "run.max_steps=10"])
+    sink = MemorySink()
+    with Runner(cfg, tmp_path_factory.mktemp("bf16"), sink=sink, system_telemetry=False) as runner:
+        runner.run()
+    return cfg, sink.steps
+
+
+def test_a_real_bfloat16_engine_is_healthy_to_the_mismatch_rules(bf16_run):
+    import dataclasses
+    import statistics
+
+    cfg, rows = bf16_run
+    measured_rows = [r for r in rows if "mismatch/kl" in r]
+    kl = [r["mismatch/kl"] for r in measured_rows]
+    # guard: the run measured a real gap, on enough steps for the rules to read (a float32
+    # engine: kl about 1e-9, |d log p| at most about 1e-5)
+    assert len(kl) >= DEFAULT.min_steps and min(kl) > 0, kl
+    assert max(r["mismatch/abs_logp_diff_max"] for r in measured_rows) > 1e-3
+    assert all("mismatch/correction_zeroed_ratio" in r for r in measured_rows)
+    uncorrected = config_mod.load("demo", list(TINY_RUN) + ["rollout.dtype=bfloat16"])
+    for c in (cfg, uncorrected):              # the same rows, read as corrected and as not
+        assert mismatch_advice(rows, c) == []
+    # and the rules do read these rows: with the KL limit under their own median, each advises
+    low = dataclasses.replace(DEFAULT, mismatch_kl_high=statistics.median(kl) / 2)
+    a = mismatch.mismatch_uncorrected(Window(rows), uncorrected, low)
+    assert (a.knob, a.proposed) == ("mismatch.correction", "truncate")
+    assert fig(a, "mismatch/kl", "median").value == pytest.approx(statistics.median(kl))
+    a = mismatch.mismatch_despite_correction(Window(rows), cfg, low)
+    assert a.reason == "mismatch_high" and "--set rollout.dtype=float32" in a.message
 
 def test_the_docs_list_every_threshold_with_its_default_and_source():
     from pathlib import Path

@@ -33,6 +33,7 @@ def test_the_advice_panel_in_the_browser(live_asgi, django_user_model, monkeypat
     from playwright.sync_api import expect
     from test_advice_panel import advice_rows, trainer_applies
 
+    from trainer.config import AUTOPILOT_RULES
     from webapp.dashboard import actions, advice
     from webapp.dashboard.actions import Record
     from webapp.dashboard.models import KnobChange, Run, RunEvent
@@ -126,7 +127,7 @@ def test_the_advice_panel_in_the_browser(live_asgi, django_user_model, monkeypat
         expect(item(page, kl["evidence_key"])).to_contain_text("applied at step 30")
 
         # --- the autopilot: a checkbox per rule sends pilot.autopilot, a list knob
-        expect(page.locator("#autopilot-rules input")).to_have_count(4)
+        expect(page.locator("#autopilot-rules input")).to_have_count(len(AUTOPILOT_RULES))
         expect(page.locator("#autopilot-state")).to_have_text("off: advice only")
         page.check('#autopilot-rules input[value="staleness"]')
         expect(page.locator("#autopilot-state")).to_have_text("pending: applies at the next step boundary")

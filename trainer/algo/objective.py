@@ -162,10 +162,8 @@ def _measure(samples, trainer_logp: list[list[float]], version: int, cfg, m: dic
     if cfg.april.enabled or cfg.async_.enabled:
         ages, _ = rc.padded([[version - v for v in s.versions] for s in samples])
         m.update({f"mismatch/{k}": v for k, v in rc.figures_by_age(old, engine, mask, ages).items()})
-    ratios = rc.sequence_log_ratios(old, engine, mask)
-    for s, r in zip(samples, ratios):
-        s.meta["seq_log_ratio"] = r    # the rollout inspector's
-    hists["mismatch/seq_log_ratio"] = (ratios, SEQ_LOG_RATIO_EDGES)
+    hists["mismatch/seq_log_ratio"] = (rc.sequence_log_ratios(old, engine, mask),
+                                       SEQ_LOG_RATIO_EDGES)
 
 
 def _correct(seqs, samples, old_logp: list[list[float]], fix: rc.Correction, m: dict) -> None:

@@ -234,8 +234,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--from-step", type=int, metavar="N", help="the checkpoint step --fork starts from")
     r.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
     r.add_argument("--autopilot", metavar="RULES", help="let the autopilot apply the advice of these "
-                   "rules itself, comma-separated (staleness, april, greso, health; '' = none): "
-                   "--set pilot.autopilot=RULES; its changes are knob_applied events in events.jsonl")
+                   "rules itself, comma-separated (staleness, april, greso, health, mismatch; '' = "
+                   "none): --set pilot.autopilot=RULES; its changes are knob_applied events in "
+                   "events.jsonl")
     r.set_defaults(func=_cmd_run)
 
     c = sub.add_parser("control", help="steer a running run")

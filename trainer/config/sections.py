@@ -280,7 +280,7 @@ class ClusterConfig:
 
 
 # the pilot's rules whose advice the autopilot may apply (trainer/pilot/: one module each)
-AUTOPILOT_RULES = ("staleness", "april", "greso", "health")
+AUTOPILOT_RULES = ("staleness", "april", "greso", "health", "mismatch")
 
 
 @dataclass

@@ -8,6 +8,7 @@ by how much and why (docs/pilot.md).
   april.py       over-sampling, segment limit, response length
   greso.py       GRESO's exploration bounds
   health.py      length hacking, entropy collapse, KL runaway
+  mismatch.py    the engine-trainer mismatch: the rollout correction, the engine's precision
   rules.py       `advise(rows, cfg)`: every rule over the latest window
   `python -m trainer advise RUN_DIR` is trainer/cli/advise.py
 

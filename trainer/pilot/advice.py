@@ -49,7 +49,7 @@ class Advice:
 
 CONFIDENCES = ("low", "medium", "high")
 # every value of Advice.rule: one per rule module ("length" is april.py's truncation note)
-RULE_FAMILIES = ("staleness", "april", "length", "greso", "health")
+RULE_FAMILIES = ("staleness", "april", "length", "greso", "health", "mismatch")
 EVIDENCE_KEY_LEN = 12   # hex digits of Advice.evidence_key
 
 

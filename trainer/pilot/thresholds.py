@@ -110,6 +110,37 @@ class Thresholds:
     kl_coef_start: float = threshold(0.01, help="algo.kl_coef proposed against a KL runaway when it "
                                      "is 0", source="judgement: a nudge, under the 0.04 of "
                                      "DeepSeekMath's GRPO")
+    # --- engine-trainer mismatch --------------------------------------------------------------
+    # Measured here (demo preset, CPU): a float32 engine against the float32 trainer, mismatch/kl
+    # about 1e-9; a bfloat16 engine against it, 2.4e-5 to 9.8e-5 a step and one step at 1.8e-4
+    # (median 4.7e-5 over 12 steps; |d log p| at most 0.6), no token outside [0.5, 2]. Both are
+    # healthy: the KL limit sits 5x above that worst step and 20x above the median.
+    mismatch_kl_high: float = threshold(1e-3, help="median mismatch/kl (k3 KL(pi_rollout || pi_old), "
+                                        "token mean; its age-0 figure where reported) over the "
+                                        "window above which the engine-trainer gap is high",
+                                        source="judgement: the order that users of verl's and slime's "
+                                        "rollout correction treat as a warning sign (a rule of thumb, "
+                                        "not a published bound) for this token-mean k3, the 'vllm-kl' "
+                                        "that Liu, Li et al. 2025 ('When Speed Kills Stability') "
+                                        "monitor; 20x the median of a bfloat16 engine against a "
+                                        "float32 trainer measured here")
+    mismatch_kl_rise_min: float = threshold(5e-4, help="a rise of mismatch/kl (its median doubling, "
+                                            "kl_rise_factor, from one half of the window to the next) "
+                                            "counts only from this median up",
+                                            source="half of mismatch_kl_high, as kl_rise_min is half "
+                                            "of kl_max: doubling from there passes the limit within "
+                                            "one more window")
+    mismatch_outside_high: float = threshold(0.01, help="mean mismatch/outside_band_ratio (tokens "
+                                             "whose pi_old / pi_rollout leaves [mismatch.lower, "
+                                             "mismatch.upper]) above which the gap is high",
+                                             source="judgement: one token in a hundred off by more "
+                                             "than the band (2x at the defaults); 0 for a bfloat16 "
+                                             "engine against a float32 trainer measured here")
+    mismatch_zeroed_high: float = threshold(0.05, help="mean mismatch/correction_zeroed_ratio (tokens "
+                                            "a mask or band correction drops from the loss) above "
+                                            "which the correction, not the engine, is doing the work",
+                                            source="judgement: a twentieth of the trained tokens "
+                                            "dropped each step is a loss of signal worth a relaunch")
 
     @classmethod
     def describe(cls) -> list[dict]:
