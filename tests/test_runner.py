@@ -41,9 +41,12 @@ def test_three_steps_write_metrics_histograms_events_and_a_checkpoint(tmp_path, 
         assert key in rows[-1], key
     assert rows[-1]["train/samples_total"] == 3 * 4 * 4
     hists = [json.loads(line) for line in (tmp_path / "histograms.jsonl").read_text().splitlines()]
-    assert len(hists) == 3 and sum(hists[0]["counts"]) == 16
+    lengths = [h for h in hists if h["name"] == "rollout/response_len"]
+    assert len(lengths) == 3 and sum(lengths[0]["counts"]) == 16
     kinds = [e["kind"] for e in sink.events]
     assert kinds[0] == "run_started" and kinds[-1] == "run_finished" and "checkpoint" in kinds
+    # the trainer's precision and the engine's (rollout.dtype auto: the trainer's)
+    assert (sink.events[0]["model_dtype"], sink.events[0]["rollout_dtype"]) == ("float32", "float32")
     assert checkpoint.latest(tmp_path).name == "step_000003"
 
 

@@ -569,3 +569,89 @@ def test_a_server_waiting_for_weights_gets_them_when_the_last_generating_one_die
     assert b2.weight_version == "1" and not eng.servers[1].stale
     assert b2.generate_calls > 0 and all(set(s.versions) == {1} for s in samples)
     assert any("back in service with weights version 1" in w for w in eng.take_warnings())
+
+
+# --- precision (rollout.dtype) -------------------------------------------------------------------
+def test_the_servers_dtype_is_recorded_and_an_explicit_rollout_dtype_must_match(
+        builtin, server, engines, tmp_path):
+    """/server_info's dtype: recorded with rollout.dtype auto, required to match an explicit one
+    (refused at engine start, naming the server and the knob), weights sent in it; a server
+    back at another dtype stays out of service."""
+    model, tok = builtin
+    half = server(dtype=torch.bfloat16)
+    eng = engines(half.url, tok, model, weights_dir=tmp_path)        # rollout.dtype = auto
+    assert eng.served_dtype == "bfloat16" and not eng.take_warnings()
+    eng.update_weights(model.state_dict(), version=1)   # the trainer's float32, sent in bfloat16
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "v000001" / "model.safetensors"), "pt") as f:
+        assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}
+    assert eng.last_sync_bytes == sum(t.numel() * 2 for k, t in model.state_dict().items()
+                                      if not k.endswith("inv_freq")
+                                      and not (model.config.tie_word_embeddings and k == "lm_head.weight"))
+    s = Sample(ids(tok, "[3,5]="), SamplingParams(max_new_tokens=20))
+    eng.generate([s])
+    assert set(s.versions) == {1} and s.response_ids
+    with pytest.raises(EngineError) as e:
+        engines(half.url, tok, dtype="float32")
+    assert str(e.value) == (f"rollout.dtype=float32 but SGLang server {half.url} serves bfloat16 "
+                            "(its --dtype); start it with --dtype float32 or set rollout.dtype=auto")
+    assert engines(half.url, tok, dtype="bfloat16").served_dtype == "bfloat16"
+    full = server()
+    mixed = engines(f"{full.url},{half.url}", tok)
+    assert mixed.served_dtype == "bfloat16, float32" and mixed._wire_dtype() is None
+    assert mixed.take_warnings() == [f"the SGLang servers serve different dtypes: {full.url} "
+                                     f"float32, {half.url} bfloat16"]
+    # a float32 server goes away and comes back at bfloat16: not with a float32 run
+    other = server()
+    eng = engines(f"{full.url},{other.url}", tok, dtype="float32", rejoin_backoff_s=0.1)
+    port = other.port
+    other.close()
+    eng.generate([Sample(ids(tok, "[1,2]="), SamplingParams(max_new_tokens=8)) for _ in range(4)])
+    assert eng.servers[1].down
+    server(port=port, dtype=torch.bfloat16)
+    eng.take_warnings()
+    deadline = time.monotonic() + 3
+    while time.monotonic() < deadline:
+        eng.step()
+        time.sleep(0.05)
+    assert eng.servers[1].down
+    assert eng.take_warnings() == [
+        f"SGLang server {other.url} answers again but stays out of service: rollout.dtype=float32 "
+        f"but SGLang server {other.url} serves bfloat16 (its --dtype); start it with --dtype "
+        "float32 or set rollout.dtype=auto"]   # once, however often it is probed
+
+
+@pytest.mark.parametrize("info,config,dtype", [
+    ({"dtype": "bfloat16"}, None, "bfloat16"),
+    ({"dtype": "half"}, None, "float16"),
+    ({"server_args": {"dtype": "float"}}, None, "float32"),
+    ({"dtype": "auto"}, {"dtype": "float32", "model_type": "llama"}, "float16"),   # SGLang's rule
+    ({"dtype": "auto"}, {"torch_dtype": "float32", "model_type": "gemma2"}, "bfloat16"),
+    ({"dtype": "auto"}, {"torch_dtype": "bfloat16"}, "bfloat16"),
+    ({"dtype": "auto"}, None, None),                   # the model's config.json is not readable
+    ({"tp_size": 1}, None, None),
+])
+def test_a_servers_dtype_from_its_server_info(tmp_path, info, config, dtype):
+    from trainer.engine.sglang.precision import dtype_from_info
+
+    if config is not None:
+        (tmp_path / "config.json").write_text(json.dumps(config))
+    assert dtype_from_info({**info, "model_path": str(tmp_path)}) == dtype
+
+
+def test_an_unknown_server_dtype_is_refused_only_for_an_explicit_rollout_dtype(builtin, tmp_path):
+    _, tok = builtin
+    srv = _RawServer(lambda line: _http(200, b'{"dtype": "auto", "model_path": "/nowhere"}')
+                     if line.startswith("GET /server_info") else _http(200))
+    try:
+        eng = SGLangEngine(srv.url, eos_token_ids=[tok.eos_token_id])
+        assert eng.served_dtype == "unknown"
+        eng.close()
+        with pytest.raises(EngineError) as e:
+            SGLangEngine(srv.url, eos_token_ids=[tok.eos_token_id], dtype="bfloat16")
+        assert str(e.value) == (f"rollout.dtype=bfloat16 but the dtype of SGLang server {srv.url} "
+                                "is unknown (its /server_info does not name a dtype); start it "
+                                "with --dtype bfloat16 or set rollout.dtype=auto")
+    finally:
+        srv.close()

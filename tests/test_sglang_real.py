@@ -2,11 +2,13 @@
 .venv-sglang; on a CPU, SGLang's CPU engine) serving SmolLM2-135M-Instruct in float32:
 log-probabilities equal the trainer's forward pass, greedy outputs equal Hugging Face's, abort +
 resume loses and repeats nothing, weight updates tag tokens with the server's own versions,
-an APRIL run and an asynchronous run, two servers and one killed mid-run.
+an APRIL run and an asynchronous run, two servers and one killed mid-run, and the
+training–inference mismatch of a float32 and of a bfloat16 server (rollout.dtype).
 
 One server for the module (it takes about a minute to start); the two-server test starts a
-second one and kills it. Skipped only when .venv-sglang is absent (`make sglang`; `make test`
-builds it). Servers run with OMP_NUM_THREADS=1 and are stopped when the module ends.
+second one and kills it, the bfloat16 test starts one of its own. Skipped only when
+.venv-sglang is absent (`make sglang`; `make test` builds it). Servers run with
+OMP_NUM_THREADS=1 and are stopped when the module ends.
 """
 import threading
 import time
@@ -24,6 +26,7 @@ from trainer.engine.sglang.server import VENV, SGLangServer
 from trainer.models import gguf_import
 from trainer.models.loading import load_model, load_tokenizer, stop_token_ids
 from trainer.observe.metrics import MemorySink
+from trainer.run.controls import SET_KNOBS, Command, ControlSource
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not (VENV / "bin" / "python").is_file(),
@@ -461,6 +464,100 @@ def test_two_servers_share_requests_and_a_killed_one_hands_its_requests_over(
     warnings = [e for e in sink.events if e["kind"] == "warning"]
     assert any(second.url in e["message"] and "out of service" in e["message"]
                for e in warnings), sink.events
+
+
+# --- precision: rollout.dtype and the training–inference mismatch -----------------------------
+MISMATCH = ["mismatch.lower=0.98", "mismatch.upper=1.02"]   # a narrow band: bfloat16 leaves it
+
+
+class _KnobsAtSteps(ControlSource):
+    """`{after step: knobs}`: each set once the run has finished that many steps."""
+
+    def __init__(self, plan):
+        self.plan, self.runner = dict(plan), None
+
+    def poll(self):
+        knobs = self.plan.pop(self.runner.step, None) if self.runner is not None else None
+        return [Command(SET_KNOBS, knobs=knobs)] if knobs else []
+
+
+def _started(sink) -> dict:
+    return next(e for e in sink.events if e["kind"] == "run_started")
+
+
+def test_a_float32_server_and_the_trainer_agree_to_rounding(model_dir, server, tmp_path,
+                                                             original_weights_after):
+    """The mismatch figures of a float32 server (the module's) are float rounding: the engine's
+    log-probabilities are the trainer's. Measured on this CPU (2 steps): mean |d| 2.6e-6 and
+    2.7e-6, max 1.6e-5 and 1.8e-5, KL (k3) 8e-12 and 9e-12."""
+    from trainer.run.runner import Runner
+
+    cfg = run_config(model_dir, server.url, "run.max_steps=2", "rollout.dtype=float32", *MISMATCH)
+    sink = MemorySink()
+    with Runner(cfg, tmp_path, sink=sink, system_telemetry=False) as r:
+        assert r.run() == "finished" and r.step == 2
+    assert (_started(sink)["model_dtype"], _started(sink)["rollout_dtype"]) == ("float32", "float32")
+    assert len(sink.series("mismatch/kl")) == 2
+    assert max(sink.series("mismatch/abs_logp_diff")) < 5e-5
+    assert max(sink.series("mismatch/abs_logp_diff_max")) < 5e-4
+    assert max(map(abs, sink.series("mismatch/kl"))) < 1e-9
+    assert max(sink.series("mismatch/outside_band_ratio")) == 0
+
+
+def test_a_bfloat16_server_shows_the_mismatch_and_trains_with_each_correction(
+        model_dir, server, tmp_path):
+    """A bfloat16 server (SGLang's CPU engine serves it) against the float32 trainer: figures
+    orders of magnitude above the float32 server's, a run that trains with truncate, then mask,
+    then band (knob changes between steps), new weights broadcast in bfloat16; and an explicit
+    rollout.dtype that a server does not serve is refused, naming it. Measured on this CPU
+    (3 steps): mean |d| 0.021-0.032, max 0.09-0.42, KL (k3) 5e-4-1.7e-3, 40-48% of the tokens
+    outside [0.98, 1.02]."""
+    from trainer.run.runner import Runner
+
+    half = SGLangServer(model_dir, dtype="bfloat16", log_path=tmp_path / "bf16.log").start()
+    try:
+        with pytest.raises(EngineError) as e:
+            SGLangEngine(half.url, dtype="float32")
+        assert str(e.value) == (f"rollout.dtype=float32 but SGLang server {half.url} serves "
+                                "bfloat16 (its --dtype); start it with --dtype float32 or set "
+                                "rollout.dtype=auto")
+        with pytest.raises(EngineError, match=f"{server.url} serves float32"):
+            SGLangEngine(f"{half.url},{server.url}", dtype="bfloat16")
+        controls = _KnobsAtSteps({1: {"mismatch.correction": "mask"},
+                                  2: {"mismatch.correction": "band"}})
+        cfg = run_config(model_dir, half.url, "run.max_steps=3", "rollout.dtype=bfloat16",
+                         "mismatch.correction=truncate", *MISMATCH)
+        sink = MemorySink()
+        with Runner(cfg, tmp_path / "run", sink=sink, controls=controls,
+                    system_telemetry=False) as r:
+            controls.runner = r
+            assert r.run() == "finished" and r.step == 3
+            assert r.engine.weight_sync == "distributed"   # no fall-back to disk
+            sd = r.model.state_dict()
+            bf16_bytes = sum(t.numel() * 2 for k, t in sd.items() if k != "lm_head.weight")
+    finally:
+        half.stop()
+    assert (_started(sink)["model_dtype"], _started(sink)["rollout_dtype"]) == ("float32", "bfloat16")
+    assert [e["kind"] for e in sink.events if e["kind"] in ("warning", "error")] == []
+    assert [e["changes"] for e in sink.events if e["kind"] == "knob_applied"] == [
+        {"mismatch.correction": {"old": "truncate", "new": "mask"}},
+        {"mismatch.correction": {"old": "mask", "new": "band"}}]
+    s = {k: sink.series(f"mismatch/{k}") for k in (
+        "kl", "abs_logp_diff", "abs_logp_diff_max", "outside_band_ratio", "correction_weight",
+        "correction_zeroed_ratio")}
+    assert min(s["abs_logp_diff"]) > 5e-3 and min(s["abs_logp_diff_max"]) > 2e-2
+    assert min(s["kl"]) > 1e-5
+    # the weights each update broadcast kept the server with the trainer: no drift past bfloat16's
+    assert max(s["abs_logp_diff"]) < 0.1
+    assert all(x > 0 for x in s["outside_band_ratio"])
+    truncate, mask, band = ({k: v[step] for k, v in s.items()} for step in range(3))
+    # truncation is reported at the truncate step alone
+    truncated = sink.series("mismatch/correction_truncated_ratio")
+    assert len(truncated) == 1 and truncated[0] > 0 and truncate["correction_zeroed_ratio"] == 0
+    assert mask["correction_zeroed_ratio"] > 0
+    assert band["correction_zeroed_ratio"] == pytest.approx(band["outside_band_ratio"])
+    assert band["correction_weight"] == pytest.approx(1 - band["correction_zeroed_ratio"])
+    assert sink.series("perf/weight_sync_bytes") == [bf16_bytes] * 3   # bfloat16 on the wire
 
 
 def test_a_server_ends_with_the_process_that_started_it_even_when_that_one_is_killed(model_dir):

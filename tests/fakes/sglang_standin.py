@@ -29,6 +29,9 @@ log-probabilities are real):
   POST /update_weights_from_disk  {model_path, weight_version, abort_all_requests}: loads the
                                   *.safetensors files of model_path -> {success, message}
   GET|POST /flush_cache, GET /health, GET /get_model_info
+  GET /server_info                {dtype, tp_size, model_path, version}: a few of the server
+                                  arguments SGLang 0.5.23 answers with (at the top level, as it
+                                  does); dtype is the stand-in's engine's (`dtype=`)
 
 Differences from SGLang worth knowing: one model on CPU (or whatever device you give it), no
 radix/prefix cache, `stop_token_ids` beyond the model's eos are ignored; an in_place pause does
@@ -70,9 +73,9 @@ class StandinServer:
 
     def __init__(self, model, tokenizer=None, *, eos_token_ids, port: int = 0, max_slots: int = 16,
                  max_seq_len: int = 1024, seed: int = 0, step_delay_s: float = 0.0,
-                 model_path: str = ""):
+                 model_path: str = "", dtype: torch.dtype | None = None):
         self.engine = EmbeddedEngine(model, eos_token_ids=eos_token_ids, max_slots=max_slots,
-                                     max_seq_len=max_seq_len, seed=seed)
+                                     max_seq_len=max_seq_len, seed=seed, dtype=dtype)
         self.tokenizer = tokenizer
         self.model_path = model_path
         self.weight_version = "default"
@@ -260,6 +263,10 @@ class StandinServer:
         return 200, {"success": True, "message": "Succeeded to update model weights.",
                      "num_paused_requests": 0}
 
+    def server_info(self) -> dict:
+        return {"dtype": str(self.engine.dtype).removeprefix("torch."), "tp_size": 1,
+                "model_path": self.model_path, "version": "rlpilot stand-in, not SGLang"}
+
     def model_info(self) -> dict:
         return {"model_path": self.model_path, "weight_version": self.weight_version,
                 "is_generation": True, "standin": "rlpilot stand-in, not SGLang"}
@@ -320,6 +327,8 @@ def _make_handler(server: StandinServer):
                 self._send(200, None)
             elif path == "/get_model_info":
                 self._send(200, server.model_info())
+            elif path == "/server_info":
+                self._send(200, server.server_info())
             elif path == "/flush_cache":
                 self._send(200, "Cache flushed.\n")
             else:

@@ -173,10 +173,11 @@ def _correct(seqs, samples, old_logp: list[list[float]], fix: rc.Correction, m: 
     engine, _ = rc.padded([list(s.logprobs) for s in samples])
     w = rc.weights(old, engine, mask, fix)
     n = float(mask.sum()) or 1.0
-    raw = rc.weights(old, engine, mask, rc.Correction("mask", fix.level, 0.0, math.inf))
     m["mismatch/correction_weight"] = float(w.sum()) / n
     m["mismatch/correction_zeroed_ratio"] = float(((w == 0) & (mask > 0)).sum()) / n
-    m["mismatch/correction_truncated_ratio"] = float(((raw > w) & (w > 0)).sum()) / n
+    if fix.mode == "truncate":   # the tokens whose weight the cap lowered
+        raw = rc.weights(old, engine, mask, rc.Correction("mask", fix.level, 0.0, math.inf))
+        m["mismatch/correction_truncated_ratio"] = float((raw > w).sum()) / n
     for i, (seq, s) in enumerate(zip(seqs, samples)):
         seq.is_weights = w[i, :len(seq.response_ids)].tolist()
         s.meta["is_weight"] = (sum(a * b for a, b in zip(seq.is_weights, seq.weights))

@@ -24,8 +24,9 @@ def build_engine(cfg, model, tokenizer, device, dtype, max_seq_len: int, *,
     GPUs are visible, else on the trainer's device. With gen_procs = 0, `async.enabled` and
     `async.worker = "process"` make it a pool of one.
     sglang: an SGLangEngine over `cfg.rollout.sglang_urls` (checked with /health now: raises
-    EngineError when a server is unreachable). New weights are broadcast over a torch.distributed
-    group (`rollout.sglang_weight_sync = "distributed"`), else (or after that fails) written under
+    EngineError when a server is unreachable, or when `rollout.dtype` is not "auto" and a server
+    serves another dtype: its --dtype, from /server_info). New weights are broadcast over a
+    torch.distributed group (`rollout.sglang_weight_sync = "distributed"`), else (or after that fails) written under
     `cfg.rollout.sglang_weights_dir`, else `weights_dir` (pass RUN_DIR/engine_weights), else a
     temporary folder; the servers must be able to read that path.
     Every engine stops a response at each stop token id (`trainer.models.loading.stop_token_ids`: the
@@ -47,7 +48,8 @@ def build_engine(cfg, model, tokenizer, device, dtype, max_seq_len: int, *,
             urls, eos_token_ids=eos, model_config=model.config,
             weights_dir=r.sglang_weights_dir or weights_dir,
             timeout_s=r.sglang_timeout_s, max_inflight=r.max_slots * len(urls),
-            weight_sync=r.sglang_weight_sync, down_timeout_s=r.sglang_down_timeout_s))
+            weight_sync=r.sglang_weight_sync, down_timeout_s=r.sglang_down_timeout_s,
+            dtype=r.dtype))
     if r.engine != "embedded":
         raise ValueError(f"rollout.engine: unknown engine {r.engine!r}")
     on_cuda = getattr(device, "type", str(device)) == "cuda"
@@ -69,6 +71,15 @@ def engine_dtype(name: str, trainer_dtype):
     import torch
 
     return trainer_dtype if name == "auto" else getattr(torch, name)
+
+
+def rollout_precision(engine, name: str, trainer_dtype) -> str:
+    """The engine's precision as the run reports it (`run_started`'s "rollout_dtype"): what the
+    SGLang servers serve, else `rollout.dtype` with auto resolved to the trainer's dtype."""
+    served = getattr(engine, "served_dtype", None)
+    if isinstance(served, str):
+        return served
+    return str(engine_dtype(name, trainer_dtype)).removeprefix("torch.")
 
 
 def _process_pool(model, size: int, *, device, seed: int, **kwargs):

@@ -27,6 +27,7 @@ from trainer import config as config_mod
 from trainer.algo import objective
 from trainer.algo.learner import TrainSequence
 from trainer.cluster import distributed, training_ranks
+from trainer.engine import rollout_precision
 from trainer.observe import trackers
 from trainer.observe.metrics import MetricsSink, MultiSink
 from trainer.observe.timeline import CONTROLLER, rank_lane
@@ -99,7 +100,11 @@ class Runner:
             self.system.start()
             step_record.process_metrics(self, [])   # the first readings: step 1 reports its CPU shares
         self.sink.event(self.step, "run_started" if self.step == 0 else "run_resumed",
-                        {"max_steps": self.cfg.run.max_steps, "device": str(self.device)})
+                        {"max_steps": self.cfg.run.max_steps, "device": str(self.device),
+                         # the trainer's precision and the engine's (the mismatch metrics' cause)
+                         "model_dtype": str(self.dtype).removeprefix("torch."),
+                         "rollout_dtype": rollout_precision(self.engine, self.cfg.rollout.dtype,
+                                                            self.dtype)})
         status = FINISHED
         try:
             if self.step == 0 and self.cfg.run.eval_every:

@@ -43,6 +43,9 @@ update's weights this engine keeps for that (the trainer's own may change meanwh
 out of service generation waits for one to come back (a warning) and fails with EngineError
 only after `down_timeout_s`.
 
+Precision: each server's dtype (/server_info) is recorded and, with an explicit `dtype`
+(rollout.dtype), must equal it (trainer/engine/sglang/precision.py).
+
 Tested against SGLang 0.5.23 (tests/test_sglang_real.py) and a stand-in for the faults a real
 server cannot be made to produce on demand (tests/test_sglang_engine.py); see docs/engines.md.
 """
@@ -65,6 +68,7 @@ from typing import Any, Iterable
 import requests
 
 from trainer.engine.base import ABORT, LENGTH, SEGMENT, STOP, EngineError, EngineStats, RolloutEngine, Sample
+from trainer.engine.sglang.precision import Precision
 from trainer.engine.sglang.transport import (
     Http,
     HTTPStatusError,
@@ -100,14 +104,14 @@ class Ticket:
         self.budget = 0            # max_new_tokens of the call (the server's outstanding tokens)
 
 
-class SGLangEngine(WeightPublisher, ServerCalls, RolloutEngine):
+class SGLangEngine(WeightPublisher, Precision, ServerCalls, RolloutEngine):
     def __init__(self, urls: str | Iterable[str], *, eos_token_ids: Iterable[int] = (),
                  model_config=None, weights_dir: str | os.PathLike | None = None,
                  timeout_s: float = 300.0, connect_timeout_s: float = 5.0, retries: int = 3,
                  backoff_s: float = 0.2, max_inflight: int = 256, abort_timeout_s: float = 10.0,
                  wait_s: float = 0.05, keep_weight_versions: int = 2, check_health: bool = True,
                  max_unrequested_aborts: int = 3, weight_sync: str = "disk",
-                 down_timeout_s: float = 600.0, rejoin_backoff_s: float = 1.0):
+                 down_timeout_s: float = 600.0, rejoin_backoff_s: float = 1.0, dtype: str = "auto"):
         self.servers = [Server(u) for u in parse_urls(urls)]
         if not self.servers:
             raise ValueError("SGLangEngine needs at least one server URL")
@@ -125,6 +129,7 @@ class SGLangEngine(WeightPublisher, ServerCalls, RolloutEngine):
         self.weight_sync = weight_sync
         self.down_timeout_s = float(down_timeout_s)
         self.rejoin_backoff_s = float(rejoin_backoff_s)
+        self.want_dtype = dtype   # rollout.dtype: "auto" or what every server must serve (precision.py)
         # since when no /generate has succeeded with every server out of service, and why
         self._all_down_since: float | None = None
         self._last_down_error = ""
@@ -156,6 +161,7 @@ class SGLangEngine(WeightPublisher, ServerCalls, RolloutEngine):
         if check_health:
             for srv in self.servers:
                 self._call(srv, "GET", "/health")
+            self._learn_dtypes()
 
     # --- public interface -----------------------------------------------------------------------
     def submit(self, samples: Iterable[Sample]) -> None:
@@ -466,7 +472,10 @@ class SGLangEngine(WeightPublisher, ServerCalls, RolloutEngine):
                 continue
             try:
                 self._call(srv, "GET", "/health", retry=False, timeout=2.0)
+                back = self._dtype_still_ok(srv)   # not if restarted at another dtype
             except EngineError:
+                back = False
+            if not back:
                 srv.failures += 1
                 srv.retry_at = time.monotonic() + self._rejoin_delay(srv.failures)
                 continue

@@ -11,8 +11,14 @@ Two flavours, written by tools/sglang/setup.sh into `.venv-sglang/rlpilot-flavou
 - `cuda`: SGLang as published; launched with its defaults plus the port and model.
 - `cpu`: SGLang's CPU engine (SGLANG_USE_CPU_ENGINE=1) with tools/sglang/cpu_path first on
   PYTHONPATH (a stand-in for the unpublished CPU build of sgl_kernel), plain-torch attention, no
-  CUDA graphs or overlap scheduling, float32, a small KV pool, and OMP_NUM_THREADS=`threads`
-  (two threads next to another busy process fell to ~1 token/s on 2 cores).
+  CUDA graphs or overlap scheduling, a small KV pool, and OMP_NUM_THREADS=`threads` (two
+  threads next to another busy process fell to ~1 token/s on 2 cores).
+
+`dtype` is the server's `--dtype`: by default float32 on the CPU flavour (the trainer's CPU
+precision: no training–inference mismatch), SGLang's own default ("auto": the checkpoint's
+dtype, float16 for a float32 one) on CUDA. The CPU flavour of SGLang 0.5.23 serves
+SmolLM2-135M in float32, bfloat16 and float16 with the torch_native attention backend
+(docs/engines.md, "Precision"); the client checks a server's dtype against `rollout.dtype`.
 """
 from __future__ import annotations
 
@@ -36,8 +42,8 @@ FLAVOUR_FILE = "rlpilot-flavour"
 CPU_ARGS = ["--device", "cpu", "--attention-backend", "torch_native",
             "--disable-overlap-schedule", "--disable-cuda-graph", "--mem-fraction-static", "0.1",
             "--max-total-tokens", "16384",
-            "--chunked-prefill-size", "1024", "--tp", "1", "--dtype", "float32",
-            "--skip-server-warmup"]
+            "--chunked-prefill-size", "1024", "--tp", "1", "--skip-server-warmup"]
+DTYPES = ("auto", "float32", "bfloat16", "float16")   # what `dtype` may be (SGLang's --dtype)
 
 
 class SGLangServerError(RuntimeError):
@@ -71,7 +77,8 @@ class SGLangServer:
 
     def __init__(self, model_path: str | os.PathLike, *, port: int | None = None,
                  host: str = "127.0.0.1", threads: int = 1, venv: Path = VENV,
-                 log_path: str | os.PathLike | None = None, extra_args: list[str] | None = None):
+                 log_path: str | os.PathLike | None = None, extra_args: list[str] | None = None,
+                 dtype: str | None = None):
         self.model_path = Path(model_path)
         if not (self.model_path / "config.json").is_file():
             raise SGLangServerError(f"{self.model_path} is not a model directory (no config.json)")
@@ -82,6 +89,10 @@ class SGLangServer:
         self.log_path = Path(log_path) if log_path else Path(
             tempfile.gettempdir()) / f"rlpilot-sglang-{self.port}.log"
         self.extra_args = list(extra_args or [])
+        if dtype is not None and dtype not in DTYPES:
+            raise SGLangServerError(f"dtype: one of {', '.join(DTYPES)}, not {dtype!r}")
+        # --dtype: float32 on the CPU flavour unless told otherwise; SGLang's own default on CUDA
+        self.dtype = dtype or ("float32" if self.flavour == "cpu" else None)
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -94,6 +105,8 @@ class SGLangServer:
                "--port", str(self.port)]
         if self.flavour == "cpu":
             cmd += CPU_ARGS
+        if self.dtype is not None:
+            cmd += ["--dtype", self.dtype]
         return cmd + self.extra_args
 
     def environment(self) -> dict[str, str]:
@@ -195,6 +208,9 @@ def add_parser(sub) -> None:
     p.add_argument("--model", required=True, help="a local Hugging Face model directory")
     p.add_argument("--port", type=int, default=0, help="default: a free port")
     p.add_argument("--threads", type=int, default=1, help="OMP threads of a CPU server")
+    p.add_argument("--dtype", choices=DTYPES, help="the server's precision (SGLang's --dtype; "
+                   "default: float32 on the CPU flavour, SGLang's auto on CUDA); set "
+                   "rollout.dtype to the same or to auto")
     p.add_argument("--log", help="the server's log file (default: rlpilot-sglang-PORT.log in the "
                    "temporary folder)")
     p.set_defaults(func=_cmd_sglang_server)
@@ -209,13 +225,14 @@ def _cmd_sglang_server(args) -> int:
 
     try:
         server = SGLangServer(args.model, port=args.port or None, threads=args.threads,
-                              log_path=args.log)
+                              log_path=args.log, dtype=args.dtype)
         server.start()
     except SGLangServerError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"SGLang ({server.flavour}) serving {server.model_path} at {server.url} "
-          f"(log {server.log_path}); Ctrl-C stops it", flush=True)
+    print(f"SGLang ({server.flavour}, --dtype {server.dtype or 'auto'}) serving "
+          f"{server.model_path} at {server.url} (log {server.log_path}); Ctrl-C stops it",
+          flush=True)
     stopping = signal.getsignal(signal.SIGTERM)
     signal.signal(signal.SIGTERM, _interrupt)   # `kill` stops the server as Ctrl-C does
     try:

@@ -11,7 +11,8 @@ tensor, `/end_weight_update` -- no file; "disk": a `save_pretrained`-style direc
 cannot be built or fails an update (a server gone) becomes a warning and the disk path from
 then on. The interrupted samples are resubmitted by the engine itself, so every token keeps the
 version of the weights that produced it (the embedded engine's `recompute_kv=True` behaviour;
-`recompute_kv` is ignored). `last_sync_bytes`: what the last update moved.
+`recompute_kv` is ignored). `last_sync_bytes`: what the last update moved. The tensors travel
+in the servers' dtype when they share one (trainer/engine/sglang/precision.py).
 
 Weights folders: every `vNNNNNN` folder it writes holds a `.rlpilot-weights` marker, and it
 replaces or prunes only folders with that marker (never a folder someone else put there).
@@ -182,10 +183,13 @@ class WeightPublisher:
 
     def _tensors_to_send(self, named_tensors) -> dict:
         """The servers' weights: rotary caches left out, and the head when it is the (tied)
-        embedding; contiguous, on the trainer's device."""
+        embedding; contiguous, on the trainer's device, in the servers' dtype when they all
+        share one (precision.py: a bfloat16 server gets half the bytes)."""
         tied = bool(getattr(self.model_config, "tie_word_embeddings", False))
         items = named_tensors.items() if hasattr(named_tensors, "items") else named_tensors
-        return {name: t.detach().contiguous() for name, t in items
+        wire = self._wire_dtype()
+        return {name: (t.detach().to(wire) if wire is not None and t.is_floating_point()
+                       else t.detach()).contiguous() for name, t in items
                 if not name.endswith("inv_freq") and not (tied and name == "lm_head.weight")}
 
     def _save_weights(self, named_tensors, version: int) -> Path:
