@@ -189,6 +189,18 @@ ALERT_KL_RISE_WINDOW = env_int("RLPILOT_ALERT_KL_RISE_WINDOW", 20)  # steps
 if env("RLPILOT_ALERT_KL_RISE"):   # the per-step slope it set fired on healthy runs
     raise ValueError("RLPILOT_ALERT_KL_RISE (a KL slope per step) is gone: set "
                      "RLPILOT_ALERT_KL_RISE_FACTOR and RLPILOT_ALERT_KL_RISE_MIN (docs/dashboard.md)")
+# mismatch_high: the engine's log-probabilities far from the trainer's (trainer/algo/
+# rollout_correction.py). mismatch/kl (k3, token mean): an fp32 engine against an fp32 trainer
+# measures ~1e-9, a bf16 engine against an fp32 trainer ~5e-5 on the built-in model: 1e-2 is
+# ~200x that healthy bf16 figure (room for larger models and longer sequences): what it catches
+# is a mismatch of another order (an engine on other weights, a broken kernel). Asynchronous
+# and APRIL runs are judged by mismatch/age0/kl: their mismatch/kl adds the policy's drift since
+# stale tokens were sampled (0.012 at a step of a healthy tiny async run).
+# mismatch/outside_band_ratio: a healthy bf16 run has no token outside the default [0.5, 2]
+# (its largest |Δ log p| is ~0.2 < ln 2); 5% of tokens past a factor of 2 is a real problem (in
+# an asynchronous run stale tokens' drift counts too: a correction would drop or cap them).
+ALERT_MISMATCH_KL_MAX = env_float("RLPILOT_ALERT_MISMATCH_KL_MAX", 0.01)
+ALERT_MISMATCH_OUTSIDE_MAX = env_float("RLPILOT_ALERT_MISMATCH_OUTSIDE_MAX", 0.05)
 ALERT_COLLAPSE_RATIO = env_float("RLPILOT_ALERT_COLLAPSE_RATIO", 0.95)  # all_wrong share "near 1"
 ALERT_COLLAPSE_STEPS = env_int("RLPILOT_ALERT_COLLAPSE_STEPS", 5)       # for this many steps
 # a raised alert clears only after its condition has been false for this many steps in a row, so

@@ -8,7 +8,8 @@
 // (Plotly.react) with copies of the series, and afterwards only the points appended since are
 // handed over with Plotly.extendTraces. Whenever anything else changes (a new trace, a series
 // replaced or shortened -- thinned, rewound --, markers off past 60 points, a knob-change
-// annotation, η, the title) the chart is drawn whole again with a new datarevision.
+// annotation, η or the mismatch band, the title) the chart is drawn whole again with a new
+// datarevision.
 //
 // Line charts are SVG ("scatter"), never WebGL: Chromium keeps at most 16 WebGL contexts per
 // page and drops the oldest, so with ~13 scattergl charts the first ones drawn (the system
@@ -117,6 +118,42 @@
     return null;
   }
 
+  // The mismatch band of a chart with "band": the ends of [mismatch.lower, mismatch.upper] as the
+  // |Δ log p| (|log pi_old - log pi_rollout|, the chart's y2 axis) where a token's ratio
+  // ρ = pi_old / pi_rollout leaves it: ln(upper) (ρ above upper) and |ln(lower)| (ρ below lower;
+  // none when lower is 0). The run's current knob values, else its config's, as for η. Returns
+  // [{y, text}] (one line when both ends sit at the same |Δ log p|: 0.5 and 2), or [].
+  function findBand(state) {
+    const cfg = (state.config || {}).mismatch || {}, knobs = state.knobs || {};
+    const value = k => knobs["mismatch." + k] !== undefined ? knobs["mismatch." + k] : cfg[k];
+    const lower = Number(value("lower")), upper = Number(value("upper"));
+    const up = isFinite(upper) && upper > 0 ? Math.log(upper) : null;
+    const low = isFinite(lower) && lower > 0 ? Math.abs(Math.log(lower)) : null;
+    if (up !== null && low !== null && Math.abs(up - low) <= 1e-9 * Math.max(1, up))
+      return [{ y: up, text: "band: " + fmt(lower) + " ≤ ρ ≤ " + fmt(upper) }];
+    const out = [];
+    if (up !== null) out.push({ y: up, text: "band: ρ ≤ " + fmt(upper) });
+    if (low !== null) out.push({ y: low, text: "band: ρ ≥ " + fmt(lower) });
+    return out;
+  }
+
+  // findBand's lines as Plotly shapes (dashed, across the plot) and their labels on axis `yref`:
+  // above the line at the plot's left end (the right end is where the latest knob change's ⚙
+  // sits, and a change of the band is one), on a pale ground over any trace
+  function bandShapes(band, yref) {
+    return {
+      shapes: band.map(b => ({ type: "line", name: "mismatch-band", xref: "paper", x0: 0, x1: 1, yref: yref,
+                               y0: b.y, y1: b.y, line: { color: "#dc2626", dash: "dash", width: 1 } })),
+      annotations: band.map(b => ({ name: "mismatch-band", xref: "paper", x: 0, xanchor: "left", yref: yref, y: b.y,
+                                    yanchor: "bottom", text: plotlyText(b.text), showarrow: false,
+                                    bgcolor: "rgba(255, 255, 255, 0.75)", font: { color: "#dc2626", size: 10 } })),
+    };
+  }
+  // the metrics a band is drawn against: per chart with "band", the key on its |Δ log p| axis
+  function bandKeys() {
+    return registry().charts.filter(c => c.band && c.keys).map(c => c.keys[c.y2 && c.keys.length > 1 ? 1 : 0]);
+  }
+
   // counts -> log10(1 + count) colour, with colour-bar ticks that read as real counts
   const LOG_TICKS = [0, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000, 1000000];
   function logColour(maxCount) {
@@ -142,8 +179,14 @@
                     showlegend: true, legend: { orientation: "h", y: -0.2, font: { size: 10 } },
                     xaxis: {}, uirevision: c.id, datarevision: ++revision };
       if (c.y2) {
-        lay.yaxis2 = { overlaying: "y", side: "right", showgrid: false };
+        // tickmode "auto": Plotly syncs an overlaying axis' ticks to the left axis' grid by
+        // default, which labels the right axis with odd values (0.4882, 0.696); it has no grid
+        lay.yaxis2 = { overlaying: "y", side: "right", showgrid: false, tickmode: "auto" };
         lay.margin.r = 60;   // room for the right axis' tick labels
+      }
+      if (c.band) {   // magnitudes (a KL, |Δ log p|): both axes from 0, so the band's headroom reads
+        lay.yaxis = Object.assign(lay.yaxis || {}, { rangemode: "tozero" });
+        if (lay.yaxis2) lay.yaxis2.rangemode = "tozero";
       }
       if (withAnnotations) {
         const anns = (state.annotations || []).slice(-30);
@@ -262,7 +305,7 @@
         lay.yaxis = { title: { text: "step" } };
         lay.showlegend = false;
       }
-      lay.margin = Object.assign({}, lay.margin, { b: 44 });
+      lay.margin = Object.assign({}, lay.margin, { b: 50 });
       show(c, hs.length);
       Plotly.react(c.div, traces, lay, config());
       c.drawn = { hs: hs, sig: sig, last: last, rows: rows };
@@ -283,9 +326,11 @@
         const e = findEta(state);
         if (e !== null && typeof e.value === "number") eta = e.value;
       }
+      const band = c.band ? findBand(state) : [];
       const anns = (state.annotations || []);
       const last = anns[anns.length - 1];
-      const laySig = title + "|" + anns.length + "|" + (last ? last.step + last.text : "") + "|" + eta;
+      const laySig = title + "|" + anns.length + "|" + (last ? last.step + last.text : "") + "|" + eta + "|" +
+        band.map(b => b.y + ":" + b.text).join(",");
       let npoints = 0;
       cur.forEach(t => { npoints += t.s.steps.length; });
       const d = c.drawn;
@@ -317,6 +362,10 @@
         lay.annotations.push({ xref: "paper", x: 1, y: eta, text: "η = " + plotlyText(eta), showarrow: false,
                                font: { color: "#dc2626" } });
       }
+      // the band's ends, on the |Δ log p| axis (y2; y on a chart without one)
+      const drawnBand = bandShapes(band, c.y2 ? "y2" : "y");
+      lay.shapes = lay.shapes.concat(drawnBand.shapes);
+      lay.annotations = lay.annotations.concat(drawnBand.annotations);
       show(c, npoints);
       Plotly.react(c.div, traces, lay, config());
       c.drawn = { sig: sig, laySig: laySig, series: cur.map(t => t.s), steps: cur.map(t => t.s.steps),
@@ -376,5 +425,6 @@
   }
 
   window.RLCharts = { create: create, stateFromSnapshot: stateFromSnapshot, ema: ema, el: el, fmt: fmt,
-                      plotlyText: plotlyText, holdable: holdable, histAxis: histAxis };
+                      plotlyText: plotlyText, holdable: holdable, histAxis: histAxis, band: findBand,
+                      bandKeys: bandKeys, bandShapes: bandShapes };
 })();

@@ -15,6 +15,27 @@
     { type: "line", xref: "x", yref: "paper", x0: r.fork_step, x1: r.fork_step, y0: 0, y1: 1,
       line: { dash: "dash", width: 1, color: "#888" } }));
 
+  // the mismatch band's ends (RLCharts.band: each run's current mismatch.lower / upper) on the
+  // chart of the |Δ log p| a band chart shows (mismatch/abs_logp_diff_max): one line per height,
+  // its label naming the runs of each end when not every run has it
+  const BAND_KEYS = RLCharts.bandKeys();
+  function bandOf(key) {
+    if (BAND_KEYS.indexOf(key) < 0) return [];
+    const lines = [];   // [{y, ends: [{text, runs}]}]
+    page.runs.forEach(function (r) {
+      RLCharts.band({ config: { mismatch: r.mismatch || {} }, knobs: {} }).forEach(function (b) {
+        let line = lines.find(l => Math.abs(l.y - b.y) <= 1e-9 * Math.max(1, b.y));
+        if (!line) lines.push(line = { y: b.y, ends: [] });
+        let end = line.ends.find(e => e.text === b.text);
+        if (!end) line.ends.push(end = { text: b.text, runs: [] });
+        end.runs.push("#" + r.id);
+      });
+    });
+    const all = page.runs.length;
+    return lines.map(l => ({ y: l.y, text: l.ends.map(e => e.text + (e.runs.length < all ? " (" + e.runs.join(", ") + ")" : ""))
+                                                 .join("; ") }));
+  }
+
   function selected() {
     return Array.from(picks.querySelectorAll("input:checked")).map(i => i.value);
   }
@@ -39,8 +60,10 @@
         return { type: "scatter", mode: s.steps.length < 60 ? "lines+markers" : "lines",
                  name: RLCharts.plotlyText("#" + r.id + " " + r.name + fork), x: s.steps, y: RLCharts.ema(s.values, alpha), marker: { size: 4 } };
       });
+      const band = RLCharts.bandShapes(bandOf(key), "y");
       Plotly.react(div, traces, { title: { text: RLCharts.plotlyText(key), font: { size: 13 } }, margin: { l: 48, r: 20, t: 32, b: 32 },
-        legend: { orientation: "h", y: -0.2, font: { size: 10 } }, uirevision: key, shapes: forkLines }, { displaylogo: false, responsive: true });
+        legend: { orientation: "h", y: -0.2, font: { size: 10 } }, uirevision: key, shapes: forkLines.concat(band.shapes),
+        annotations: band.annotations }, { displaylogo: false, responsive: true });
       div.setAttribute("data-npoints", String(n));
     });
   }

@@ -19,7 +19,8 @@
     april: { label: "APRIL (active partial rollouts)", key: ["april.segment_max_tokens", "april.over_sampling_batch_size"] },
     greso: { label: "GRESO (selective rollouts)", key: ["greso.alpha"] },
   };
-  const SECTIONS = { rollout: "Rollout and sampling", algo: "Algorithm (GRPO / DAPO)", optim: "Optimiser" };
+  const SECTIONS = { rollout: "Rollout and sampling", algo: "Algorithm (GRPO / DAPO)",
+                     mismatch: "Training–inference mismatch (engine vs trainer)", optim: "Optimiser" };
 
   function create(ctx) {
     const page = ctx.page, state = ctx.state, RUN = page.id;

@@ -26,9 +26,14 @@ def healthy_rows(preset: str, shape: str, seed: int = 0, late_start: bool = Fals
     after 20 all-wrong steps with late_start: a model learning the answer format), the share of
     all-wrong groups drawn from it per group of the preset's batch, KL rising by `shape` with
     log-normal noise of sd 0.3 (a 256-sample batch; more than a 4x4 CLI run shows on average,
-    with its one-step spikes as large), staleness up to eta, a finite loss."""
+    with its one-step spikes as large), staleness up to eta, a finite loss, and the training–
+    inference mismatch of a bf16 engine against the fp32 trainer (mismatch/kl ~5e-5, log-normal
+    sd 0.5, as the built-in model measures with rollout.dtype = bfloat16; a token outside the
+    band now and then; asynchronous and APRIL presets by token age too, their mismatch/kl with
+    the policy's drift of stale tokens in it, often past the KL maximum)."""
     cfg = config_mod.load(preset)
     rnd = random.Random(seed)
+    mrnd = random.Random(1000 + seed)   # its own draws: the other series stay as they were
     n, groups = cfg.rollout.n_samples_per_prompt, cfg.rollout.rollout_batch_size
     rows = []
     for s in range(1, STEPS + 1):
@@ -41,6 +46,15 @@ def healthy_rows(preset: str, shape: str, seed: int = 0, late_start: bool = Fals
                "actor/pg_loss": rnd.gauss(0, 0.05), "reward/mean": acc}
         if cfg.algo.track_kl:
             row["actor/kl"] = kl_level(shape, s) * math.exp(rnd.gauss(0, 0.3) - 0.045)
+        if cfg.mismatch.measure:   # a bf16 engine against the fp32 trainer (rollout.dtype = bfloat16)
+            engine = 5e-5 * math.exp(mrnd.gauss(0, 0.5))
+            row.update({"mismatch/kl": engine, "mismatch/outside_band_ratio": mrnd.choice([0.0] * 9 + [0.002])})
+            if cfg.async_.enabled or cfg.april.enabled:
+                # by token age: stale tokens add the policy's drift since they were sampled, which
+                # mismatch/kl averages in (a healthy tiny async run measured up to 0.012)
+                drift = 0.01 * math.exp(mrnd.gauss(0, 1.0))
+                row.update({"mismatch/age0/kl": engine, "mismatch/age1/kl": drift,
+                            "mismatch/kl": (engine + drift) / 2})
         if cfg.async_.enabled:
             eta = cfg.async_.max_staleness
             row.update({"async/max_staleness": eta, "async/staleness/max": rnd.randint(0, eta),
@@ -70,7 +84,8 @@ def test_the_healthy_series_exercise_every_series_rule():
     """The healthy series carry what each rule reads, with the KL where the old 5-step slope
     rule fired: the zero above is no absence of data."""
     rows = healthy_rows("all", "saturating")
-    for key in ("actor/kl", "async/staleness/max", "rollout/zero_var_ratio/all_wrong", "actor/pg_loss"):
+    for key in ("actor/kl", "async/staleness/max", "rollout/zero_var_ratio/all_wrong", "actor/pg_loss",
+                "mismatch/kl", "mismatch/outside_band_ratio"):
         assert all(key in r for r in rows)
     kl = [r["actor/kl"] for r in rows]
     slopes = [(kl[i + 5] - kl[i]) / 5 for i in range(len(kl) - 5)]
@@ -92,6 +107,9 @@ def with_fault(preset: str, key: str, values) -> list[dict]:
     ("kl_rising", "demo", "actor/kl", lambda s: min(0.45, 0.15 * 2 ** ((s - 200) / 10))),
     ("reward_collapse", "demo", "rollout/zero_var_ratio/all_wrong", lambda s: 1.0),
     ("nan_loss", "april", "actor/pg_loss", lambda s: "nan"),
+    ("mismatch_high", "demo", "mismatch/kl", lambda s: 0.05),
+    ("mismatch_high", "async", "mismatch/age0/kl", lambda s: 0.05),
+    ("mismatch_high", "async", "mismatch/outside_band_ratio", lambda s: 0.1),
 ])
 def test_each_rule_fires_on_a_series_built_to_trigger_it(rule, preset, key, values):
     got = alerts(with_fault(preset, key, values))

@@ -166,6 +166,26 @@ def test_compare_page(alice, user, other_user, make_run):
     assert 'form="compare-form"' in alice.get("/").content.decode()
 
 
+def test_compare_page_carries_each_runs_mismatch_band(alice, user, make_run):
+    """compare.js draws each run's band on the |Δ log p| chart: the page names each run's current
+    mismatch.lower / upper (its knobs, else its config; nothing for a run from before the section)
+    and embeds the chart list (which says which metric a band goes with)."""
+    import json
+    import re
+
+    a, b, old = make_run(user, "finished"), make_run(user, "finished"), make_run(user, "finished")
+    Run.objects.filter(pk=b.pk).update(knobs={**b.knobs, "mismatch.upper": 4.0})
+    cfg = {k: v for k, v in old.config.items() if k != "mismatch"}
+    Run.objects.filter(pk=old.pk).update(config=cfg, knobs={k: v for k, v in old.knobs.items()
+                                                           if not k.startswith("mismatch.")})
+    html = alice.get(f"/compare/?ids={a.pk},{b.pk},{old.pk}").content.decode()
+    page = json.loads(re.search(r'<script id="compare-page" type="application/json">(.*?)</script>', html).group(1))
+    assert [r["mismatch"] for r in page["runs"]] == [{"lower": 0.5, "upper": 2.0}, {"lower": 0.5, "upper": 4.0}, {}]
+    specs = json.loads(re.search(r'<script id="chart-specs" type="application/json">(.*?)</script>', html).group(1))
+    band = [c for c in specs["charts"] if c.get("band")]
+    assert [c["keys"][1] for c in band] == ["mismatch/abs_logp_diff_max"]
+
+
 # --- exports -------------------------------------------------------------------------------------
 
 def test_exports_round_trip(alice, user, make_run, tmp_path):
@@ -451,6 +471,66 @@ def test_a_value_hovering_at_a_threshold_raises_one_alert_not_one_per_step(user,
     got = stream(run2, [(s, {**healthy(s), "actor/kl": kl}) for s, kl in enumerate(kls[:4], 1)])
     assert [g[:2] for g in got if g[2] == "kl_high"] == [(1, "alert"), (2, "alert_cleared"),
                                                          (3, "alert"), (4, "alert_cleared")]
+
+
+def test_mismatch_alert_fires_on_a_real_mismatch_and_clears(user, make_run, settings):
+    """mismatch_high: mismatch/kl past RLPILOT_ALERT_MISMATCH_KL_MAX, or the share of tokens outside
+    the band past RLPILOT_ALERT_MISMATCH_OUTSIDE_MAX; raised once, cleared after ALERT_CLEAR_STEPS."""
+    assert (settings.ALERT_MISMATCH_KL_MAX, settings.ALERT_MISMATCH_OUTSIDE_MAX) == (0.01, 0.05)   # the defaults
+    run = make_run(user, "running")
+    kls = [5e-5, 4e-5, 0.03, 0.2, 0.05, 5e-5, 5e-5, 5e-5]
+    got = stream(run, [(s, {**healthy(s), "mismatch/kl": kl, "mismatch/outside_band_ratio": 0.0})
+                       for s, kl in enumerate(kls, 1)])
+    assert got == [(3, "alert", "mismatch_high"), (8, "alert_cleared", "mismatch_high")]
+    ev = RunEvent.objects.get(run=run, kind="alert")
+    assert ev.data["key"] == "mismatch/kl" and ev.data["value"] == 0.03 and ev.data["threshold"] == 0.01
+    assert ev.data["message"] == "engine vs trainer KL (mismatch/kl) 0.03 is above 0.01"
+    # the share of tokens outside the band alone, with a small KL
+    run2 = make_run(user, "running")
+    got = stream(run2, [(s, {**healthy(s), "mismatch/kl": 2e-3, "mismatch/outside_band_ratio": r})
+                        for s, r in enumerate([0.0, 0.01, 0.12, 0.0], 1)])
+    assert got == [(3, "alert", "mismatch_high")]
+    ev = RunEvent.objects.get(run=run2, kind="alert")
+    assert ev.data["key"] == "mismatch/outside_band_ratio" and ev.data["threshold"] == 0.05
+    assert "12.0% of tokens" in ev.data["message"]
+    assert "mismatch_high" in Run.objects.get(pk=run2.pk).alerts["active"]
+    # the thresholds are settings
+    settings.ALERT_MISMATCH_KL_MAX = 1e-5
+    run3 = make_run(user, "running")
+    assert stream(run3, [(1, {**healthy(1), "mismatch/kl": 5e-5})]) == [(1, "alert", "mismatch_high")]
+
+
+def test_a_healthy_mismatch_stays_silent(user, make_run):
+    """What the trainer measures on healthy runs: an fp32 engine (~1e-9, nothing outside the band)
+    and a bf16 engine against the fp32 trainer on the built-in model (`rollout.dtype = bfloat16`:
+    kl ~5e-5, largest |Δ log p| ~0.2 < ln 2, nothing outside [0.5, 2]); a step without the
+    figures (mismatch.measure off) changes nothing."""
+    run = make_run(user, "running")
+    fp32 = [(s, {**healthy(s), "mismatch/kl": 1e-9 * (1 + s % 3), "mismatch/outside_band_ratio": 0.0})
+            for s in range(1, 21)]
+    bf16 = [(s, {**healthy(s), "mismatch/kl": (5.7e-5, 2.8e-5, 4.2e-5, 4.8e-5)[s % 4],
+                 "mismatch/abs_logp_diff_max": 0.19, "mismatch/outside_band_ratio": 0.0 if s % 5 else 0.001})
+            for s in range(21, 61)]
+    off = [(s, healthy(s)) for s in range(61, 66)]
+    assert stream(run, fp32 + bf16 + off) == []
+    assert Run.objects.get(pk=run.pk).alerts["active"] == {}
+    # an asynchronous run (figures by token age, as a healthy tiny `async` run measured them): its
+    # mismatch/kl averages in the policy's drift of stale tokens (0.012); the engine's own is age 0's
+    run2 = make_run(user, "running")
+    rows = [(1, {"mismatch/kl": 0.0, "mismatch/age0/kl": 0.0}),
+            (2, {"mismatch/kl": 4.8e-4, "mismatch/age0/kl": 0.0, "mismatch/age1/kl": 6e-4}),
+            (3, {"mismatch/kl": 0.0, "mismatch/age1/kl": 0.0}),    # no fresh token: no engine KL
+            (4, {"mismatch/kl": 0.0048, "mismatch/age1/kl": 0.0036, "mismatch/age2plus/kl": 0.0059}),
+            (5, {"mismatch/kl": 0.0121, "mismatch/age2plus/kl": 0.0121}),
+            (6, {"mismatch/kl": 0.0002, "mismatch/age0/kl": 1e-5, "mismatch/age1/kl": 9e-5,
+                 "mismatch/age2plus/kl": 0.0004})]
+    assert stream(run2, [(s, {**healthy(s), **r, "mismatch/outside_band_ratio": 0.0}) for s, r in rows]) == []
+    # ... and the engine's own KL past the maximum raises it there
+    got = stream(run2, [(7, {**healthy(7), "mismatch/kl": 0.03, "mismatch/age0/kl": 0.03,
+                             "mismatch/outside_band_ratio": 0.0})])
+    assert got == [(7, "alert", "mismatch_high")]
+    ev = RunEvent.objects.get(run=run2, kind="alert")
+    assert ev.data["key"] == "mismatch/age0/kl" and "(mismatch/age0/kl) 0.03" in ev.data["message"]
 
 
 def test_reward_collapse_alert(user, make_run, settings):

@@ -35,11 +35,16 @@ DRAWN = """() => Object.fromEntries([...document.querySelectorAll('#charts .js-p
       return {name: t.name, n: cd.length, last: cd.length ? cd[cd.length - 1].x : null,
               finite: cd.filter(p => typeof p.y === 'number' && isFinite(p.y)).length};
   })]))"""
-# every line trace's last drawn point is at most one step behind the step the page shows
+# traces of a step's tokens of one policy-version age (mismatch/age0/kl, ...): a step without
+# tokens of that age has no point, so they grow, but not every step, and may end before the last
+SPORADIC = re.compile(r"^mismatch/age")
+# every line trace's last drawn point (but the sporadic ones') is at most one step behind the
+# step the page shows
 CAUGHT_UP = """() => { const step = Number(document.querySelector('#run-step').textContent);
   return [...document.querySelectorAll('#charts .js-plotly-plot')]
     .filter(gd => (gd.data || []).length && gd.data.every(t => t.type === 'scatter'))
     .every(gd => gd.data.every((t, i) => { const cd = (gd.calcdata || [])[i] || [];
+                                            if (t.name.startsWith('mismatch/age')) return true;
                                             return cd.length && cd[cd.length - 1].x >= step - 1; })); }"""
 LINE_CHARTS = {"chart-system", "chart-reward", "chart-kl", "chart-resp-len", "chart-staleness",
                "chart-throughput", "chart-zero-var", "chart-greso", "chart-april", "chart-timing",
@@ -50,6 +55,11 @@ SOCKETS = "window.__sockets = []; const _WS = window.WebSocket; window.WebSocket
           " const s = p === undefined ? new _WS(u) : new _WS(u, p); window.__sockets.push(s); return s; };" \
           " window.WebSocket.prototype = _WS.prototype; Object.assign(window.WebSocket, {OPEN: 1, CLOSED: 3});"
 FEED = "m => { const s = window.__sockets[window.__sockets.length - 1]; s.onmessage({data: JSON.stringify(m)}); }"
+
+
+def grows(name: str) -> int:
+    """The distinct drawn point counts a trace must show while watched (a sporadic trace: fewer)."""
+    return 3 if SPORADIC.match(name) else 10
 
 
 def shot(page, shots, name):
@@ -124,7 +134,7 @@ def test_browser_flow(live_asgi, django_user_model, monkeypatch, tmp_path):
                 for t in traces:
                     seen.setdefault((chart, t["name"]), []).append(t["n"])
             if LINE_CHARTS <= set(drawn) and len(steps) >= 12 and all(
-                    len(set(v)) >= 10 for v in seen.values()):
+                    len(set(v)) >= grows(name) for (_, name), v in seen.items()):
                 break
             page.wait_for_timeout(150)
         print("steps seen:", steps[0], "...", steps[-1], f"({len(steps)})")
@@ -132,7 +142,7 @@ def test_browser_flow(live_asgi, django_user_model, monkeypatch, tmp_path):
         assert not missing, f"line charts never drawn: {missing}"
         for (chart, name), ns in seen.items():
             assert ns == sorted(ns), f"{chart} {name}: drawn points went back: {ns}"
-            assert len(set(ns)) >= 10, f"{chart} {name}: drawn point counts {sorted(set(ns))} (frozen?)"
+            assert len(set(ns)) >= grows(name), f"{chart} {name}: drawn point counts {sorted(set(ns))} (frozen?)"
         # paused, nothing new arrives: every line trace catches up with the page's step (while
         # running, a loaded machine may be a few steps behind between two draws)
         # the pause's reply (status "running", read when it was asked) is held back until the
@@ -155,6 +165,8 @@ def test_browser_flow(live_asgi, django_user_model, monkeypatch, tmp_path):
         step = int(page.locator("#run-step").inner_text())
         for chart, traces in final.items():
             for t in traces:
+                if SPORADIC.match(t["name"]):
+                    continue
                 assert t["last"] is not None and t["last"] >= step - 1, (chart, t, step)
         # the same for the resume's reply (status "paused" when asked)
         page.route("**/api/runs/*/resume", lambda route: held.append((route, route.fetch())))

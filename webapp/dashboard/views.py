@@ -21,14 +21,19 @@ FIELD_PREFIX = "cfg:"
 
 
 def _section_notes() -> dict[str, str]:
-    """A line under a section's title, where its fields need the server's context."""
+    """A line under a section's title, where its fields need the server's context or say where
+    what they do shows."""
     limit = settings.RLPILOT_MAX_TRAIN_PROCS
     most = (f"this server allows up to {limit} (RLPILOT_MAX_TRAIN_PROCS)" if limit > 0
             else "at most the worker's GPU count (CPU count for a CPU model)")
     return {"cluster": "The run's processes on the worker's machine. cluster.train_procs above 1: the "
                        "worker starts torchrun with that many training processes (rank 0 owns the "
                        "rollout and reports here; stop, pause, knob changes and kill reach every "
-                       f"process at the same step); {most}."}
+                       f"process at the same step); {most}.",
+            "mismatch": "The training–inference mismatch: how far the engine's log-probabilities are "
+                        "from the trainer's (the run page's \"Engine vs trainer\" charts), and a "
+                        "correction of the loss by their ratio. rollout.dtype sets the engine's "
+                        "precision apart from the trainer's: bfloat16 shows a real mismatch on CPU."}
 
 
 def _sections(errors: dict[str, str], values: dict[str, str], base: dict | None = None):
@@ -317,6 +322,15 @@ def parse_ids(params) -> list[int]:
     return ids
 
 
+def _band(run: Run) -> dict:
+    """The run's mismatch.lower / mismatch.upper as the charts read them (state.config and knobs)."""
+    section = dict((run.config or {}).get("mismatch") or {})
+    for k in ("lower", "upper"):
+        if f"mismatch.{k}" in (run.knobs or {}):
+            section[k] = run.knobs[f"mismatch.{k}"]
+    return {k: section[k] for k in ("lower", "upper") if k in section}
+
+
 @login_required
 def compare_page(request):
     """2-8 runs overlaid: one chart per metric (EMA smoothing), the config diff, the summaries
@@ -335,8 +349,10 @@ def compare_page(request):
     summaries = [summary.summary(r) for r in runs]
     # a fork's steps continue its parent's numbering (it resumes the parent's checkpoint): both
     # are drawn at x = step, so they overlay from the fork step, marked on every chart
+    # each run's mismatch band (current knob values, else its config's; absent before the section
+    # existed): compare.js draws its ends on the chart of the |Δ log p| a band chart shows
     page = {"runs": [{"id": r.pk, "name": r.name, "status": r.status, "parent": r.parent_id,
-                      "fork_step": r.fork_step} for r in runs]}
+                      "fork_step": r.fork_step, "mismatch": _band(r)} for r in runs]}
     return render(request, "dashboard/compare.html", {
         "runs": runs, "rows": comparison.compare_rows(runs, summaries), "diff": comparison.config_diff(runs),
         "headlines": comparison.headlines(runs, summaries), "page": page,

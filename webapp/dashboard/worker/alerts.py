@@ -17,6 +17,10 @@ Rules (thresholds are settings, `RLPILOT_ALERT_*`):
   kl_rising      the median of actor/kl over the last ALERT_KL_RISE_WINDOW steps is at least
                  ALERT_KL_RISE_FACTOR x its median over the window before, and at least
                  ALERT_KL_RISE_MIN (trainer/pilot/window.py kl_rising, the pilot's KL rule too)
+  mismatch_high  mismatch/kl (mismatch/age0/kl where reported by age: no policy drift) >
+                 ALERT_MISMATCH_KL_MAX, or mismatch/outside_band_ratio > ALERT_MISMATCH_OUTSIDE_MAX:
+                 the engine's log-probabilities far from the trainer's
+                 (trainer/algo/rollout_correction.py; a bf16 engine's healthy mismatch stays under)
   reward_collapse rollout/zero_var_ratio/all_wrong >= ALERT_COLLAPSE_RATIO for ALERT_COLLAPSE_STEPS
                  steps, once the run has had a step under that ratio (something to collapse from)
   nan_loss       actor/pg_loss non-finite, or a trainer `warning` event about a non-finite update
@@ -40,7 +44,8 @@ from webapp.dashboard import actions
 from webapp.dashboard.actions import Record
 from webapp.dashboard.models import MetricPoint, Run, Status
 
-RULES = ("staleness", "kl_high", "kl_rising", "reward_collapse", "nan_loss", "heartbeat", "stalled")
+RULES = ("staleness", "kl_high", "kl_rising", "mismatch_high", "reward_collapse", "nan_loss", "heartbeat",
+         "stalled")
 # rules raised and cleared by someone else than the sink's Monitor (which must not write back a
 # stale copy of them): `stalled` by the heartbeat thread's StallWatch
 EXTERNAL_RULES = ("stalled",)
@@ -126,6 +131,7 @@ class Monitor:
                                      f"{hist[window - 1][0]}, {recent:.3g} over steps {hist[window][0]}-"
                                      f"{step} (x{factor:g} from {floor:g} up raises this)",
                                      value=recent, before=before, threshold=factor)
+        out += self._mismatch(step, v)
         if "rollout/zero_var_ratio/all_wrong" in v:
             w = number(v["rollout/zero_var_ratio/all_wrong"])
             if w is not None and math.isfinite(w):
@@ -144,6 +150,36 @@ class Monitor:
             bad = non_finite(v["actor/pg_loss"])
             out += self._set("nan_loss", bad, step, f"non-finite loss: actor/pg_loss = {v['actor/pg_loss']}")
         return out
+
+    def _mismatch(self, step: int, v: dict[str, Any]) -> list[Record]:
+        """mismatch_high: either figure of the step past its maximum (both are in one step's row;
+        a step with neither, e.g. mismatch.measure off, changes nothing). The KL is the engine's
+        own: in a run that reports it by token age (asynchronous, APRIL) mismatch/kl adds the
+        policy's drift since stale tokens were sampled (a healthy tiny async run measured 0.012),
+        so there it is the age-0 tokens' (mismatch/age0/kl; a step without any reads no KL)."""
+        if any(k.startswith("mismatch/age") for k in v):
+            self.mem["mismatch_by_age"] = True
+        kl_key = "mismatch/age0/kl" if self.mem.get("mismatch_by_age") else "mismatch/kl"
+        checks = [(kl_key, settings.ALERT_MISMATCH_KL_MAX,
+                   lambda x, m: f"engine vs trainer KL ({kl_key}) {x:.4g} is above {m:g}"),
+                  ("mismatch/outside_band_ratio", settings.ALERT_MISMATCH_OUTSIDE_MAX,
+                   lambda x, m: f"{x:.1%} of tokens have pi_old / pi_rollout outside the mismatch "
+                                f"band (above {m:.1%})")]
+        seen, over = False, []
+        for key, most, text in checks:
+            x = number(v.get(key))
+            if x is None or not math.isfinite(x):
+                continue
+            seen = True
+            if x > most:
+                over.append((key, x, most, text(x, most)))
+        if not seen:
+            return []
+        if not over:
+            return self._set("mismatch_high", False, step, "")
+        key, x, most, _ = over[0]
+        return self._set("mismatch_high", True, step, "; ".join(o[3] for o in over),
+                         key=key, value=x, threshold=most)
 
     def _set(self, rule: str, on: bool, step: int, message: str, **data) -> list[Record]:
         """Raise once when the condition starts; clear once it has been false for
