@@ -79,3 +79,22 @@ def test_the_ledger_refuses_an_unknown_reason_and_rebases_after_a_restart():
     again.observe_engine(5)             # a restarted engine counts from 0 again: a new baseline
     again.observe_engine(12)
     assert (again.generated, again.waiting) == (37, 13)
+
+
+@pytest.mark.parametrize("mode, level", [("mask", "token"), ("band", "sequence")])
+def test_tokens_the_mismatch_correction_masks_are_dropped_not_trained(tmp_path, mode, level):
+    """A bfloat16 engine and a narrow band: the correction masks tokens (token level) or whole
+    sequences out of the loss; they count as `mismatch` waste, never as trained, and the sums
+    still hold."""
+    cfg = C.load("demo", [*TINY_RUN, "run.max_steps=3", "rollout.dtype=bfloat16",
+                          f"mismatch.correction={mode}", f"mismatch.level={level}",
+                          "mismatch.lower=0.99", "mismatch.upper=1.01"])
+    sink = MemorySink()
+    with Runner(cfg, tmp_path, sink=sink, system_telemetry=False) as runner:
+        runner.run()
+    rows = [r for r in sink.steps if "rollout/tokens/generated" in r]
+    check_rows(rows)
+    masked = sum(r["rollout/waste/mismatch"] for r in rows)
+    assert masked == sum(r.get("mismatch/correction_zeroed_tokens", 0) for r in rows) > 0
+    for r in rows:   # trained = the tokens the loss counted
+        assert r["rollout/tokens/trained"] == r.get("actor/loss_tokens", 0)

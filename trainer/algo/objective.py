@@ -175,7 +175,9 @@ def _correct(seqs, samples, old_logp: list[list[float]], fix: rc.Correction, m: 
     w = rc.weights(old, engine, mask, fix)
     n = float(mask.sum()) or 1.0
     m["mismatch/correction_weight"] = float(w.sum()) / n
-    m["mismatch/correction_zeroed_ratio"] = float(((w == 0) & (mask > 0)).sum()) / n
+    zeroed = int(((w == 0) & (mask > 0)).sum())
+    m["mismatch/correction_zeroed_ratio"] = zeroed / n
+    m["mismatch/correction_zeroed_tokens"] = zeroed   # the token ledger's "mismatch" drop
     if fix.mode == "truncate":   # the tokens whose weight the cap lowered
         raw = rc.weights(old, engine, mask, rc.Correction("mask", fix.level, 0.0, math.inf))
         m["mismatch/correction_truncated_ratio"] = float((raw > w).sum()) / n

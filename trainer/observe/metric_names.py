@@ -45,6 +45,7 @@ SCALARS: dict[str, str] = {
     "rollout/waste/zero_variance": "tokens dropped: zero-variance groups left out",
     "rollout/waste/surplus": "tokens dropped: complete groups no step will take",
     "rollout/waste/aborted": "tokens dropped: samples aborted and not kept",
+    "rollout/waste/mismatch": "tokens dropped: masked out by the mismatch correction (mask, band)",
     "rollout/waste/total": "tokens dropped this step, every reason",
     "rollout/waste/share_total": "share of the run's generated tokens dropped so far",
     # the update
@@ -66,6 +67,8 @@ SCALARS: dict[str, str] = {
     "mismatch/tokens": "tokens measured",
     "mismatch/correction_weight": "mean correction weight applied (1 = no correction)",
     "mismatch/correction_zeroed_ratio": "share of tokens the correction masked out of the loss",
+    "mismatch/correction_zeroed_tokens": "tokens the correction masked out of the loss "
+                                         "(rollout/waste/mismatch)",
     "mismatch/correction_truncated_ratio": "share of tokens whose weight was truncated at upper",
     # throughput and time
     "perf/gen_tokens_per_s": "generated tokens per second of generation",
@@ -176,7 +179,7 @@ CHARTS: list[dict] = [
     {"id": "tokens", "title": "Where the generated tokens went (per step)",
      "keys": ["rollout/tokens/generated", "rollout/tokens/trained", "rollout/tokens/waiting",
               "rollout/waste/version_span", "rollout/waste/stale", "rollout/waste/zero_variance",
-              "rollout/waste/surplus", "rollout/waste/aborted"]},
+              "rollout/waste/surplus", "rollout/waste/aborted", "rollout/waste/mismatch"]},
     {"id": "zero-var", "title": "Zero-variance group ratio",
      "keys": ["rollout/zero_var_ratio", "rollout/zero_var_ratio/all_correct",
               "rollout/zero_var_ratio/all_wrong"]},

@@ -14,6 +14,8 @@ Every token the engine generates for a rollout (evaluations excluded) ends in ex
     surplus        complete groups beyond what any step will take (dynamic sampling's extra
                    groups, APRIL's buffer shrunk to its bound after a knob change)
     aborted        samples aborted and not kept
+    mismatch       tokens the rollout correction masked out of the loss (`mismatch.correction`
+                   mask or band: the engine's and the trainer's probabilities too far apart)
 
 `generated` comes from the engine's own counter, so "waiting" is checkable: wherever nothing is
 left inside the engine (a synchronous step boundary, a stopped asynchronous run), it must equal
@@ -21,7 +23,7 @@ the tokens the driver holds (`Driver.held_tokens`). Tests check that in every mo
 """
 from __future__ import annotations
 
-REASONS = ("version_span", "stale", "zero_variance", "surplus", "aborted")
+REASONS = ("version_span", "stale", "zero_variance", "surplus", "aborted", "mismatch")
 
 
 class TokenLedger:

@@ -40,7 +40,9 @@ def record(run, cfg, results: StepResults) -> dict[str, float]:
     """The step's metric record (`run.step` is the step's number by now)."""
     result, step_s = results.rollout, results.step_s
     m = rollout_metrics(run, cfg, result, results.engine_stats, step_s)
-    trained_tokens = sum(len(s.response_ids) for s in results.seqs)
+    # the tokens the loss saw: the mismatch correction's masked tokens are dropped, not trained
+    trained_tokens = sum(len(s.response_ids) - (s.is_weights or []).count(0.0)
+                         for s in results.seqs)
     m.update(results.adv_metrics)
     for name, (values, edges) in results.histograms.items():
         run.sink.histogram(run.step, name, histogram(values, edges))
@@ -59,7 +61,8 @@ def record(run, cfg, results: StepResults) -> dict[str, float]:
                   "dist/train_share_imbalance": run.ranks.imbalance})
     if hasattr(run.engine, "generators_alive"):  # generation processes (engine/pool.py)
         m.update(run.engine.report())
-    m.update(ledger_metrics(run, result, trained_tokens))
+    m.update(ledger_metrics(run, result, trained_tokens,
+                            int(results.adv_metrics.get("mismatch/correction_zeroed_tokens", 0))))
     with run.lock:  # the async worker adds reward counts to the totals
         run.totals["samples"] += m["rollout/samples"]
         run.totals["gen_tokens"] += m["rollout/gen_tokens"]
@@ -91,13 +94,15 @@ def rollout_metrics(run, cfg, result, engine_stats, step_s: float) -> dict[str, 
     return m
 
 
-def ledger_metrics(run, result, trained_tokens: int) -> dict[str, float]:
-    """Where the step's generated tokens went: trained, and the complete groups the objective
-    left out (algo.skip_zero_adv) dropped as zero-variance."""
+def ledger_metrics(run, result, trained_tokens: int, masked: int = 0) -> dict[str, float]:
+    """Where the step's generated tokens went: trained, `masked` out by the mismatch correction,
+    and the complete groups the objective left out (algo.skip_zero_adv) dropped as
+    zero-variance."""
     observe_generation(run)
     ledger = run.rollout.ledger
     ledger.train(trained_tokens)
-    ledger.drop("zero_variance", sum(g.tokens() for g in result.groups) - trained_tokens)
+    ledger.drop("mismatch", masked)
+    ledger.drop("zero_variance", sum(g.tokens() for g in result.groups) - trained_tokens - masked)
     return ledger.step_metrics()
 
 

@@ -27,6 +27,7 @@ SUMMARY = [
     ("waste_zero_variance", "generated tokens dropped: zero-variance groups", False),
     ("waste_surplus", "generated tokens dropped: surplus groups", False),
     ("waste_aborted", "generated tokens dropped: aborted", False),
+    ("waste_mismatch", "generated tokens dropped: masked by the mismatch correction", False),
     ("trained_token_share", "share of generated tokens trained", True),
     ("samples_generated", "samples generated", None),
     ("samples_skipped", "samples skipped (GRESO)", None),
