@@ -4,7 +4,7 @@ import argparse
 
 import pytest
 
-from trainer.bench import april, asynchronous, common, greso, learn, pilot
+from trainer.bench import april, asynchronous, common, greso, learn, mismatch, pilot
 from trainer.rollout.ledger import REASONS
 
 TINY = ["rollout.rollout_batch_size=4", "rollout.n_samples_per_prompt=4",
@@ -84,6 +84,30 @@ def test_bench_april_reports_decode_cost_per_token():
         assert 1 <= v["rows_per_decode_step"] <= 16
     assert out["ratio"]["decode_cost_per_token"] == round(
         out["baseline"]["decode_ms_per_token"] / out["april"]["decode_ms_per_token"], 3)
+
+
+def test_bench_mismatch_table_shows_fp32_rollouts_agree_and_bf16_rollouts_do_not():
+    out = mismatch.run(args(preset="demo", variants="bf16_truncate,fp32", eval_size=8, warmup=False),
+                       log=lambda *a: None)
+    rows = {r["variant"]: r for r in out["table"]}
+    assert [r["variant"] for r in out["table"]] == ["fp32", "bf16_truncate"]   # the baseline first
+    assert out["baseline"] == "fp32" and out["variants"]["fp32"]["steps"] == 2
+    fp32, bf16 = rows["fp32"], rows["bf16_truncate"]
+    # the engine and the trainer both in float32: the same log-probabilities up to rounding
+    assert abs(fp32["mismatch_kl_mean"]) < 1e-8 and fp32["abs_logp_diff_max"] < 1e-3
+    # a bfloat16 engine: clearly apart (|d| ~ 1e-2 per token, up to ~0.1-0.2)
+    assert bf16["mismatch_kl_mean"] > 1e-6 and bf16["abs_logp_diff_mean"] > 1e-3
+    assert bf16["abs_logp_diff_max"] > 1e-2
+    # only the corrected variant reports a weight; the baseline's ratios are 1 and 0 by definition
+    assert fp32["correction_weight_mean"] is None and 0 < bf16["correction_weight_mean"] <= 2.0
+    assert 0 <= bf16["correction_zeroed_ratio_mean"] <= 1
+    assert out["ratio"]["fp32"]["trained_tokens_per_s"] == 1.0
+    assert out["ratio"]["fp32"]["heldout_accuracy_delta"] == 0.0
+    assert out["ratio"]["bf16_truncate"]["gen_tokens_per_rollout_s"] > 0
+    table = mismatch.format_table(out["table"])
+    assert table.count("\n") == 3 and "| fp32 |" in table and "| bf16_truncate |" in table
+    with pytest.raises(ValueError, match="unknown"):
+        mismatch.run(args(preset="demo", variants="fp32,fp8"), log=lambda *a: None)
 
 
 def test_bench_learn_reports_before_after_and_delta():

@@ -38,10 +38,11 @@ def accuracy_delta(a: dict, b: dict) -> float | None:
 
 
 def train_variant(name: str, preset: str, overrides: list[str], *, steps: int, eval_size: int,
-                  seed: int, curve_every: int = 0, log=print) -> dict:
+                  seed: int, curve_every: int = 0, log=print, extra=None) -> dict:
     """Train `steps` steps and return the summed/averaged figures a comparison needs. With
     `curve_every`, held-out accuracy also every that many steps (and at step 0), against the
-    training seconds spent so far (evaluation time left out)."""
+    training seconds spent so far (evaluation time left out). `extra(sink)`, when given, adds
+    the bench's own figures from the run's metrics (a MemorySink)."""
     from trainer.run.runner import Runner
 
     curve_every = curve_every if eval_size else 0
@@ -81,6 +82,8 @@ def train_variant(name: str, preset: str, overrides: list[str], *, steps: int, e
         "heldout_accuracy": accuracy,
     }
     out.update(waste_breakdown(ledger))
+    if extra is not None:
+        out.update(extra(sink))
     if cfg.pilot.autopilot:   # what the autopilot did: [step, knob, old, new, undo?]
         out["autopilot_changes"] = [
             [e["step"], k, ch["old"], ch["new"], bool(e.get("reason", {}).get("undo_of"))]
@@ -128,18 +131,20 @@ def time_to_accuracy(curve: list[list[float]], target: float) -> float | None:
     return next((t for t, acc in curve if acc >= target), None)
 
 
-def compare(variants: list[tuple[str, str, list[str]]], args, log=print) -> dict[str, dict]:
+def compare(variants: list[tuple[str, str, list[str]]], args, log=print, extra=None
+            ) -> dict[str, dict]:
     """Run every (name, preset, overrides) `args.reps` times, interleaved, and summarise each:
     the median of every figure, its [min, max] spread, the rounds' figures. The first variant is
     the baseline: each variant's `time_to_baseline_accuracy_s` is the median over rounds of the
     training seconds until it reached that round's baseline final accuracy (with
-    --curve-every), None when most rounds never did."""
+    --curve-every), None when most rounds never did. `extra`: as train_variant's."""
     runs: dict[str, list[dict]] = {name: [] for name, _, _ in variants}
     for rep in range(max(args.reps, 1)):
         for name, preset, overrides in variants:
             runs[name].append(train_variant(
                 name, preset, overrides, steps=args.steps, eval_size=args.eval_size,
-                seed=args.seed + rep, curve_every=getattr(args, "curve_every", 0), log=log))
+                seed=args.seed + rep, curve_every=getattr(args, "curve_every", 0), log=log,
+                **({"extra": extra} if extra is not None else {})))
     out = {name: summarise(rs) for name, rs in runs.items()}
     base = variants[0][0]
     if getattr(args, "curve_every", 0) and args.eval_size:
