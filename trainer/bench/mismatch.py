@@ -15,8 +15,9 @@ round r on seed + r). The default variants:
 - `bf16_truncate_seq`, `bf16_truncate_geo`: truncate at sequence and geometric level.
 
 `--variants` picks others (VARIANTS below: also mask and band at sequence and geometric level,
-and `bf16_recompute`, pi_old recomputed by the trainer with no weight, which tells the two
-halves of a correction apart). Reported per variant, medians over the rounds: held-out accuracy
+`bf16_recompute`, pi_old recomputed by the trainer with no weight, which tells the two
+halves of a correction apart, and `fp32_unmeasured`, `mismatch.measure` off: what measuring
+costs). Reported per variant, medians over the rounds: held-out accuracy
 after training (`--eval-size` problems, each variant evaluated through its own engine), training
 accuracy over the last quarter of the steps, the mean k3 KL and mean |log pi_old - log
 pi_rollout| per token, the largest |difference| of any step of any round, the mean correction
@@ -44,6 +45,8 @@ VARIANTS: dict[str, list[str]] = {
     "fp32": ["rollout.dtype=float32", "mismatch.correction=off"],
     "bf16": [BF16, "mismatch.correction=off"],
     "bf16_recompute": [BF16, "mismatch.correction=off", "algo.recompute_old_logprobs=true"],
+    # what measuring costs (mismatch.measure's forward pass), against `fp32`
+    "fp32_unmeasured": ["rollout.dtype=float32", "mismatch.correction=off", "mismatch.measure=false"],
     **{f"bf16_{mode}{suffix}": [BF16, f"mismatch.correction={mode}", f"mismatch.level={level}"]
        for mode in ("truncate", "mask", "band")
        for suffix, level in (("", "token"), ("_seq", "sequence"), ("_geo", "geometric"))},
