@@ -57,11 +57,27 @@ def test_padding_gets_no_weight_and_a_long_sequence_does_not_overflow():
     assert float(w[0].sum()) == 0.0 and torch.isfinite(w).all()
 
 
+def test_a_nan_or_infinite_log_probability_gets_no_weight_and_leaves_no_nan():
+    nan, inf = float("nan"), float("inf")
+    old, mask = rc.padded([[0.0, 0.0, 0.0], [0.0]])
+    roll, _ = rc.padded([[-1.0, nan, -0.5], [-inf]])   # d = 1, nan, 0.5 | +inf
+    for mode in ("truncate", "mask", "band"):
+        for level in ("token", "sequence", "geometric"):
+            w = rc.weights(old, roll, mask, rc.Correction(mode, level, 0.5, 2.0))
+            assert not torch.isnan(w).any(), (mode, level)
+            assert w[0, 1] == 0.0 and float(w[1, 1:].abs().sum()) == 0.0
+    w = rc.weights(old, roll, mask, rc.Correction("truncate", "token", 0.5, 2.0))
+    assert w[0].tolist() == pytest.approx([2.0, 0.0, E(0.5)]) and w[1, 0] == 2.0
+
+
 def test_a_band_that_excludes_one_is_refused():
     with pytest.raises(ValueError, match="band must hold 1"):
         rc.Correction("mask", "token", 1.2, 2.0)
     with pytest.raises(ValueError, match="level"):
         rc.Correction("mask", "tokens", 0.5, 2.0)
+    with pytest.raises(C.ConfigError, match="only a ratio of exactly 1"):
+        C.load("demo", ["mismatch.correction=band", "mismatch.lower=1", "mismatch.upper=1"])
+    C.load("demo", ["mismatch.correction=truncate", "mismatch.lower=1", "mismatch.upper=1"])
 
 
 def test_figures_by_hand():
@@ -107,7 +123,9 @@ def test_the_decoupled_loss_without_its_behaviour_weight_is_grpo_centred_on_prox
     want, _ = grpo.token_loss(logp, prox, adv, w, clip_low=0.2, clip_high=0.28,
                               is_weights=isw, total_tokens=2.0)
     assert float(got) == pytest.approx(float(want))
-    assert float(stats["behave_capped"]) == 0.0
+    # the first token's pi_prox / pi_b = e^1.9 is over the cap: not applied, still reported
+    # (async.auto_staleness and the pilot read that share)
+    assert float(stats["behave_capped"]) == 1.0
     assert float(stats["behave_imp_weight"]) == pytest.approx(E(1.9) + E(-1.4))  # still reported
 
 
@@ -163,9 +181,21 @@ def test_a_masked_token_leaves_the_loss_and_a_masked_sequence_is_not_trained():
     kept = _objective("mismatch.correction=mask", "mismatch.level=sequence")
     assert len(kept.seqs) == 2 and kept.seqs[0].is_weights == pytest.approx([1.0, 1.0])
     assert _objective("mismatch.correction=band", "mismatch.level=sequence",
-                      "mismatch.upper=1.0", "mismatch.lower=1.0").seqs != []
+                      "mismatch.upper=1.1", "mismatch.lower=0.9").seqs != []
     assert _objective("mismatch.correction=band", "mismatch.level=token",
                       "mismatch.upper=1.2", "mismatch.lower=0.9").seqs == []
+
+
+@pytest.mark.parametrize("mode", ["tis", "as_is", "mask"])
+def test_measuring_never_changes_an_april_loss(mode):
+    """With the correction off, the default (measuring) trains exactly what measure=false does:
+    a fresh sample's pi_old stays the engine's under TIS, the stale one's is the trainer's."""
+    base = ["april.enabled=true", f"april.offpolicy={mode}"]
+    on, off = _objective(*base), _objective(*base, "mismatch.measure=false")
+    assert [(q.old_logprobs, q.weights, q.is_weights) for q in on.seqs] == \
+        [(q.old_logprobs, q.weights, q.is_weights) for q in off.seqs]
+    assert on.seqs[0].old_logprobs == [-1.0, -2.0]            # fresh: the engine's
+    assert "mismatch/kl" in on.metrics and "mismatch/kl" not in off.metrics
 
 
 def test_with_april_the_correction_replaces_its_version_tis_never_multiplies_it():
@@ -195,6 +225,9 @@ def test_asynchronous_runs_use_the_correction_in_place_of_the_behaviour_cap():
     fixed = _objective(*base, "mismatch.correction=truncate", "mismatch.upper=1.5")
     assert fixed.decoupled.cap_mode == "none"
     assert fixed.seqs[0].is_weights == pytest.approx([1.5, E(-0.5)])
+    masked = _objective(*base, "mismatch.correction=band", "mismatch.upper=1.2",
+                        "mismatch.lower=0.9")
+    assert masked.seqs == []    # every token outside the band: nothing of it is trained
     with pytest.raises(C.ConfigError, match="prox_logp"):
         C.load("demo", ["async.enabled=true", "async.prox_logp=loglinear",
                         "mismatch.correction=mask"])

@@ -633,11 +633,13 @@ def test_the_servers_dtype_is_recorded_and_an_explicit_rollout_dtype_must_match(
     ({"tp_size": 1}, None, None),
 ])
 def test_a_servers_dtype_from_its_server_info(tmp_path, info, config, dtype):
-    from trainer.engine.sglang.precision import dtype_from_info
+    from trainer.engine.sglang.precision import dtype_from_info, explicit
 
     if config is not None:
         (tmp_path / "config.json").write_text(json.dumps(config))
     assert dtype_from_info({**info, "model_path": str(tmp_path)}) == dtype
+    # weights are cast only to a dtype the server names itself, never to one resolved from auto
+    assert explicit(info) == (dtype is not None and info.get("dtype") != "auto")
 
 
 def test_an_unknown_server_dtype_is_refused_only_for_an_explicit_rollout_dtype(builtin, tmp_path):

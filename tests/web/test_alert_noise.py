@@ -109,7 +109,7 @@ def with_fault(preset: str, key: str, values) -> list[dict]:
     ("nan_loss", "april", "actor/pg_loss", lambda s: "nan"),
     ("mismatch_high", "demo", "mismatch/kl", lambda s: 0.05),
     ("mismatch_high", "async", "mismatch/age0/kl", lambda s: 0.05),
-    ("mismatch_high", "async", "mismatch/outside_band_ratio", lambda s: 0.1),
+    ("mismatch_high", "demo", "mismatch/outside_band_ratio", lambda s: 0.1),
 ])
 def test_each_rule_fires_on_a_series_built_to_trigger_it(rule, preset, key, values):
     got = alerts(with_fault(preset, key, values))

@@ -62,8 +62,8 @@ def behaviour_weights(prox: torch.Tensor, behave: torch.Tensor, cap: float,
         w = torch.where(over, torch.zeros_like(w), w)
     elif mode == "clamp":
         w = w.clamp(max=cap)
-    elif mode == "none":
-        w, over = torch.ones_like(w), torch.zeros_like(over)
+    elif mode == "none":   # still reported over the cap (async.auto_staleness reads that share)
+        w = torch.ones_like(w)
     else:
         raise ValueError(f"behave_cap_mode must be 'mask', 'clamp' or 'none', not {mode!r}")
     return w.detach(), over

@@ -110,7 +110,8 @@ def train_sequences(groups, cfg, version: int, logprobs: Logprobs) -> Objective:
     hists: dict = {}
     fix = correction(cfg)
     if cfg.async_.enabled:
-        return Objective(seqs, m, _decoupled(seqs, samples, cfg, version, logprobs, fix, m, hists),
+        decoupled_loss = _decoupled(seqs, samples, cfg, version, logprobs, fix, m, hists)
+        return Objective([s for s in seqs if any(w > 0 for w in s.weights)], m, decoupled_loss,
                          hists)
     # pi_old: the engine's behaviour logprobs, or the trainer's; APRIL's off-policy tokens
     stale = [any(v < version for v in s.versions) for s in samples]
@@ -136,6 +137,10 @@ def train_sequences(groups, cfg, version: int, logprobs: Logprobs) -> Objective:
     for i, (seq, s) in enumerate(zip(seqs, samples)):
         cur = current[i] if current is not None else None
         if offpolicy:
+            # measuring only observes: unless pi_old is the trainer's, TIS takes the trainer's
+            # logprobs for stale samples alone, a fresh one's pi_old stays the engine's
+            if not trainers_old and mode == "tis" and not stale[i]:
+                cur = list(s.logprobs)
             seq.weights, seq.old_logprobs = token_weights(
                 s.versions, version, s.logprobs, cur if trainers_old or mode == "tis" else None,
                 mode=mode, cap=cfg.april.tis_cap, decay=cfg.april.decay)

@@ -24,8 +24,9 @@ The correction: a weight per token from rho at one level, applied in one mode:
                                                                  sequence at sequence/geometric)
            band       w := 1 if lower <= w <= upper, else 0      (IcePop: drop, never reweight)
 
-The weights are constants (no gradient), multiplied into the loss mask: the token-mean loss is
-then sum(w * m * loss) / sum(m). How they compose with APRIL's version TIS and AReaL's behaviour
+The weights are constants (no gradient) on the surrogate alone: with the loss mask m, the
+token-mean loss is sum(m * (w * surrogate + kl_coef * kl)) / sum(m). A non-finite ratio (a NaN
+log-probability) gets weight 0 in every mode. How they compose with APRIL's version TIS and AReaL's behaviour
 weight (both are this same ratio, for older tokens) is docs/algorithms.md's "one weight per ratio".
 
 Plain tensor math on [B, T] tensors padded per row with a 0/1 `mask` of the response tokens;
@@ -68,15 +69,18 @@ class Correction:
 
 
 def level_log_ratio(d: torch.Tensor, mask: torch.Tensor, level: str) -> torch.Tensor:
-    """The log of the weight's ratio at `level`, per token [B, T] (0 off the mask)."""
-    d = d * mask
+    """The log of the weight's ratio at `level`, per token [B, T] (0 off the mask; `where`, not a
+    product, so an infinite log-ratio leaves no NaN in the padding)."""
+    on = mask > 0
+    d = torch.where(on, d, torch.zeros_like(d))
     if level == "token":
         return d
     total = d.sum(dim=1, keepdim=True)
     if level == "sequence":
-        return total * mask
+        return torch.where(on, total.expand_as(d), torch.zeros_like(d))
     if level == "geometric":
-        return total / mask.sum(dim=1, keepdim=True).clamp(min=1) * mask
+        mean = total / mask.sum(dim=1, keepdim=True).clamp(min=1)
+        return torch.where(on, mean.expand_as(d), torch.zeros_like(d))
     raise ValueError(f"correction level must be one of {', '.join(LEVELS)}, not {level!r}")
 
 
@@ -95,7 +99,8 @@ def weights(old_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tens
         w = torch.where(inside, torch.exp(log_w), torch.zeros_like(log_w))
     else:  # band
         w = inside.float()
-    return (w * mask).detach()
+    keep = (mask > 0) & ~torch.isnan(log_w)
+    return torch.where(keep, w, torch.zeros_like(w)).detach()
 
 
 def _log(x: float) -> float:

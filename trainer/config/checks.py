@@ -56,6 +56,10 @@ def check(cfg: Config) -> None:
         errors["mismatch.correction"] = ("corrects by pi_prox / pi_b, which needs the trainer's "
                                          "pi_prox: set async.prox_logp = 'recompute' (loglinear "
                                          "interpolates it from the engine's own log-probabilities)")
+    mm = cfg.mismatch
+    if mm.correction in ("mask", "band") and mm.lower >= mm.upper:
+        errors["mismatch.upper"] = (f"the band [{mm.lower:g}, {mm.upper:g}] holds only a ratio of "
+                                    f"exactly 1: nearly every token would be masked; widen it")
     if errors:
         raise ConfigError(errors)
 

@@ -15,8 +15,9 @@ otherwise the server's dtype stays unknown.
   being out of service (perhaps restarted with other arguments) is checked again and stays out
   of service, with a warning, when it no longer matches.
 
-New weights are sent in the servers' dtype when every server has the same known one (half the
-bytes for a 16-bit server; SGLang would convert float32 weights itself -- it copies them into
+New weights are sent in the servers' dtype when every server names the same one itself (not
+resolved from "auto", which another SGLang version may resolve otherwise: a float32 weight cast
+to a guessed float16 could overflow) -- half the bytes for a 16-bit server; SGLang would convert float32 weights itself -- it copies them into
 its parameters -- and does, over both weight paths).
 """
 from __future__ import annotations
@@ -48,6 +49,16 @@ def resolve_auto(model_path: str | None) -> str | None:
     if stored == "float32":
         return "bfloat16" if str(config.get("model_type", "")).startswith("gemma") else "float16"
     return stored if stored in KNOWN else None
+
+
+def explicit(info) -> bool:
+    """Whether a /server_info reply names its dtype itself (not "auto")."""
+    if not isinstance(info, dict):
+        return False
+    dtype = info.get("dtype")
+    if dtype is None and isinstance(info.get("server_args"), dict):
+        dtype = info["server_args"].get("dtype")
+    return ALIASES.get(str(dtype).lower(), str(dtype).lower()) in KNOWN
 
 
 def dtype_from_info(info) -> str | None:
@@ -92,6 +103,7 @@ class Precision:
         else:
             error = "its /server_info does not name a dtype"
         dtype = self.server_dtypes[srv.url] = dtype_from_info(info)
+        self.__dict__.setdefault("named_dtypes", {})[srv.url] = explicit(info)
         want = self.want_dtype
         if want == "auto" or dtype == want:
             return None
@@ -119,9 +131,11 @@ class Precision:
         return ", ".join(dtypes) or "unknown"
 
     def _wire_dtype(self):
-        """The torch dtype to send weights in: the servers' when all share one known dtype,
+        """The torch dtype to send weights in: the servers' when all name the same one themselves,
         else None (as the trainer holds them)."""
         import torch
 
+        if not all(getattr(self, "named_dtypes", {}).values()):
+            return None
         dtypes = set(getattr(self, "server_dtypes", {}).values())
         return getattr(torch, dtypes.pop()) if len(dtypes) == 1 and None not in dtypes else None

@@ -156,15 +156,18 @@ class Monitor:
         a step with neither, e.g. mismatch.measure off, changes nothing). The KL is the engine's
         own: in a run that reports it by token age (asynchronous, APRIL) mismatch/kl adds the
         policy's drift since stale tokens were sampled (a healthy tiny async run measured 0.012),
-        so there it is the age-0 tokens' (mismatch/age0/kl; a step without any reads no KL)."""
+        so there it is the age-0 tokens' (mismatch/age0/kl; a step without any reads no KL), and
+        the share outside the band, which has no age split, is not read (the pilot's rule too)."""
         if any(k.startswith("mismatch/age") for k in v):
             self.mem["mismatch_by_age"] = True
-        kl_key = "mismatch/age0/kl" if self.mem.get("mismatch_by_age") else "mismatch/kl"
+        by_age = self.mem.get("mismatch_by_age")
+        kl_key = "mismatch/age0/kl" if by_age else "mismatch/kl"
         checks = [(kl_key, settings.ALERT_MISMATCH_KL_MAX,
-                   lambda x, m: f"engine vs trainer KL ({kl_key}) {x:.4g} is above {m:g}"),
-                  ("mismatch/outside_band_ratio", settings.ALERT_MISMATCH_OUTSIDE_MAX,
-                   lambda x, m: f"{x:.1%} of tokens have pi_old / pi_rollout outside the mismatch "
-                                f"band (above {m:.1%})")]
+                   lambda x, m: f"engine vs trainer KL ({kl_key}) {x:.4g} is above {m:g}")]
+        if not by_age:
+            checks.append(("mismatch/outside_band_ratio", settings.ALERT_MISMATCH_OUTSIDE_MAX,
+                           lambda x, m: f"{x:.1%} of tokens have pi_old / pi_rollout outside the "
+                                        f"mismatch band (above {m:.1%})"))
         seen, over = False, []
         for key, most, text in checks:
             x = number(v.get(key))
