@@ -17,8 +17,9 @@ otherwise the server's dtype stays unknown.
 
 New weights are sent in the servers' dtype when every server names the same one itself (not
 resolved from "auto", which another SGLang version may resolve otherwise: a float32 weight cast
-to a guessed float16 could overflow) -- half the bytes for a 16-bit server; SGLang would convert float32 weights itself -- it copies them into
-its parameters -- and does, over both weight paths).
+to a guessed float16 could overflow): half the bytes for a 16-bit server. Otherwise they go as
+the trainer holds them, and SGLang converts them itself (it copies them into its parameters,
+over both weight paths).
 """
 from __future__ import annotations
 
