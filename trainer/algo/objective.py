@@ -117,10 +117,10 @@ def train_sequences(groups, cfg, version: int, logprobs: Logprobs) -> Objective:
     stale = [any(v < version for v in s.versions) for s in samples]
     offpolicy = cfg.april.enabled and any(stale)
     trainers_old = cfg.algo.recompute_old_logprobs or fix.on   # pi_old := the trainer's
-    current = None
+    current = measured = None
     if seqs and (trainers_old or cfg.mismatch.measure):
         current = logprobs(seqs)
-        _measure(samples, current, version, cfg, m, hists)
+        measured = _measure(samples, current, version, cfg, m, hists)
     elif offpolicy and cfg.april.offpolicy == "tis":
         # TIS needs the current policy's logprobs only where a token is stale: a sample made
         # wholly by the current policy has them already, its behaviour logprobs (taken to equal
@@ -148,18 +148,18 @@ def train_sequences(groups, cfg, version: int, logprobs: Logprobs) -> Objective:
             s.meta["is_weight"] = sum(seq.weights) / max(len(seq.weights), 1)  # rollout inspector
         elif trainers_old and cur is not None:
             seq.old_logprobs = cur
-    if fix.on and seqs:
-        _correct(seqs, samples, [q.old_logprobs for q in seqs], fix, m)
+    if fix.on and seqs:   # pi_old is the trainer's, as measured
+        _correct(seqs, samples, measured, fix, m)
     seqs = [s for s in seqs if any(w > 0 for w in s.weights)]
     if offpolicy:
         m["april/masked_tokens"] = masked
     return Objective(seqs, m, None, hists)
 
 
-def _measure(samples, trainer_logp: list[list[float]], version: int, cfg, m: dict,
-             hists: dict) -> None:
+def _measure(samples, trainer_logp: list[list[float]], version: int, cfg, m: dict, hists: dict):
     """The mismatch figures of the step's trained samples (mismatch/*), per version age where
-    the rollout mixes versions, and the histogram of each sequence's log-ratio."""
+    the rollout mixes versions, and the histogram of each sequence's log-ratio. Returns the
+    padded (trainer, engine, mask) log-probabilities, which the correction weighs."""
     old, mask = rc.padded(trainer_logp)
     engine, _ = rc.padded([list(s.logprobs) for s in samples])
     mm = cfg.mismatch
@@ -170,13 +170,14 @@ def _measure(samples, trainer_logp: list[list[float]], version: int, cfg, m: dic
         m.update({f"mismatch/{k}": v for k, v in rc.figures_by_age(old, engine, mask, ages).items()})
     hists["mismatch/seq_log_ratio"] = (rc.sequence_log_ratios(old, engine, mask),
                                        SEQ_LOG_RATIO_EDGES)
+    return old, engine, mask
 
 
-def _correct(seqs, samples, old_logp: list[list[float]], fix: rc.Correction, m: dict) -> None:
-    """The correction's weights on each sequence (pi_old / pi_rollout, pi_old = `old_logp`),
-    and what they did: mean weight, share of tokens masked out, share truncated."""
-    old, mask = rc.padded(old_logp)
-    engine, _ = rc.padded([list(s.logprobs) for s in samples])
+def _correct(seqs, samples, padded, fix: rc.Correction, m: dict) -> None:
+    """The correction's weights on each sequence (pi_old / pi_rollout from `padded`, _measure's
+    (trainer, engine, mask)), and what they did: mean weight, share of tokens masked out, share
+    truncated."""
+    old, engine, mask = padded
     w = rc.weights(old, engine, mask, fix)
     n = float(mask.sum()) or 1.0
     m["mismatch/correction_weight"] = float(w.sum()) / n
@@ -206,16 +207,16 @@ def _decoupled(seqs, samples, cfg, version: int, logprobs: Logprobs, fix: rc.Cor
     for seq, s in zip(seqs, samples):
         seq.behave_logprobs, seq.versions = list(s.logprobs), list(s.versions)
         seq.report = s.meta
-    trainer = None
+    trainer = measured = None
     if seqs and (a.prox_logp == "recompute" or cfg.mismatch.measure):
         trainer = logprobs(seqs)
-        _measure(samples, trainer, version, cfg, m, hists)
+        measured = _measure(samples, trainer, version, cfg, m, hists)
     if a.prox_logp == "recompute" and trainer is not None:
         for seq, p in zip(seqs, trainer):
             seq.old_logprobs = p
     cap_mode = a.behave_cap_mode
     if fix.on and trainer is not None:   # checks.py refuses a correction with loglinear
-        _correct(seqs, samples, trainer, fix, m)
+        _correct(seqs, samples, measured, fix, m)
         cap_mode = "none"
     return DecoupledLoss(cap=a.behave_imp_cap, cap_mode=cap_mode, prox=a.prox_logp,
                          version=version)
