@@ -18,7 +18,7 @@
   const COLOURS = {
     generating: "#16a34a", waiting: "#cbd5e1", training: "#2563eb", "syncing weights": "#f59e0b",
     "recording samples": "#a855f7", evaluating: "#0891b2", checkpointing: "#92400e", paused: "#475569",
-    bookkeeping: "#f9a8d4",
+    bookkeeping: "#f9a8d4", tool: "#dc2626",
   };
   const IDLE = "idle";   // the report's share chart: a lane's time outside its spans
   const PHASES = Object.keys(COLOURS);

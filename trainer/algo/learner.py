@@ -35,6 +35,8 @@ class TrainSequence:
     # the rollout correction's weight per response token (trainer/algo/rollout_correction.py):
     # scales the token's surrogate, not its count in the token mean; None = 1
     is_weights: list[float] | None = None
+    # response tokens the environment wrote (multi-turn episodes): weight 0, never trained
+    env_tokens: int = 0
 
     def __post_init__(self):
         if not self.weights:

@@ -12,7 +12,9 @@
 6. the training–inference mismatch (trainer/algo/rollout_correction.py): the engine's
    log-probabilities against the trainer's, measured (`mismatch.measure`) and, with
    `mismatch.correction`, corrected by the weight pi_old / pi_rollout, which then replaces
-   APRIL's version TIS and AReaL's behaviour weight (the same ratio; never applied twice).
+   APRIL's version TIS and AReaL's behaviour weight (the same ratio; never applied twice);
+7. multi-turn episodes (trainer/episode/): the environment's tokens (tool results, feedback) are
+   context, never trained: weight 0, left out of every figure (`_mask_environment`).
 
 The loss itself is trainer/algo/grpo.py (or decoupled.py); the learner aggregates it.
 """
@@ -27,6 +29,7 @@ from trainer.algo import grpo
 from trainer.algo import rollout_correction as rc
 from trainer.algo.decoupled import DecoupledLoss
 from trainer.algo.learner import TrainSequence
+from trainer.engine.base import ENV_VERSION
 
 # current-policy log-probabilities of sequences (a forward pass of the model being trained)
 Logprobs = Callable[[list[TrainSequence]], list[list[float]]]
@@ -111,10 +114,11 @@ def train_sequences(groups, cfg, version: int, logprobs: Logprobs) -> Objective:
     fix = correction(cfg)
     if cfg.async_.enabled:
         decoupled_loss = _decoupled(seqs, samples, cfg, version, logprobs, fix, m, hists)
+        _mask_environment(seqs, samples)
         return Objective([s for s in seqs if any(w > 0 for w in s.weights)], m, decoupled_loss,
                          hists)
     # pi_old: the engine's behaviour logprobs, or the trainer's; APRIL's off-policy tokens
-    stale = [any(v < version for v in s.versions) for s in samples]
+    stale = [any(v < version for v in s.policy_versions) for s in samples]
     offpolicy = cfg.april.enabled and any(stale)
     trainers_old = cfg.algo.recompute_old_logprobs or fix.on   # pi_old := the trainer's
     current = measured = None
@@ -150,6 +154,7 @@ def train_sequences(groups, cfg, version: int, logprobs: Logprobs) -> Objective:
             seq.old_logprobs = cur
     if fix.on and seqs:   # pi_old is the trainer's, as measured
         _correct(seqs, samples, measured, fix, m)
+    _mask_environment(seqs, samples)
     seqs = [s for s in seqs if any(w > 0 for w in s.weights)]
     if offpolicy:
         m["april/masked_tokens"] = masked
@@ -162,6 +167,9 @@ def _measure(samples, trainer_logp: list[list[float]], version: int, cfg, m: dic
     padded (trainer, engine, mask) log-probabilities, which the correction weighs."""
     old, mask = rc.padded(trainer_logp)
     engine, _ = rc.padded([list(s.logprobs) for s in samples])
+    if any(ENV_VERSION in s.versions for s in samples):   # the environment's tokens: no engine logp
+        model, _ = rc.padded([[float(v != ENV_VERSION) for v in s.versions] for s in samples])
+        mask = mask * model
     mm = cfg.mismatch
     m.update({f"mismatch/{k}": v for k, v in
               rc.figures(old, engine, mask, lower=mm.lower, upper=mm.upper).items()})
@@ -188,7 +196,9 @@ def _correct(seqs, samples, padded, fix: rc.Correction, m: dict) -> None:
         raw = rc.weights(old, engine, mask, rc.Correction("mask", fix.level, 0.0, math.inf))
         m["mismatch/correction_truncated_ratio"] = float((raw > w).sum()) / n
     for i, (seq, s) in enumerate(zip(seqs, samples)):
-        seq.is_weights = w[i, :len(seq.response_ids)].tolist()
+        # the environment's tokens are outside the mask: weight 1, so 0 means masked out here
+        seq.is_weights = [x if v != ENV_VERSION else 1.0
+                          for x, v in zip(w[i, :len(seq.response_ids)].tolist(), s.versions)]
         s.meta["is_weight"] = (sum(a * b for a, b in zip(seq.is_weights, seq.weights))
                                / max(sum(seq.weights), 1e-9))
         seq.report = None   # the inspector's weight is this one (asynchronous runs)
@@ -205,7 +215,9 @@ def _decoupled(seqs, samples, cfg, version: int, logprobs: Logprobs, fix: rc.Cor
     correction on, the correction's weight replaces the behaviour weight's cap."""
     a = cfg.async_
     for seq, s in zip(seqs, samples):
-        seq.behave_logprobs, seq.versions = list(s.logprobs), list(s.versions)
+        # an environment token has no version: it counts as current (its weight is 0 anyway)
+        seq.behave_logprobs = list(s.logprobs)
+        seq.versions = [v if v != ENV_VERSION else version for v in s.versions]
         seq.report = s.meta
     trainer = measured = None
     if seqs and (a.prox_logp == "recompute" or cfg.mismatch.measure):
@@ -220,3 +232,12 @@ def _decoupled(seqs, samples, cfg, version: int, logprobs: Logprobs, fix: rc.Cor
         cap_mode = "none"
     return DecoupledLoss(cap=a.behave_imp_cap, cap_mode=cap_mode, prox=a.prox_logp,
                          version=version)
+
+
+def _mask_environment(seqs, samples) -> None:
+    """Weight 0 on the environment's tokens (tool results, feedback): the loss, its token count
+    and its advantage never see them; `env_tokens` counts them (not trained, in the ledger)."""
+    for seq, s in zip(seqs, samples):
+        if ENV_VERSION in s.versions:
+            seq.weights = [0.0 if v == ENV_VERSION else w for w, v in zip(seq.weights, s.versions)]
+            seq.env_tokens = s.versions.count(ENV_VERSION)

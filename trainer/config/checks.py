@@ -56,6 +56,15 @@ def check(cfg: Config) -> None:
         errors["mismatch.correction"] = ("corrects by pi_prox / pi_b, which needs the trainer's "
                                          "pi_prox: set async.prox_logp = 'recompute' (loglinear "
                                          "interpolates it from the engine's own log-probabilities)")
+    try:
+        from trainer.episode.environments import parse_tools
+
+        parse_tools(cfg.episode.tools)
+    except ValueError as e:
+        errors["episode.tools"] = str(e)
+    if cfg.episode.feedback and cfg.episode.max_turns == 1:
+        errors["episode.feedback"] = ("feedback needs a turn after the answer: set "
+                                      "episode.max_turns > 1")
     mm = cfg.mismatch
     if mm.correction in ("mask", "band") and mm.lower >= mm.upper:
         errors["mismatch.upper"] = (f"the band [{mm.lower:g}, {mm.upper:g}] holds only a ratio of "

@@ -29,9 +29,10 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    task: str = param("sum", choices=["sum", "math", "code", "arith"],
-                      help="built-in list-sum task, a JSONL file of math or code problems, or "
-                      "arith: built-in arithmetic and word problems scored as math (\\boxed{} answers)")
+    task: str = param("sum", choices=["sum", "math", "code", "arith", "calc"],
+                      help="built-in list-sum task, a JSONL file of math or code problems, "
+                      "arith: built-in arithmetic and word problems scored as math (\\boxed{} "
+                      "answers), or calc: list sums with a calculator tool (multi-turn)")
     path: str = param("", help="JSONL file for task=math ({prompt, answer}) or task=code "
                       "({prompt, tests, entry_point})")
     eval_path: str = param("", help="math/code: JSONL of held-out problems (empty = evaluate on "
@@ -235,6 +236,25 @@ class AsyncConfig:
 
 
 @dataclass
+class EpisodeConfig:
+    max_turns: int = param(1, min=1, max=64, tunable=True,
+                           help="model turns per episode (1 = single-turn: no environment); a tool "
+                           "call or feedback ends a turn, the episode's answer ends it")
+    tools: str = param("calculator", help="tools the model may call, comma-separated: calculator, "
+                       "python (run in the code sandbox); empty = none")
+    feedback: bool = param(False, tunable=True,
+                           help="after a wrong final answer, tell the model and let it try again "
+                           "(while turns are left)")
+    tool_timeout_s: float = param(5.0, min=0.1, max=120.0, tunable=True,
+                                  help="wall-clock limit of one tool call (python); past it the "
+                                  "tool's message is a timeout error")
+    tool_output_chars: int = param(500, min=16, max=100_000, tunable=True,
+                                   help="longest tool result written back, in characters (cut "
+                                   "beyond, marked)")
+    tool_workers: int = param(2, min=1, max=64, help="tool calls run at once, beside decoding")
+
+
+@dataclass
 class RunConfig:
     max_steps: int = param(200, min=1, max=10_000_000, help="training steps")
     seed: int = param(0, min=0, max=2**31 - 1, help="seed for data, sampling and init")
@@ -307,6 +327,7 @@ SECTIONS: dict[str, type] = {
     "model": ModelConfig,
     "data": DataConfig,
     "rollout": RolloutConfig,
+    "episode": EpisodeConfig,
     "algo": AlgoConfig,
     "mismatch": MismatchConfig,
     "optim": OptimConfig,
@@ -337,6 +358,7 @@ class Config:
     run: RunConfig = field(default_factory=RunConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     pilot: PilotConfig = field(default_factory=PilotConfig)
+    episode: EpisodeConfig = field(default_factory=EpisodeConfig)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return {name: dataclasses.asdict(self.section(name)) for name in SECTIONS}

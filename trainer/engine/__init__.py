@@ -32,6 +32,8 @@ def build_engine(cfg, model, tokenizer, device, dtype, max_seq_len: int, *,
     Every engine stops a response at each stop token id (`trainer.models.loading.stop_token_ids`: the
     tokenizer's eos and the generation config's) and, with `rollout.stop`, at those strings
     (`trainer.engine.stops.StopStrings` wraps it then).
+    With `episode.max_turns` > 1 the engine generates multi-turn episodes
+    (`trainer.episode.engine.Episodes` wraps it, and a tool call's closing tag ends a turn).
     """
     from trainer.config import stop_strings
     from trainer.models.loading import stop_token_ids
@@ -40,6 +42,18 @@ def build_engine(cfg, model, tokenizer, device, dtype, max_seq_len: int, *,
     dtype = engine_dtype(r.dtype, dtype)
     eos = stop_token_ids(model, tokenizer)  # the tokenizer's eos and the generation config's
     stops = stop_strings(r.stop)
+    if cfg.episode.max_turns > 1:
+        from trainer.episode.engine import with_episodes
+
+        return with_episodes(cfg, tokenizer, lambda tool_stops: _engine(
+            cfg, model, tokenizer, device, dtype, max_seq_len, weights_dir, eos,
+            stops + [s for s in tool_stops if s not in stops]))
+    return _engine(cfg, model, tokenizer, device, dtype, max_seq_len, weights_dir, eos, stops)
+
+
+def _engine(cfg, model, tokenizer, device, dtype, max_seq_len, weights_dir, eos, stops):
+    """The engine `rollout.engine` names, ending responses at `eos` ids and `stops` strings."""
+    r = cfg.rollout
     if r.engine == "sglang":
         from trainer.engine.sglang import SGLangEngine, parse_urls
 

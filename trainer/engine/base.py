@@ -4,6 +4,10 @@ A `Sample` is one response being generated for one prompt. It carries, per gener
 the token id, its log-probability under the behaviour policy, and the policy version that
 produced it. A sample can be stopped part-way (abort, or the per-step segment limit) and
 submitted again later: generation continues from its last token, and the lists only grow.
+
+In a multi-turn episode (trainer/episode/) the response also holds the environment's turns (tool
+results, feedback): tokens no policy sampled, with version `ENV_VERSION` and log-probability 0,
+never trained. `policy_versions` and `model_tokens` leave them out.
 """
 from __future__ import annotations
 
@@ -17,6 +21,8 @@ LENGTH = "length"      # reached max_new_tokens
 SEGMENT = "segment"    # reached the per-segment limit (APRIL parks it; it is not finished)
 ABORT = "abort"        # stopped from outside (APRIL early termination, shutdown)
 DONE_REASONS = (STOP, LENGTH)
+
+ENV_VERSION = -1   # an environment token's version: no policy sampled it
 
 _ids = itertools.count()
 
@@ -59,6 +65,25 @@ class Sample:
     @property
     def done(self) -> bool:
         return self.finish_reason in DONE_REASONS
+
+    @property
+    def policy_versions(self) -> list[int]:
+        """The versions of the tokens a policy sampled (environment tokens left out)."""
+        return [v for v in self.versions if v != ENV_VERSION]
+
+    @property
+    def model_tokens(self) -> int:
+        """Response tokens the engine generated (the environment's left out)."""
+        return sum(1 for v in self.versions if v != ENV_VERSION)
+
+    @property
+    def turn_start(self) -> int:
+        """Where the current model turn starts in the response: after the environment's last
+        token (0 for a single-turn response)."""
+        for i in range(len(self.versions) - 1, -1, -1):
+            if self.versions[i] == ENV_VERSION:
+                return i + 1
+        return 0
 
     @property
     def remaining(self) -> int:

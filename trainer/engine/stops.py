@@ -15,6 +15,8 @@ of each response, around whichever engine `build_engine` made:
   log-probabilities.
 
 Samples aborted by their owner (APRIL) are returned as they are and checked when they come back.
+In a multi-turn episode only the current model turn is matched (`Sample.turn_start` on): an
+earlier turn's stop string (a tool call's closing tag) is history, not a new stop.
 """
 from __future__ import annotations
 
@@ -115,13 +117,14 @@ class StopStrings:
     def _match(self, s: Sample) -> int | None:
         """How many response tokens to keep (up to the one completing a stop string), or None;
         only text after the last check (and a window behind it) is looked at."""
-        ids, start = s.response_ids, self.checked.get(s.request_id, 0)
+        ids, floor = s.response_ids, s.turn_start
+        start = max(self.checked.get(s.request_id, 0), floor)
         self.checked[s.request_id] = len(ids)
-        lo = max(0, start - self.window)
+        lo = max(floor, start - self.window)
         if not any(stop in self._text(ids[lo:]) for stop in self.stops):
             return None
-        for k in range(max(start, 1), len(ids) + 1):  # the first token that completes one
-            text = self._text(ids[max(0, k - self.window):k])
+        for k in range(max(start, floor + 1), len(ids) + 1):  # the first token that completes one
+            text = self._text(ids[max(floor, k - self.window):k])
             if any(stop in text for stop in self.stops):
                 return k
         return len(ids)

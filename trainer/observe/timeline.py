@@ -27,7 +27,8 @@ from dataclasses import dataclass
 
 # what a lane may be doing; the dashboard colours each one (static/dashboard/timeline.js)
 PHASES = ("generating", "waiting", "training", "syncing weights", "recording samples",
-          "evaluating", "checkpointing", "paused", "bookkeeping")
+          "evaluating", "checkpointing", "paused", "bookkeeping", "tool")
+TOOLS_LANE = "tools"   # an episode's tool calls (trainer/episode/engine.py), beside decoding
 CONTROLLER = "rank 0"
 MAX_SPANS = 48       # per step, every lane together
 MERGE_GAP_S = 0.01   # same-phase spans of a lane closer than this are one span

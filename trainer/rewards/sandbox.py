@@ -3,7 +3,9 @@
 A code reward executes what the model wrote, so it runs in a child process that cannot take the
 trainer down: limited in time and memory, without network, process creation or writes outside
 its own directory, and able to report a pass only by echoing a nonce it cannot read from the
-code (see `run_code`). The code verifier (trainer/rewards/verifiers.py) is its caller.
+code (see `run_code`). The code verifier (trainer/rewards/verifiers.py) is its caller. The same
+runner also serves the python tool of multi-turn episodes (`run_snippet`, trainer/episode/tools.py):
+it reports what a snippet printed instead of a pass.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ CODE_TIMEOUT_S = 10.0            # wall-clock limit of one sandboxed run
 CODE_MEMORY_BYTES = 1 << 30      # address space of the sandboxed process
 CODE_FILE_BYTES = 16 << 20       # largest file it may write
 _CODE_MAX_NPROC_EXTRA = 64       # non-root: threads/processes it may add to the user's count
+TRUNCATED = "…[truncated]"       # ends an output that `clip` cut
 
 _parent_dir: str | None = None   # where sandbox directories are made (None: the system's tmp)
 
@@ -48,7 +51,7 @@ class CodeResult:
 # this run counts as a pass, so code that prints a pass or exits early cannot fake one; the
 # nonce is a local of _main(), not a global of __main__ that the code could import.
 _RUNNER_BODY = r'''
-import ast, json, os, resource, sys
+import ast, contextlib, io, json, os, resource, sys
 job = json.loads(sys.stdin.buffer.read() or b"null")
 if job is None:
     os._exit(3)
@@ -146,7 +149,8 @@ def _guard(event, args):
 
 sys.addaudithook(_guard)
 
-nonce, entry, code, tests = job["nonce"], job["entry_point"], job["code"], job["tests"]
+nonce, mode, code = job["nonce"], job.get("mode", "code"), job["code"]
+entry, tests, cap = job.get("entry_point"), job.get("tests", ()), job.get("max_output", 0)
 del job
 
 def _name(e):
@@ -154,6 +158,25 @@ def _name(e):
     return text if len(text) <= 300 else text[:297] + "..."
 
 ns = {"__name__": "__main__", "__builtins__": __builtins__}
+if mode == "snippet":  # a python tool: run the code, report what it printed (the first `cap` chars)
+    class _Capped(io.StringIO):
+        cut = False
+        def write(self, s):
+            room = cap - self.tell()
+            if len(s) > room:
+                self.cut, s = True, s[:max(0, room)]
+            return super().write(s)
+    out, status, error = _Capped(), "ok", ""
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+            exec(compile(code, "<python>", "exec"), ns)
+    except SystemExit as e:
+        if e.code not in (None, 0):
+            status, error = "error", _name(e)
+    except BaseException as e:
+        status, error = "error", _name(e) if str(e) else type(e).__name__
+    ns.clear()  # free what a memory bomb holds, so that the report can be written
+    report({"nonce": nonce, "status": status, "output": out.getvalue(), "cut": out.cut, "error": error})
 try:
     exec(compile(code, "solution.py", "exec"), ns)
 except BaseException as e:
@@ -191,11 +214,77 @@ def run_code(code: str, tests: Sequence[str], entry_point: str, *,
     """
     if not isinstance(code, str):
         raise TypeError(f"code must be a string, got {type(code).__name__}")
+    run = _run_runner({"code": code, "tests": list(tests), "entry_point": entry_point},
+                      timeout_s, memory_bytes, "before the tests finished")
+    msg = run.report or {}
+    if msg.get("status") == "pass":
+        if msg.get("nonce") == run.nonce:
+            return CodeResult(True, "pass")
+        return CodeResult(False, "fail", "forged pass report")
+    if msg.get("status") == "fail":
+        return CodeResult(False, "fail", str(msg.get("detail", ""))[:500])
+    return CodeResult(False, "timeout" if run.timed_out else "fail", run.why)
+
+
+@dataclass
+class SnippetResult:
+    status: str      # "ok", "error" (it raised, or the process died) or "timeout"
+    output: str      # what it printed (stdout and stderr, interleaved), clipped
+    error: str = ""  # why it failed: "ZeroDivisionError: division by zero", "timed out after 5s", ...
+
+
+def run_snippet(code: str, *, timeout_s: float, memory_bytes: int = CODE_MEMORY_BYTES,
+                max_output_chars: int = 2000) -> SnippetResult:
+    """Run a Python snippet as a "python tool" does and return what it printed.
+
+    Same interpreter, limits and guards as `run_code`. The output is what the code wrote to
+    `sys.stdout` and `sys.stderr`, interleaved in order (not tracebacks: an exception is `error`,
+    its last line); text written straight to file descriptors 1 and 2 is discarded. The child keeps
+    at most `max_output_chars` of it, and a clipped output ends with `TRUNCATED` (the whole output,
+    marker included, is at most `max_output_chars`). Output printed before a failure is kept.
+    """
+    if not isinstance(code, str):
+        raise TypeError(f"code must be a string, got {type(code).__name__}")
+    limit = max(0, int(max_output_chars))
+    run = _run_runner({"mode": "snippet", "code": code, "max_output": limit},
+                      timeout_s, memory_bytes, "before it finished")
+    msg = run.report
+    if msg is None:
+        return SnippetResult("timeout" if run.timed_out else "error", "", run.why)
+    if msg.get("nonce") != run.nonce:
+        return SnippetResult("error", "", "forged report")
+    output = str(msg.get("output", ""))
+    output = clip(output + (TRUNCATED if msg.get("cut") else ""), limit)
+    if msg.get("status") == "ok":
+        return SnippetResult("ok", output)
+    return SnippetResult("error", output, str(msg.get("error", ""))[:500])
+
+
+def clip(text: str, limit: int) -> str:
+    """`text` in at most `limit` characters: cut, ending with `TRUNCATED`, when it is longer (what a
+    model is shown is bounded, and says when it is not the whole)."""
+    if len(text) <= limit:
+        return text
+    if limit <= len(TRUNCATED):
+        return text[:max(0, limit)]
+    return text[:limit - len(TRUNCATED)] + TRUNCATED
+
+
+@dataclass
+class _Run:
+    nonce: str
+    report: dict | None   # the child's report (its last line, a JSON object), if any
+    timed_out: bool       # past the wall-clock or the CPU time limit
+    why: str              # why it ended, for when the report does not say ("timed out after 2s", ...)
+
+
+def _run_runner(job: dict, timeout_s: float, memory_bytes: int, unfinished: str) -> _Run:
+    """Run `_RUNNER` on `job` (plus the limits and a fresh nonce) in a fresh temporary directory,
+    and read its report. `unfinished` ends the message for a child that exited without one."""
     timeout_s = max(0.05, float(timeout_s))
     nonce = secrets.token_hex(16)
-    job = {"nonce": nonce, "code": code, "tests": list(tests), "entry_point": entry_point,
-           "mem": int(memory_bytes), "cpu": int(math.ceil(timeout_s)) + 1, "fsize": CODE_FILE_BYTES,
-           "nproc": _nproc_limit(), "ppid": os.getpid()}
+    job = {**job, "nonce": nonce, "mem": int(memory_bytes), "cpu": int(math.ceil(timeout_s)) + 1,
+           "fsize": CODE_FILE_BYTES, "nproc": _nproc_limit(), "ppid": os.getpid()}
     payload = json.dumps(job).encode()
     with tempfile.TemporaryDirectory(prefix="rlpilot-code-", dir=_parent_dir) as tmp:
         env = {"PATH": os.defpath, "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "HOME": tmp,
@@ -208,7 +297,7 @@ def run_code(code: str, tests: Sequence[str], entry_point: str, *,
             out, _ = proc.communicate(payload, timeout=timeout_s)
         except subprocess.TimeoutExpired:
             _kill_group(proc)
-            return CodeResult(False, "timeout", f"timed out after {timeout_s:g}s")
+            return _Run(nonce, None, True, f"timed out after {timeout_s:g}s")
         except BaseException:
             _kill_group(proc)
             raise
@@ -220,23 +309,21 @@ def run_code(code: str, tests: Sequence[str], entry_point: str, *,
             msg = json.loads(lines[-1])
         except ValueError:
             msg = None
-    if isinstance(msg, dict) and msg.get("status") == "pass":
-        if msg.get("nonce") == nonce:
-            return CodeResult(True, "pass")
-        return CodeResult(False, "fail", "forged pass report")
-    if isinstance(msg, dict) and msg.get("status") == "fail":
-        return CodeResult(False, "fail", str(msg.get("detail", ""))[:500])
-    rc = proc.returncode
+    return _Run(nonce, msg if isinstance(msg, dict) else None, *_ending(proc.returncode, unfinished))
+
+
+def _ending(rc: int | None, unfinished: str) -> tuple[bool, str]:
+    """(timed out, why) for a child that ended with return code `rc`, whatever it reported."""
     if rc is not None and rc < 0:
         sig = -rc
         if sig == getattr(signal, "SIGXCPU", None):
-            return CodeResult(False, "timeout", "CPU time limit exceeded")
+            return True, "CPU time limit exceeded"
         try:
             name = signal.Signals(sig).name
         except ValueError:
             name = str(sig)
-        return CodeResult(False, "fail", f"the process was killed by {name}")
-    return CodeResult(False, "fail", f"the process exited with code {rc} before the tests finished")
+        return False, f"the process was killed by {name}"
+    return False, f"the process exited with code {rc} {unfinished}"
 
 
 def _kill_group(proc: subprocess.Popen) -> None:

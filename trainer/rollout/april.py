@@ -35,6 +35,7 @@ from dataclasses import asdict
 from typing import Callable, Iterable
 
 from trainer.engine.base import Sample, SamplingParams, reserve_request_ids
+from trainer.episode.engine import offered_tools
 from trainer.rollout.base import Group, RolloutResult, StepCounts, StepRun, new_group, sampling_params
 from trainer.tasks.base import Problem
 
@@ -59,11 +60,11 @@ class PartialBuffer:
         return (s for g in self.groups for s in g.samples)
 
     def tokens(self) -> int:
-        return sum(len(s.response_ids) for s in self.samples())
+        return sum(s.model_tokens for s in self.samples())
 
     def ages(self, version: int) -> list[int]:
         """Versions behind `version` of each buffered sample's oldest token."""
-        return [version - min(s.versions) for s in self.samples() if s.versions]
+        return [version - min(s.policy_versions) for s in self.samples() if s.policy_versions]
 
     # --- checkpoint format: plain data, loadable without pickling classes -----------------------
     def state_dict(self) -> dict:
@@ -93,7 +94,8 @@ def _group_to_dict(g) -> dict:
 
 def version_span(sample: Sample, version: int) -> int:
     """How many versions old the sample's oldest token is (0 for no tokens)."""
-    return version - min(sample.versions) if sample.versions else 0
+    versions = sample.policy_versions
+    return version - min(versions) if versions else 0
 
 
 def segment_limit(cfg) -> int:
@@ -219,7 +221,7 @@ class AprilRollout:
             c.span_dropped_groups += 1
             step.drop("version_span", [g])
             fresh = new_group(g.draw, g.problem, step.tokenizer, cfg.rollout.n_samples_per_prompt,
-                              step.params)
+                              step.params, offered_tools(cfg))
             c.groups_started += 1
             step.start(fresh, fresh.samples)
             return
@@ -246,10 +248,11 @@ class AprilRollout:
 
 def report(result: RolloutResult, version: int, hist, buffer: PartialBuffer | None) -> dict:
     """APRIL's off-policy share and histograms of a step (`version`: the policy after it)."""
-    old = sum(1 for g in result.groups for s in g.samples for v in s.versions if v < version - 1)
-    total = sum(len(s.response_ids) for g in result.groups for s in g.samples)
-    spans = [max(s.versions) - min(s.versions) for g in result.groups for s in g.samples
-             if s.versions]
+    old = sum(1 for g in result.groups for s in g.samples for v in s.policy_versions
+              if v < version - 1)
+    total = sum(s.model_tokens for g in result.groups for s in g.samples)
+    versions = [s.policy_versions for g in result.groups for s in g.samples]
+    spans = [max(v) - min(v) for v in versions if v]
     edges = [float(i) for i in range(0, 12)]
     hist("april/version_span", spans, edges)
     if buffer is not None:  # asynchronous: no buffer, partial samples stay in flight

@@ -48,6 +48,7 @@ import time
 from collections import deque
 
 from trainer.engine.base import SEGMENT, Sample, SamplingParams
+from trainer.episode.engine import offered_tools
 from trainer.rollout import april as april_mod
 from trainer.rollout.auto_staleness import STABLE, STABLE_STEPS, TIGHTEN, behaviour_verdict
 from trainer.rollout.base import Driver, Group, RolloutResult, StepCounts, new_group, sampling_params
@@ -203,7 +204,8 @@ class AsyncDriver(Driver):
         early finishes late); taking in completion order would let the trainer pass over such
         a group until it is too stale and must be dropped, wasting its whole generation."""
         def oldest(g):
-            return min((min(s.versions) for s in g.samples if s.versions), default=version)
+            return min((min(s.policy_versions) for s in g.samples if s.policy_versions),
+                       default=version)
         i = min(range(len(self.queue)), key=lambda k: oldest(self.queue[k]))
         g = self.queue[i]
         del self.queue[i]
@@ -243,7 +245,8 @@ class AsyncDriver(Driver):
             counters = self.counters()
             self._settle_ledger()
         taken.sort(key=lambda g: g.draw)
-        staleness = [version - min(s.versions) for g in taken for s in g.samples if s.versions]
+        staleness = [version - min(s.policy_versions) for g in taken for s in g.samples
+                     if s.policy_versions]
         result = RolloutResult(groups=taken, scored=scored, gen_seconds=waited, counts=counts,
                                staleness=staleness)
         result.metrics = {"async/queue_size": queue_len, "async/running_groups": len(self.running),
@@ -434,7 +437,7 @@ class AsyncDriver(Driver):
             with self.lock:
                 draw, problem = self.selector(self.cfg, self.counts)
             g = new_group(draw, problem, self.tokenizer, self.cfg.rollout.n_samples_per_prompt,
-                          self._params())
+                          self._params(), offered_tools(self.cfg))
             self.counts.groups_started += 1
             self._launch(g, g.samples)
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from trainer.engine.base import LENGTH, Sample, SamplingParams
+from trainer.episode.engine import new_episode, offered_tools
 from trainer.observe.metrics import percentile
 from trainer.rollout import dynamic
 from trainer.rollout.greso import classify
@@ -48,7 +49,8 @@ class Group:
         return [s for s in self.samples if not s.done]
 
     def tokens(self) -> int:
-        return sum(len(s.response_ids) for s in self.samples)
+        """Generated tokens (an episode's environment tokens are not the engine's)."""
+        return sum(s.model_tokens for s in self.samples)
 
 
 class PromptSource:
@@ -63,10 +65,16 @@ class PromptSource:
         return draw, self.task.train_problem(draw)
 
 
-def new_group(draw: int, problem: Problem, tokenizer, n: int, params: SamplingParams) -> Group:
+def new_group(draw: int, problem: Problem, tokenizer, n: int, params: SamplingParams,
+              tools: tuple[str, ...] | None = None) -> Group:
+    """A group of `n` samples of `problem`; episodes offered `tools` when that is not None
+    (`trainer.episode.engine.offered_tools`: multi-turn runs)."""
     prompt_ids = tokenizer(problem.prompt).input_ids
     samples = [Sample(list(prompt_ids), params, meta={"draw": draw, "index": k})
                for k in range(n)]
+    if tools is not None:
+        for s in samples:
+            s.meta["episode"] = new_episode(problem, tools)
     return Group(problem=problem, samples=samples, draw=draw)
 
 
@@ -196,7 +204,8 @@ class StepRun:
         groups = []
         for _ in range(n):
             draw, problem = self.select(self.cfg, self.counts)
-            groups.append(new_group(draw, problem, self.tokenizer, G, self.params))
+            groups.append(new_group(draw, problem, self.tokenizer, G, self.params,
+                                    offered_tools(self.cfg)))
         if order is not None:
             groups.sort(key=order)
         for g in groups:
@@ -289,4 +298,25 @@ def step_metrics(cfg, result: RolloutResult, engine_stats) -> dict[str, float]:
         "rollout/zero_var_ratio/all_correct": all_correct / n_groups,
         "rollout/zero_var_ratio/all_wrong": all_wrong / n_groups,
     })
+    m.update(episode_metrics([s for g in scored for s in g.samples]))
     return m
+
+
+def episode_metrics(samples: list[Sample]) -> dict[str, float]:
+    """The step's scored episodes (multi-turn runs; nothing for single-turn samples): model turns
+    per episode, tool calls, tool errors and tool seconds, the share that called a tool, the
+    share that ran out of turns, and the environment's tokens in them."""
+    episodes = [(s, s.meta["episode"]) for s in samples if isinstance(s.meta.get("episode"), dict)]
+    if not episodes:
+        return {}
+    n = len(episodes)
+    return {
+        "episode/turns": sum(e["turns"] for _, e in episodes) / n,
+        "episode/turns/max": max(e["turns"] for _, e in episodes),
+        "episode/tool_calls": sum(e["tool_calls"] for _, e in episodes),
+        "episode/tool_errors": sum(e["tool_errors"] for _, e in episodes),
+        "episode/tool_s": sum(e["tool_s"] for _, e in episodes),
+        "episode/tool_use_rate": sum(1 for _, e in episodes if e["tool_calls"]) / n,
+        "episode/max_turns_ratio": sum(1 for _, e in episodes if e["end"] == "max_turns") / n,
+        "episode/env_tokens": sum(len(s.versions) - s.model_tokens for s, _ in episodes),
+    }

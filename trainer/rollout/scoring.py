@@ -13,6 +13,7 @@ import time
 from typing import Callable
 
 from trainer.algo import objective
+from trainer.episode.engine import final_turn
 from trainer.rewards.pool import RewardService
 from trainer.rollout.base import Group
 
@@ -33,7 +34,8 @@ class Scorer:
         t0 = time.monotonic()
         samples = [s for g in groups for s in g.samples]
         problems = [g.problem for g in groups for _ in g.samples]
-        completions = [self.tokenizer.decode(s.response_ids, skip_special_tokens=True) for s in samples]
+        # an episode's answer is its last model turn (a tool's output is not the model's answer)
+        completions = [self.tokenizer.decode(final_turn(s), skip_special_tokens=True) for s in samples]
         batch = self.rewards.score_batch(problems, completions)
         raw = list(batch.scores)
         shaped = objective.shaped_rewards(raw, [len(s.response_ids) for s in samples], self.cfg())

@@ -23,10 +23,11 @@ from trainer import config as config_mod
 from trainer.algo.learner import Learner
 from trainer.cluster import sharding
 from trainer.engine import build_engine
+from trainer.episode.engine import Episodes
 from trainer.models.loading import load_model, load_tokenizer, resolve_device, resolve_dtype
 from trainer.observe.inspector import InspectorRecorder
 from trainer.observe.system import ProcessMeter, SystemSampler
-from trainer.observe.timeline import CONTROLLER, Timeline
+from trainer.observe.timeline import CONTROLLER, TOOLS_LANE, Timeline
 from trainer.pilot.live import LivePilot
 from trainer.rewards.pool import RewardService
 from trainer.rollout import PromptSource, build_driver
@@ -114,6 +115,8 @@ def _rollout(run, system_telemetry: bool) -> None:
     run.rollout = build_driver(cfg, run.engine, run.tokenizer, run.selector, run.scorer, run.lock)
     run.samples = InspectorRecorder(run.tokenizer, cfg.run.seed)  # the rollout inspector's
     run.timeline = Timeline(fill={CONTROLLER: "bookkeeping"})
+    if isinstance(run.engine, Episodes):   # each tool call, on the timeline's tools lane
+        run.engine.on_tool = lambda start, end: run.timeline.add(TOOLS_LANE, "tool", start, end)
     run.boundary = StepBoundary(run.controls, run.sink, run.rollout)
     run.pilot = LivePilot()   # advice events and the autopilot (trainer/pilot/)
     run.system = SystemSampler(use_gpu=run.device.type == "cuda") if system_telemetry else None

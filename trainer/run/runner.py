@@ -28,6 +28,7 @@ from trainer.algo import objective
 from trainer.algo.learner import TrainSequence
 from trainer.cluster import distributed, training_ranks
 from trainer.engine import rollout_precision
+from trainer.episode.engine import apply_limits, offered_tools
 from trainer.observe import trackers
 from trainer.observe.metrics import MetricsSink, MultiSink
 from trainer.observe.timeline import CONTROLLER, rank_lane
@@ -63,6 +64,7 @@ class Runner:
                        "reward_timeouts": 0}
         self.best_eval: float | None = None
         self.last_eval: float | None = None
+        self.last_eval_result: dict | None = None   # the last evaluation's figures (benches)
         # what the run is doing between two steps ("evaluating", "saving a checkpoint"), else
         # None: the dashboard's stall watch reads it, so a long evaluation is no stalled step
         self.phase: str | None = None
@@ -117,6 +119,7 @@ class Runner:
                     status = STOPPED
                     break
                 self.cfg = cfg
+                apply_limits(self.engine, cfg)   # episode.* knobs (multi-turn runs)
                 try:
                     self.train_step()
                 except CollectInterrupted:
@@ -346,13 +349,16 @@ class Runner:
             before = self.engine.stats.generated_tokens
             res = evaluate(self.engine, self.tokenizer, problems, self.scorer.texts,
                            temperature=cfg.run.eval_temperature,
-                           max_new_tokens=cfg.rollout.max_response_len)
+                           max_new_tokens=cfg.rollout.max_response_len, tools=offered_tools(cfg))
             self.eval_tokens += self.engine.stats.generated_tokens - before
         self.last_eval = res["accuracy"]
         self.best_eval = max(self.best_eval or 0.0, res["accuracy"])
         self.sink.scalars(self.step, {"eval/accuracy": res["accuracy"],
                                       "eval/reward_mean": res["reward_mean"],
-                                      "eval/response_len_mean": res["response_len_mean"]})
+                                      "eval/response_len_mean": res["response_len_mean"],
+                                      **{f"eval/{k}": res[k] for k in ("tool_use_rate", "turns_mean")
+                                         if k in res}})
+        self.last_eval_result = res
         return res["accuracy"]
 
     def summary(self) -> dict[str, Any]:

@@ -1,0 +1,280 @@
+"""`Episodes`: any rollout engine, extended turn by turn into multi-turn episodes.
+
+A sample whose `meta["episode"]` is set is an episode. When its model turn ends (the engine
+finishes it with "stop": an end-of-turn token, or the closing tag of a tool call, a stop string),
+the wrapper asks the environment for the next message, on a worker thread so that decoding goes
+on meanwhile, appends it as environment tokens (version ENV_VERSION, log-probability 0) and
+submits the sample again: the next model turn is generated after it. The sample leaves the
+wrapper, as any response leaves an engine, when its episode is over:
+
+- the environment has nothing to add (a final answer, right or, with feedback, out of turns);
+- `episode.max_turns` model turns were generated (the last turn's tool call is not run);
+- the token budget (`SamplingParams.max_new_tokens`, model and environment tokens together) is
+  spent, mid-turn (the engine's "length") or by the environment's message (cut, "length").
+
+An episode also leaves part-way, as any partial response does, and is resumed later from where it
+stopped: at its segment limit (APRIL: the tokens generated since its submission, over turns, are
+bounded as for one response) or aborted (APRIL's early termination, an asynchronous weight
+update). Aborted while its tool runs, it waits for the tool and leaves between turns with the
+result appended, so the next submission starts the next model turn.
+
+Per episode, `meta["episode"]` counts turns, tool calls, tool errors, tool seconds and feedback
+messages (plain data: it is checkpointed with the sample). `on_tool(start, end)` hears each tool
+call's wall-clock span (the timeline's "tool" phase).
+"""
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from typing import Callable, Iterable
+
+from trainer.engine.base import ABORT, ENV_VERSION, LENGTH, SEGMENT, STOP, Sample
+from trainer.episode.environments import Environment, Reply
+
+# why an episode ended (meta["episode"]["end"])
+END_ANSWER, END_MAX_TURNS, END_BUDGET = "answer", "max_turns", "budget"
+
+
+def new_episode(problem, tools: tuple[str, ...]) -> dict:
+    """The plain-data state of a new episode for `problem` (a Problem): what its environment needs
+    and what it has done so far."""
+    return {"kind": problem.kind, "answer": problem.answer, "tools": list(tools), "turns": 1,
+            "tool_calls": 0, "tool_errors": 0, "tool_s": 0.0, "feedback": 0, "end": ""}
+
+
+def is_episode(sample: Sample) -> bool:
+    return isinstance(sample.meta.get("episode"), dict)
+
+
+def final_turn(sample: Sample) -> list[int]:
+    """The token ids of the sample's last model turn (the whole response for a single turn):
+    what the verifier scores, so a tool's output in the conversation is never read as the
+    model's answer."""
+    return sample.response_ids[sample.turn_start:]
+
+
+class Episodes:
+    """`engine` with episodes (see the module docstring). `environment` answers turns; `fmt`
+    (trainer/episode/turns.py) writes its messages; `max_turns` is per episode."""
+
+    def __init__(self, engine, tokenizer, environment: Environment, fmt, *, max_turns: int,
+                 workers: int = 2, on_tool: Callable[[float, float], None] | None = None):
+        self.inner, self.tokenizer = engine, tokenizer
+        self.environment, self.fmt = environment, fmt
+        self.max_turns = int(max_turns)
+        self.on_tool = on_tool
+        self.pool = ThreadPoolExecutor(max_workers=max(1, int(workers)),
+                                       thread_name_prefix="rlpilot-tool")
+        self.in_tool: dict[int, tuple[Sample, Future]] = {}   # request id -> (sample, reply)
+        self.ready: list[Sample] = []                          # episodes that left, not returned
+        # request id -> (model tokens at its submission, its segment limit then): a segment runs
+        # over turns, as one response's would
+        self.segment: dict[int, tuple[int, int | None]] = {}
+        self.lock = threading.Lock()
+
+    def __getattr__(self, name):
+        inner = self.__dict__.get("inner")
+        if inner is None:
+            raise AttributeError(name)
+        return getattr(inner, name)
+
+    @property
+    def version(self) -> int:
+        return self.inner.version
+
+    @version.setter
+    def version(self, value: int) -> None:
+        self.inner.version = value
+
+    @property
+    def num_pending(self) -> int:
+        return self.inner.num_pending + len(self.in_tool) + len(self.ready)
+
+    def set_limits(self, *, max_turns: int, timeout_s: float, output_chars: int,
+                   feedback: bool) -> None:
+        """New knob values (`episode.*`), for the turns that end from now on."""
+        self.max_turns = int(max_turns)
+        env = self.environment
+        env.timeout_s, env.output_chars, env.feedback = timeout_s, output_chars, feedback
+
+    # --- the engine interface ----------------------------------------------------------------------
+    def submit(self, samples: Iterable[Sample]) -> None:
+        samples = list(samples)
+        for s in samples:
+            self.segment[s.request_id] = (s.model_tokens, s.params.segment_max_tokens)
+        self.inner.submit(samples)
+
+    def step(self) -> list[Sample]:
+        out = [s for s in self.inner.step() if not self._turn_ended(s)]
+        out.extend(self._replies(block=not self.inner.num_pending and not out))
+        out.extend(self.ready)
+        self.ready.clear()
+        for s in out:
+            self.segment.pop(s.request_id, None)
+        return out
+
+    def abort(self, request_ids: Iterable[int] | None = None, keep_cache: bool = False) -> list[Sample]:
+        ids = None if request_ids is None else set(request_ids)
+        out = self.inner.abort(None if ids is None else list(ids), keep_cache=keep_cache)
+        out = [s for s in out if not self._turn_ended(s)]   # a turn that ended as it was aborted
+        for rid in [r for r in self.in_tool if ids is None or r in ids]:
+            s, fut = self.in_tool.pop(rid)
+            if self._append(s, fut.result()):   # the tool is bounded by its time limit
+                s.finish_reason = ABORT
+            out.append(s)
+        held = [s for s in self.ready if ids is None or s.request_id in ids]
+        self.ready = [s for s in self.ready if not (ids is None or s.request_id in ids)]
+        out.extend(held)
+        for s in out:
+            self.segment.pop(s.request_id, None)
+        return out
+
+    def update_weights(self, named_tensors, version: int, recompute_kv: bool = False) -> None:
+        self.inner.update_weights(named_tensors, version, recompute_kv=recompute_kv)
+
+    def generate(self, samples: list[Sample]) -> list[Sample]:
+        self.submit(samples)
+        out: list[Sample] = []
+        while self.num_pending:
+            out.extend(self.step())
+        return out
+
+    def close(self) -> None:
+        for _, fut in self.in_tool.values():
+            fut.cancel()
+        self.in_tool.clear()
+        self.pool.shutdown(wait=True, cancel_futures=True)
+        self.inner.close()
+
+    # --- turns -------------------------------------------------------------------------------------
+    def _turn_ended(self, s: Sample) -> bool:
+        """Whether `s`, just out of the engine, goes on to its environment (True: held here)."""
+        ep = s.meta.get("episode")
+        if not isinstance(ep, dict) or s.finish_reason != STOP or ep.get("end"):
+            return False
+        if ep["turns"] >= self.max_turns:
+            ep["end"] = END_MAX_TURNS if self._calls_tool(s) else END_ANSWER
+            return False
+        turn = self.tokenizer.decode(s.response_ids[s.turn_start:], skip_special_tokens=True)
+        self.in_tool[s.request_id] = (s, self.pool.submit(self._respond, turn, dict(ep)))
+        return True
+
+    def _calls_tool(self, s: Sample) -> bool:
+        """Would the environment have run a tool for this turn (the episode ran out of turns)?"""
+        from trainer.episode.tools import ToolCallError, parse_call
+
+        tools = s.meta["episode"].get("tools") or ()
+        if not tools:
+            return False
+        turn = self.tokenizer.decode(s.response_ids[s.turn_start:], skip_special_tokens=True)
+        try:
+            return parse_call(turn, self.fmt.syntax, tuple(tools)) is not None
+        except ToolCallError:
+            return True
+
+    def _respond(self, turn: str, episode: dict) -> Reply:
+        start = time.time()   # wall-clock, as the timeline's spans
+        try:
+            return self.environment.respond(turn, episode)
+        finally:
+            if self.on_tool is not None:
+                self.on_tool(start, time.time())
+
+    def _replies(self, block: bool) -> list[Sample]:
+        """Samples whose environment answered: resubmitted for their next turn, or returned
+        (the episode is over, or at its segment limit). With `block`, waits for one answer."""
+        if not self.in_tool:
+            return []
+        if block:
+            wait([f for _, f in self.in_tool.values()], timeout=0.05, return_when=FIRST_COMPLETED)
+        out, again = [], []
+        for rid in [r for r, (_, f) in self.in_tool.items() if f.done()]:
+            s, fut = self.in_tool.pop(rid)
+            if not self._append(s, fut.result()):
+                out.append(s)                      # over: the answer, or the budget
+            elif self._segment_spent(s):
+                s.finish_reason = SEGMENT          # parked between turns
+                out.append(s)
+            else:
+                again.append(s)
+        if again:
+            self.inner.submit(again)
+        return out
+
+    def _append(self, s: Sample, reply: Reply) -> bool:
+        """Write the environment's reply into the episode; False when the episode is over."""
+        ep = s.meta["episode"]
+        if reply.tool or reply.error:
+            ep["tool_calls"] += 1
+            ep["tool_errors"] += int(reply.error)
+            ep["tool_s"] = round(ep["tool_s"] + reply.seconds, 6)
+        if reply.role is None:
+            ep["end"] = END_ANSWER
+            return False
+        if reply.role != "tool":
+            ep["feedback"] += 1
+        last = s.response_ids[-1] if s.response_ids else None
+        ids = self.fmt.env_ids(reply.role, reply.text, last)
+        room = s.params.max_new_tokens - len(s.response_ids)
+        cut = len(ids) > room
+        ids = ids[:max(room, 0)]
+        s.response_ids.extend(ids)
+        s.logprobs.extend([0.0] * len(ids))
+        s.versions.extend([ENV_VERSION] * len(ids))
+        if cut or len(s.response_ids) >= s.params.max_new_tokens:
+            ep["end"] = END_BUDGET
+            s.finish_reason = LENGTH
+            return False
+        ep["turns"] += 1
+        s.finish_reason = None
+        self._limit_segment(s)
+        return True
+
+    def _segment_spent(self, s: Sample) -> bool:
+        base, seg = self.segment.get(s.request_id, (0, None))
+        return seg is not None and s.model_tokens - base >= seg
+
+    def _limit_segment(self, s: Sample) -> None:
+        """The next turn may use only what is left of the sample's segment (its own params: the
+        step's are shared)."""
+        base, seg = self.segment.get(s.request_id, (0, None))
+        if seg is not None:
+            left = max(1, seg - (s.model_tokens - base))
+            s.params = dataclasses.replace(s.params, segment_max_tokens=left)
+
+
+def offered_tools(cfg) -> tuple[str, ...] | None:
+    """The tools a new episode is offered (`episode.tools`), or None: single-turn
+    (`episode.max_turns` = 1)."""
+    from trainer.episode.environments import parse_tools
+
+    return parse_tools(cfg.episode.tools) if cfg.episode.max_turns > 1 else None
+
+
+def with_episodes(cfg, tokenizer, make_engine) -> Episodes:
+    """The run's engine with episodes: `make_engine(tool_stops)` builds the inner engine, ending
+    responses also at the closing tags of the offered tools' calls."""
+    from trainer.episode.environments import parse_tools
+    from trainer.episode.tools import stop_strings
+    from trainer.episode.turns import TurnFormat
+    from trainer.tasks import task_spec
+    from trainer.tasks.prompts import PromptRenderer
+
+    e = cfg.episode
+    fmt = TurnFormat.for_renderer(PromptRenderer.from_config(cfg, tokenizer))
+    tools = parse_tools(e.tools)
+    env = Environment(syntax=fmt.syntax, feedback=e.feedback, timeout_s=e.tool_timeout_s,
+                      output_chars=e.tool_output_chars,
+                      verify=lambda kind, answer, text: task_spec(kind).score(answer, text))
+    inner = make_engine(stop_strings(fmt.syntax, tools) if tools else [])
+    return Episodes(inner, tokenizer, env, fmt, max_turns=e.max_turns, workers=e.tool_workers)
+
+
+def apply_limits(engine, cfg) -> None:
+    """The `episode.*` knobs' current values, for an engine with episodes (else nothing)."""
+    if isinstance(engine, Episodes):
+        e = cfg.episode
+        engine.set_limits(max_turns=e.max_turns, timeout_s=e.tool_timeout_s,
+                          output_chars=e.tool_output_chars, feedback=e.feedback)

@@ -1,0 +1,64 @@
+"""What answers a model's turn: the tools it called, or feedback on its answer.
+
+`Environment.respond(turn, episode)` reads the text of the turn that just ended and returns a
+`Reply`: a tool's result (or the error of a malformed call, a failed or timed-out tool), feedback
+after a wrong final answer (`episode.feedback`), or `None`-role: the episode is over. It keeps no
+state of its own: what it needs of the episode (the problem's answer and kind, the tools offered)
+is in `episode`, the sample's `meta["episode"]`, so the same episode can be answered in any
+process and after a checkpoint.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from trainer.episode.tools import TOOLS, ToolCallError, format_error, parse_call, run_tool
+from trainer.episode.turns import FEEDBACK, TOOL
+
+FEEDBACK_WRONG = "That answer is not right. Try again."
+
+
+@dataclass(frozen=True)
+class Reply:
+    role: str | None        # TOOL, FEEDBACK, or None: the episode is over
+    text: str = ""
+    error: bool = False     # a malformed call, or a tool that failed
+    seconds: float = 0.0    # the tool's wall time
+    tool: str = ""          # the tool called ("" for none)
+
+
+DONE = Reply(None)
+
+
+def parse_tools(value: str) -> tuple[str, ...]:
+    """`episode.tools` ("calculator,python") as names; ValueError naming an unknown one."""
+    names = tuple(n.strip() for n in (value or "").split(",") if n.strip())
+    unknown = [n for n in names if n not in TOOLS]
+    if unknown:
+        raise ValueError(f"unknown tool {unknown[0]!r}; the tools are {', '.join(TOOLS)}")
+    return tuple(dict.fromkeys(names))
+
+
+class Environment:
+    """Answers turns with `tools` (called in `syntax`) and, with `feedback`, tells a wrong final
+    answer so (`verify(kind, answer, text)` -> score, the task's verifier)."""
+
+    def __init__(self, *, syntax: str, feedback: bool, timeout_s: float, output_chars: int,
+                 verify: Callable[[str, Any, str], float]):
+        self.syntax, self.feedback = syntax, feedback
+        self.timeout_s, self.output_chars = timeout_s, output_chars
+        self.verify = verify
+
+    def respond(self, turn: str, episode: dict) -> Reply:
+        tools = tuple(episode.get("tools", ()))
+        if tools:
+            try:
+                call = parse_call(turn, self.syntax, tools)
+            except ToolCallError as e:
+                return Reply(TOOL, format_error(e), error=True)
+            if call is not None:
+                r = run_tool(call, timeout_s=self.timeout_s, max_output_chars=self.output_chars)
+                return Reply(TOOL, r.text, error=r.error, seconds=r.seconds, tool=call.name)
+        if self.feedback and self.verify(episode["kind"], episode["answer"], turn) < 1.0:
+            return Reply(FEEDBACK, FEEDBACK_WRONG)
+        return DONE
