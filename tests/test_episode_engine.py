@@ -165,21 +165,57 @@ def test_parked_mid_turn_and_resumed_equals_the_whole_episode():
 def test_aborted_while_its_tool_runs_it_parks_between_turns_and_resumes():
     gate = threading.Event()
     eng = episodes(TOOL_SCRIPT, gate=gate)
-    s = sample()
+    s, other = sample(), sample()
     eng.submit([s])
-    while not eng.in_tool:          # generate until the call ends the first turn
+    for _ in range(5):
         assert not eng.step()
-    assert eng.inner.num_pending == 0 and eng.num_pending == 1
+    eng.submit([other])             # still decoding when s's call ends its turn
+    while not eng.in_tool:
+        assert not eng.step()
+    assert eng.inner.num_pending == 1 and eng.num_pending == 2
     threading.Timer(0.2, gate.set).start()
-    (parked,) = eng.abort()         # waits for the tool, then leaves between turns
-    assert parked is s and s.finish_reason == ABORT
+    parked = {x.request_id: x for x in eng.abort()}   # waits for the tool, then leaves
+    assert set(parked) == {s.request_id, other.request_id} and eng.num_pending == 0
+    assert s.finish_reason == ABORT and other.finish_reason == ABORT
     assert text(s.response_ids) == "<calc>2+3</calc><result>5</result>"
-    assert s.versions[-1] == ENV_VERSION and eng.num_pending == 0
+    assert s.versions[-1] == ENV_VERSION
     eng.inner.inner.update_weights({}, 1)   # a new policy for the next turn
     run(eng, s)
     assert text(s.response_ids) == "<calc>2+3</calc><result>5</result>>5"
     assert set(s.policy_versions) == {0, 1}  # the second turn is the new policy's
     assert s.meta["episode"]["turns"] == 2
+
+
+def test_answers_are_taken_in_the_order_the_tools_were_called():
+    """Tools finish in any order; the samples go on in the order of their calls, after the
+    decode step that ran beside them, so a run does not depend on the tools' timing."""
+    eng = episodes(TOOL_SCRIPT)
+    slow = threading.Event()
+    respond = eng.environment.respond
+    calls = []
+
+    def timed(turn, ep):
+        calls.append(ep)
+        if len(calls) == 1:
+            slow.wait(0.5)   # the first call finishes last
+        return respond(turn, ep)
+
+    eng.environment.respond = timed
+    a, b, c = sample(), sample(), sample()
+    eng.submit([a, b])
+    for _ in range(3):
+        eng.step()
+    eng.submit([c])                 # still decoding when a's and b's calls end their turns
+    while not eng.in_tool:
+        assert eng.step() == []
+    order = list(eng.in_tool)
+    assert order == [a.request_id, b.request_id]
+    submitted = []
+    real_submit = eng.inner.submit
+    eng.inner.submit = lambda xs: (submitted.extend(x.request_id for x in xs), real_submit(xs))
+    eng.step()
+    assert submitted == order and list(eng.in_tool) == []
+    assert calls[0]["turns"] == 1 and len(calls) == 2
 
 
 def test_single_turn_samples_pass_through_untouched():

@@ -2,10 +2,12 @@
 
 A sample whose `meta["episode"]` is set is an episode. When its model turn ends (the engine
 finishes it with "stop": an end-of-turn token, or the closing tag of a tool call, a stop string),
-the wrapper asks the environment for the next message, on a worker thread so that decoding goes
-on meanwhile, appends it as environment tokens (version ENV_VERSION, log-probability 0) and
-submits the sample again: the next model turn is generated after it. The sample leaves the
-wrapper, as any response leaves an engine, when its episode is over:
+the wrapper asks the environment for the next message, on a worker thread so that the next decode
+step runs meanwhile (the answers are taken at the end of that step, in the order the tools were
+called: a run does not depend on the tools' timing, and resumes exactly), appends it as
+environment tokens (version ENV_VERSION, log-probability 0) and submits the sample again: the
+next model turn is generated after it. The sample leaves the wrapper, as any response leaves an
+engine, when its episode is over:
 
 - the environment has nothing to add (a final answer, right or, with feedback, out of turns);
 - `episode.max_turns` model turns were generated (the last turn's tool call is not run);
@@ -27,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Iterable
 
 from trainer.engine.base import ABORT, ENV_VERSION, LENGTH, SEGMENT, STOP, Sample
@@ -38,8 +40,10 @@ END_ANSWER, END_MAX_TURNS, END_BUDGET = "answer", "max_turns", "budget"
 
 
 def new_episode(problem, tools: tuple[str, ...]) -> dict:
-    """The plain-data state of a new episode for `problem` (a Problem): what its environment needs
-    and what it has done so far."""
+    """The plain-data state of a new episode for `problem` (a Problem; its own tools, a JSONL
+    row's, replace `tools`): what its environment needs and what it has done so far."""
+    own = getattr(problem, "tools", None)
+    tools = tools if own is None else own
     return {"kind": problem.kind, "answer": problem.answer, "tools": list(tools), "turns": 1,
             "tool_calls": 0, "tool_errors": 0, "tool_s": 0.0, "feedback": 0, "end": ""}
 
@@ -107,8 +111,11 @@ class Episodes:
         self.inner.submit(samples)
 
     def step(self) -> list[Sample]:
+        due = list(self.in_tool)   # tools called before this step: they run while it decodes
         out = [s for s in self.inner.step() if not self._turn_ended(s)]
-        out.extend(self._replies(block=not self.inner.num_pending and not out))
+        if not due and not self.inner.num_pending and not out:
+            due = list(self.in_tool)   # nothing else to do: wait for the tools called just now
+        out.extend(self._replies(due))
         out.extend(self.ready)
         self.ready.clear()
         for s in out:
@@ -182,17 +189,14 @@ class Episodes:
             if self.on_tool is not None:
                 self.on_tool(start, time.time())
 
-    def _replies(self, block: bool) -> list[Sample]:
-        """Samples whose environment answered: resubmitted for their next turn, or returned
-        (the episode is over, or at its segment limit). With `block`, waits for one answer."""
-        if not self.in_tool:
-            return []
-        if block:
-            wait([f for _, f in self.in_tool.values()], timeout=0.05, return_when=FIRST_COMPLETED)
+    def _replies(self, due: list[int]) -> list[Sample]:
+        """The samples whose tools were `due`, in the order they were called (so a run is the
+        same whatever the tools' timing): resubmitted for their next turn, or returned (the
+        episode is over, or at its segment limit)."""
         out, again = [], []
-        for rid in [r for r, (_, f) in self.in_tool.items() if f.done()]:
+        for rid in due:
             s, fut = self.in_tool.pop(rid)
-            if not self._append(s, fut.result()):
+            if not self._append(s, fut.result()):   # bounded by the tool's time limit
                 out.append(s)                      # over: the answer, or the budget
             elif self._segment_spent(s):
                 s.finish_reason = SEGMENT          # parked between turns

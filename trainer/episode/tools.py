@@ -289,3 +289,30 @@ def _checked(value):
     if isinstance(value, int) and abs(value).bit_length() > MAX_DIGITS * math.log2(10):
         raise ValueError(f"the result would have more than {MAX_DIGITS} digits")
     return value
+
+
+# What a chat model is told about each tool: JSON schemas for templates that render `tools=`
+# (Qwen2.5, Qwen3), and the same in words for templates that do not (SmolLM2)
+SCHEMAS = {
+    "calculator": {"type": "function", "function": {
+        "name": "calculator", "description": "Evaluate an arithmetic expression exactly "
+        "(+ - * / // % ** and parentheses).",
+        "parameters": {"type": "object", "required": ["expression"], "properties": {
+            "expression": {"type": "string", "description": "e.g. 23+58*2"}}}}},
+    "python": {"type": "function", "function": {
+        "name": "python", "description": "Run Python code in a sandbox (no network, no files "
+        "outside its directory, a time limit) and read what it prints.",
+        "parameters": {"type": "object", "required": ["code"], "properties": {
+            "code": {"type": "string", "description": "a Python program that prints its result"}}}}},
+}
+
+
+def instructions(tools: Iterable[str]) -> str:
+    """The tools and the JSON call syntax in words, for a chat template that does not render
+    `tools=` itself."""
+    lines = [f"- {n}: {SCHEMAS[n]['function']['description']} Argument: \"{ARGUMENT[n]}\"."
+             for n in tools]
+    return ("You may call a tool. To call one, end your message with "
+            f'{JSON_OPEN}{{"name": "TOOL", "arguments": {{"ARGUMENT": "VALUE"}}}}{JSON_CLOSE}; '
+            "its result comes back in the next message. When you know the answer, give it "
+            "without a tool call. Tools:\n" + "\n".join(lines))

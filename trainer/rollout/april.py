@@ -77,7 +77,10 @@ class PartialBuffer:
             for sd in d["samples"]:
                 params = SamplingParams(**sd.pop("params"))
                 samples.append(Sample(params=params, **sd))
-            self.groups.append(Group(problem=Problem(**d["problem"]), samples=samples,
+            problem = dict(d["problem"])
+            if problem.get("tools") is not None:   # a JSON list in the checkpoint
+                problem["tools"] = tuple(problem["tools"])
+            self.groups.append(Group(problem=Problem(**problem), samples=samples,
                                      rewards=list(d["rewards"]), draw=d["draw"],
                                      raw_scores=list(d.get("raw_scores", []))))
         reserve_request_ids(max((s.request_id for s in self.samples()), default=-1))

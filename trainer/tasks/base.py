@@ -20,6 +20,7 @@ class Problem:
     prompt: str        # the text given to the model, rendered (trainer/tasks/prompts.py)
     answer: Any        # what the verifier needs (an int, a LaTeX string, tests...)
     kind: str          # the registered task whose verifier scores it: "sum", "math" or "code"
+    tools: tuple[str, ...] | None = None   # its own tools in an episode (None: `episode.tools`)
 
 
 def epoch_order(index: int, size: int, seed: int) -> int:

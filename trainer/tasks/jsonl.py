@@ -37,10 +37,10 @@ _MAX_REPORTED = 5  # errors listed in one ConfigError message; the rest are coun
 
 
 class _Row:
-    __slots__ = ("id", "text", "answer")
+    __slots__ = ("id", "text", "answer", "tools")
 
-    def __init__(self, id: str, text: str | list, answer: Any):
-        self.id, self.text, self.answer = id, text, answer
+    def __init__(self, id: str, text: str | list, answer: Any, tools: tuple[str, ...] | None = None):
+        self.id, self.text, self.answer, self.tools = id, text, answer, tools
 
 
 class JsonlTask(Task):
@@ -106,9 +106,9 @@ class JsonlTask(Task):
 
     def _make(self, r: _Row) -> Problem:
         # a code answer is copied: a caller that changes it cannot change the dataset
-        return Problem(id=r.id, prompt=self.renderer.render(r.text),
+        return Problem(id=r.id, prompt=self.renderer.render(r.text, tools=r.tools),
                        answer=dict(r.answer) if isinstance(r.answer, dict) else r.answer,
-                       kind=self.kind)
+                       kind=self.kind, tools=r.tools)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -228,6 +228,7 @@ def _parse_row(obj: Any, kind: str, *, row: int, default_id: str) -> _Row:
             raise _RowError("'id' is empty")
     else:
         pid = default_id.format(row=row)
+    tools = _tools(obj)
 
     if kind == "math":
         answer = _field(obj, "answer", (str, int, float))
@@ -237,7 +238,7 @@ def _parse_row(obj: Any, kind: str, *, row: int, default_id: str) -> _Row:
             raise _RowError(f"'answer' must be a finite number, got {answer}")
         if isinstance(answer, str) and not answer.strip():
             raise _RowError("'answer' is empty")
-        return _Row(pid, text, answer)
+        return _Row(pid, text, answer, tools)
 
     tests = _field(obj, "tests", (str, list))
     if isinstance(tests, list):
@@ -263,7 +264,22 @@ def _parse_row(obj: Any, kind: str, *, row: int, default_id: str) -> _Row:
     if not entry_point.isidentifier() or keyword.iskeyword(entry_point):
         raise _RowError(f"'entry_point' must be a Python function name, got {entry_point!r}")
     return _Row(pid, text, {"tests": tests if isinstance(tests, str) else test_list,
-                            "entry_point": entry_point})
+                            "entry_point": entry_point}, tools)
+
+
+def _tools(obj: dict) -> tuple[str, ...] | None:
+    """The row's own tools (multi-turn runs: instead of `episode.tools`), or None."""
+    if obj.get("tools") is None:
+        return None
+    from trainer.episode.tools import TOOLS
+
+    value = obj["tools"]
+    if not isinstance(value, list) or not all(isinstance(t, str) for t in value):
+        raise _RowError(f"'tools' must be a list of tool names, got {_type_name(value)}")
+    unknown = [t for t in value if t not in TOOLS]
+    if unknown:
+        raise _RowError(f"'tools': unknown tool {unknown[0]!r}; the tools are {', '.join(TOOLS)}")
+    return tuple(dict.fromkeys(value))
 
 
 def _field(obj: dict, name: str, types) -> Any:

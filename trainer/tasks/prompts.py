@@ -12,6 +12,10 @@ Rendering, with `data.prompt_template`, `data.system_prompt` and `data.chat_temp
    `tokenizer.apply_chat_template(..., add_generation_prompt=True)`, so the text ends where the
    assistant's answer starts. A leading BOS token the template writes is dropped from the text
    when the tokenizer adds one itself when it tokenizes, so the prompt carries exactly one.
+   In multi-turn runs that offer tools (`episode.tools`, trainer/episode/) the template is given
+   their JSON schemas (`tools=`); a template that ignores them gets them in words in the system
+   message instead (`trainer.episode.tools.instructions`), so the model always knows the call
+   syntax. The plain format below describes no tools: the built-in model learnt its tags.
 4. Otherwise (`"none"`, or a tokenizer without a chat template) the prompt is plain text: the
    system prompt, a blank line, then the templated problem text. Messages become a transcript,
    one block per message ("System: ...", "User: ...", "Assistant: ..."), ending with
@@ -65,7 +69,7 @@ class PromptRenderer:
     """Renders problem prompts (a string or chat messages) to the text the engine tokenizes."""
 
     def __init__(self, tokenizer=None, template: str = "{prompt}", chat_template: str = "auto",
-                 system_prompt: str = ""):
+                 system_prompt: str = "", tools: tuple[str, ...] = ()):
         if chat_template not in CHAT_TEMPLATE_CHOICES:
             raise ValueError(f"data.chat_template: got {chat_template!r}; expected one of "
                              + ", ".join(map(repr, CHAT_TEMPLATE_CHOICES)))
@@ -74,12 +78,15 @@ class PromptRenderer:
         self.system_prompt = system_prompt
         self.uses_chat = chat_template == "auto" and has_chat_template(tokenizer)
         self._strip_bos = self.uses_chat and _adds_bos(tokenizer)
+        self.tools = tuple(tools)
 
     @classmethod
     def from_config(cls, cfg, tokenizer=None) -> "PromptRenderer":
+        from trainer.episode.engine import offered_tools
+
         d = cfg.data
         return cls(tokenizer, template=d.prompt_template, chat_template=d.chat_template,
-                   system_prompt=d.system_prompt)
+                   system_prompt=d.system_prompt, tools=offered_tools(cfg) or ())
 
     def messages(self, prompt: str | list[dict]) -> list[dict]:
         """The conversation a prompt stands for: the template applied to the (last) user turn,
@@ -96,11 +103,12 @@ class PromptRenderer:
             msgs.insert(0, {"role": "system", "content": self.system_prompt})
         return msgs
 
-    def render(self, prompt: str | list[dict]) -> str:
-        """The prompt text (see the module docstring)."""
+    def render(self, prompt: str | list[dict], tools: tuple[str, ...] | None = None) -> str:
+        """The prompt text (see the module docstring); `tools`: the problem's own, instead of
+        the run's (a JSONL row's "tools")."""
         msgs = self.messages(prompt)
         if self.uses_chat:
-            text = self.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+            text = self._chat(msgs, self.tools if tools is None or not self.tools else tools)
             bos = self.tokenizer.bos_token
             if self._strip_bos and bos and text.startswith(bos):
                 text = text[len(bos):]
@@ -110,6 +118,25 @@ class PromptRenderer:
             return f"{msgs[0]['content']}\n\n{user}" if msgs[0]["role"] == "system" else user
         blocks = [f"{_PLAIN_ROLE[m['role']]}: {m['content']}" for m in msgs]
         return "\n\n".join(blocks) + "\n\nAssistant:"
+
+    def _chat(self, msgs: list[dict], tools: tuple[str, ...]) -> str:
+        """The chat template's text, with the offered tools (see the module docstring)."""
+        render = self.tokenizer.apply_chat_template
+        plain = render(msgs, tokenize=False, add_generation_prompt=True)
+        if not tools:
+            return plain
+        from trainer.episode.tools import SCHEMAS, instructions
+
+        schemas = [SCHEMAS[n] for n in tools]
+        with_tools = render(msgs, tools=schemas, tokenize=False, add_generation_prompt=True)
+        if with_tools != plain:
+            return with_tools
+        note = instructions(tools)
+        if msgs[0]["role"] == "system":
+            msgs = [{"role": "system", "content": msgs[0]["content"] + "\n\n" + note}] + msgs[1:]
+        else:
+            msgs = [{"role": "system", "content": note}] + msgs
+        return render(msgs, tokenize=False, add_generation_prompt=True)
 
     def _apply(self, text: str) -> str:
         return self.template.replace("{prompt}", text)
