@@ -1,5 +1,8 @@
 """Helpers shared by the test files (imported as `helpers`; pytest puts tests/ on sys.path)."""
+import pytest
 import torch
+
+from trainer.rollout import ledger
 
 # the smallest run of the demo preset that still trains (one thread, no evaluation, no checkpoints)
 TINY_RUN = ["rollout.rollout_batch_size=4", "rollout.n_samples_per_prompt=4",
@@ -67,3 +70,20 @@ class NoBell:
 
     def close(self):
         pass
+
+
+def check_rows(rows, waiting=0, generated=0, trained=0, dropped=0):
+    """Each step: generated = trained + change in waiting + waste; the totals likewise."""
+    for r in rows:
+        assert r["rollout/waste/total"] == sum(r[f"rollout/waste/{x}"] for x in ledger.REASONS)
+        assert r["rollout/tokens/generated"] == (r["rollout/tokens/trained"] + r["rollout/waste/total"]
+                                                 + r["rollout/tokens/waiting"] - waiting)
+        waiting = r["rollout/tokens/waiting"]
+        generated += r["rollout/tokens/generated"]
+        trained += r["rollout/tokens/trained"]
+        dropped += r["rollout/waste/total"]
+        assert r["rollout/tokens/generated_total"] == generated
+        assert r["rollout/tokens/trained_total"] == trained
+        assert generated == trained + waiting + dropped
+        assert r["rollout/waste/share_total"] * generated == pytest.approx(dropped)
+    return waiting, generated, trained, dropped

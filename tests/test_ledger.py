@@ -3,11 +3,11 @@ token went (trained, still waiting, dropped by reason), the parts add up step by
 total, and they keep adding up across a checkpoint resume. The per-mode driver checks (every
 synchronous mode, every step) are in tests/test_april.py."""
 import pytest
-from helpers import TINY_RUN
+from helpers import TINY_RUN, check_rows
 
 from trainer import config as C
 from trainer.observe.metrics import MemorySink
-from trainer.rollout.ledger import REASONS, TokenLedger
+from trainer.rollout.ledger import TokenLedger
 from trainer.run.runner import Runner
 
 # APRIL with dynamic sampling, tiny segments, few rounds and a short version span: every reason
@@ -27,23 +27,6 @@ def run(tmp_path, steps, resume=False):
         rollout_tokens = runner.engine.stats.generated_tokens - runner.eval_tokens
     rows = [r for r in sink.steps if "rollout/tokens/generated" in r]
     return rows, sink.events, held, ledger, rollout_tokens
-
-
-def check_rows(rows, waiting=0, generated=0, trained=0, dropped=0):
-    """Each step: generated = trained + change in waiting + waste; the totals likewise."""
-    for r in rows:
-        assert r["rollout/waste/total"] == sum(r[f"rollout/waste/{x}"] for x in REASONS)
-        assert r["rollout/tokens/generated"] == (r["rollout/tokens/trained"] + r["rollout/waste/total"]
-                                                 + r["rollout/tokens/waiting"] - waiting)
-        waiting = r["rollout/tokens/waiting"]
-        generated += r["rollout/tokens/generated"]
-        trained += r["rollout/tokens/trained"]
-        dropped += r["rollout/waste/total"]
-        assert r["rollout/tokens/generated_total"] == generated
-        assert r["rollout/tokens/trained_total"] == trained
-        assert generated == trained + waiting + dropped
-        assert r["rollout/waste/share_total"] * generated == pytest.approx(dropped)
-    return waiting, generated, trained, dropped
 
 
 def test_a_run_says_where_every_token_went_and_keeps_saying_it_after_a_resume(tmp_path):

@@ -47,6 +47,14 @@ def test_a_lane_never_overlaps_itself_and_tiny_spans_go():
     assert [(s.phase, s.start, s.end) for s in out] == [("generating", 0.0, 2.0), ("training", 2.0, 3.0)]
 
 
+def test_a_tool_call_stays_however_short_and_parallel_calls_do_not_overlap():
+    spans = spans_of("tools", ("tool", 1.0, 1.0001), ("tool", 1.00002, 1.00008), ("tool", 2.0, 2.0004))
+    spans += spans_of("rank 0", ("evaluating", 3.0, 3.0005))
+    out = bound(spans)
+    assert [(s.lane, s.phase, s.start, s.end) for s in out] == [
+        ("tools", "tool", 1.0, 1.0001), ("tools", "tool", 2.0, 2.0004)]   # the evaluating sliver goes
+
+
 def test_the_bound_merges_the_closest_busy_spans_first_then_drops_the_shortest():
     busy = [Span("engine", "generating", i, i + 0.5) for i in range(40)]
     busy[10] = Span("engine", "generating", 10.0, 10.95)   # the smallest gap: 10.95 -> 11

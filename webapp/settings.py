@@ -275,8 +275,9 @@ LOGGING = {
 # The SGLang servers a run may use (comma-separated URLs). Empty: the SGLang engine is refused.
 RLPILOT_SGLANG_URLS = env_list("RLPILOT_SGLANG_URLS", [])
 # model.path / data.path / data.eval_path of a run launched from the web must resolve (symlinks
-# and ".." followed) inside one of these folders (comma-separated); model.path "builtin" always
-# may. Default: the runs folder (checkpoints) and var/models for models, var/data for data files.
+# and ".." followed) inside one of these folders (comma-separated); model.path "builtin" (or another
+# shipped model, "builtin-tools": trainer/assets) always may. Default: the runs folder (checkpoints)
+# and var/models for models, var/data for data files.
 RLPILOT_MODEL_ROOTS = [Path(p).resolve() for p in env_list(
     "RLPILOT_MODEL_ROOTS", [str(RUNS_DIR), str(VAR_DIR / "models")])]
 RLPILOT_DATA_ROOTS = [Path(p).resolve() for p in env_list("RLPILOT_DATA_ROOTS", [str(VAR_DIR / "data")])]

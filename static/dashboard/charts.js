@@ -149,6 +149,10 @@
                                     bgcolor: "rgba(255, 255, 255, 0.75)", font: { color: "#dc2626", size: 10 } })),
     };
   }
+  // a line chart's right axis: "y2": 1 puts its second key there, "y2": [keys] those keys
+  function onY2(c, key, i) {
+    return Array.isArray(c.y2) ? c.y2.indexOf(key) >= 0 : !!c.y2 && i === 1;
+  }
   // the metrics a band is drawn against: per chart with "band", the key on its |Δ log p| axis
   function bandKeys() {
     return registry().charts.filter(c => c.band && c.keys).map(c => c.keys[c.y2 && c.keys.length > 1 ? 1 : 0]);
@@ -316,7 +320,7 @@
       const cur = [];
       keysOf(c).forEach(function (k, i) {
         const s = state.series[k];
-        if (s && s.steps.length) cur.push({ key: k, s: s, axis: c.y2 && i === 1 ? "y2" : "y" });
+        if (s && s.steps.length) cur.push({ key: k, s: s, axis: onY2(c, k, i) ? "y2" : "y" });
       });
       if (!cur.length) return;
       const mode = n => n < 60 ? "lines+markers" : "lines";

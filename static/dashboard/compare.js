@@ -4,7 +4,8 @@
   const page = JSON.parse(document.getElementById("compare-page").textContent);
   const DEFAULT = ["reward/accuracy", "reward/mean", "eval/accuracy", "perf/trained_tokens_per_s",
                    "perf/gen_tokens_per_s", "actor/kl", "rollout/response_len/mean", "async/staleness/max",
-                   "rollout/zero_var_ratio", "greso/skip_rate", "timing/step_s", "system/gpu_util"];
+                   "rollout/zero_var_ratio", "greso/skip_rate", "timing/step_s", "system/gpu_util",
+                   "episode/turns", "episode/tool_use_rate"];   // listed only where a run has them
   const el = RLCharts.el;
   const data = [];          // per run: {key: {steps, values}}
   const divs = {};

@@ -4,6 +4,10 @@
 // of its group beside it. RLInspector.create(panel, {run}) returns {open(filters), onFrame(m)}:
 // the charts call open() on a click, the live page hands it the socket's "samples" frames.
 //
+// A multi-turn episode (its row has `turns`) is shown turn by turn: the model's turns shaded per
+// token as above, the environment's messages (tool results, feedback: version -1, never trained)
+// set apart and marked "not trained".
+//
 // Everything the model wrote is text: it is inserted with textContent, never as HTML.
 (function () {
   "use strict";
@@ -14,6 +18,19 @@
   const PALETTE = ["#bfdbfe", "#fde68a", "#bbf7d0", "#fbcfe8", "#ddd6fe", "#fed7aa", "#a5f3fc", "#e5e7eb",
                    "#fecaca", "#d9f99d"];
   function versionColour(v) { return PALETTE[((v % PALETTE.length) + PALETTE.length) % PALETTE.length]; }
+  // an episode's environment tokens (tool results, feedback) carry this version: no policy sampled them
+  const ENV_VERSION = -1;
+  const ENV_LABEL = "environment (not trained)";
+  function versionLabel(v) { return v === ENV_VERSION ? ENV_LABEL : "policy version " + v; }
+  function isEpisode(s) { return Array.isArray(s.turns) && s.turns.length > 0; }
+  function plural(n, word) { return n + " " + word + (n === 1 ? "" : "s"); }
+  // "3 turns · 2 tool calls" (the table, a group member); "" for a single-turn sample
+  function turnsBadge(ep) {
+    if (!ep || !ep.turns) return "";
+    return plural(ep.turns, "turn") + " · " + plural(ep.tool_calls || 0, "tool call") +
+      (ep.tool_errors ? " (" + ep.tool_errors + " failed)" : "");
+  }
+  const ENDS = { answer: "answered", max_turns: "out of turns (episode.max_turns)", budget: "out of tokens (max_response_len)" };
   // log-probability -> white (certain) .. red (surprising), saturating at -5
   function logprobColour(lp) {
     if (lp === null || lp === undefined || typeof lp !== "number") return "#f3f4f6";
@@ -81,7 +98,8 @@
       const tr = el("tr", { "data-sample": String(s.id), "data-step": String(s.step), "data-length": String(s.length),
                             tabindex: "0", class: "sample-row" + (s.reward_status !== "ok" ? " bad-reward" : "") });
       [s.step, s.group, s.index, s.length, num(s.reward), s.finish, s.why].forEach(function (v, i) {
-        tr.appendChild(el("td", i < 5 ? { class: "num" } : {}, v));
+        const td = tr.appendChild(el("td", i < 5 ? { class: "num" } : {}, v));
+        if (i === 5) td.appendChild(el("small", { class: "turns-badge muted" }, turnsBadge(s.episode) ? " · " + turnsBadge(s.episode) : ""));
       });
       tr.appendChild(el("td", { class: "status-" + s.reward_status }, s.reward_status));
       tr.appendChild(el("td", { class: "preview" }, s.preview === undefined ? "" : s.preview));
@@ -164,6 +182,8 @@
             if (!want.has(s.id)) return;
             const td = tbody.querySelector('tr[data-sample="' + s.id + '"] td.preview');
             if (td) td.textContent = s.preview || "";
+            const badge = tbody.querySelector('tr[data-sample="' + s.id + '"] .turns-badge');
+            if (badge && turnsBadge(s.episode)) badge.textContent = " · " + turnsBadge(s.episode);
           });
         })
         .catch(() => {});
@@ -194,8 +214,58 @@
       pair.appendChild(el("dd", {}, value));
       dl.appendChild(pair);
     }
+    // one token: its text, shaded by log-probability in that mode (an environment token has
+    // none: no policy sampled it)
+    function tokenSpan(s, i, v, mode) {
+      const lp = (s.logprobs || [])[i];
+      const env = v === ENV_VERSION;
+      const t = el("span", { class: "tok", "data-logprob": env || lp === null || lp === undefined ? "" : String(lp),
+                             title: "token " + i + " · " + (env ? ENV_LABEL : "version " + v + " · log p " + num(lp, 3)) },
+                   (s.tokens || [])[i]);
+      if (mode === "logprob" && !env) t.style.background = logprobColour(lp);
+      return t;
+    }
+    function segSpan(v, n, k, mode) {
+      const span = el("span", { class: "seg" + (v === ENV_VERSION ? " env" : ""), "data-version": String(v),
+                                "data-segment": String(k), title: versionLabel(v) + " · " + n + " tokens" });
+      if (mode === "version" && v !== null && v !== ENV_VERSION) span.style.background = versionColour(v);
+      return span;
+    }
+    // an episode, turn by turn: a block per turn (the model's, or the environment's message),
+    // its tokens in runs of one version (one span per run, shaded as a segment)
+    function episodeView(s, mode) {
+      const box = el("div", { class: "completion episode-view shade-" + mode, "data-mode": mode });
+      const tokens = s.tokens || [];
+      const version = [];
+      (s.segments || []).forEach(seg => { for (let j = 0; j < seg[1]; j++) version.push(seg[0]); });
+      let modelTurn = 0, k = 0;
+      s.turns.forEach(function (turn, n) {
+        const tool = turn.role === "tool";
+        if (!tool) modelTurn += 1;
+        const block = el("div", { class: "turn turn-" + (tool ? "tool" : "model"), "data-role": turn.role,
+                                  "data-turn": String(n), "data-trained": turn.trained ? "true" : "false" });
+        const head = el("div", { class: "turn-head" });
+        head.appendChild(el("span", { class: "turn-role" }, tool ? "Tool message" : "Model turn " + modelTurn));
+        head.appendChild(el("span", { class: "turn-size muted" }, " · " + plural(turn.end - turn.start, "token")));
+        head.appendChild(el("span", { class: "turn-trained " + (turn.trained ? "trained" : "not-trained") },
+                            turn.trained ? "trained" : "not trained" + (tool ? " · written by the environment" : "")));
+        block.appendChild(head);
+        const body = el("div", { class: "turn-body" });
+        const runs = [];   // [span, version]
+        for (let i = turn.start; i < turn.end && i < tokens.length; i++) {
+          const v = i < version.length ? version[i] : (tool ? ENV_VERSION : null);
+          if (!runs.length || v !== runs[runs.length - 1][1]) runs.push([body.appendChild(segSpan(v, 0, k++, mode)), v]);
+          runs[runs.length - 1][0].appendChild(tokenSpan(s, i, v, mode));
+        }
+        runs.forEach(([sp, v]) => { sp.title = versionLabel(v) + " · " + plural(sp.children.length, "token"); });
+        block.appendChild(body);
+        box.appendChild(block);
+      });
+      return box;
+    }
     // the response's tokens, one span each, inside one span per version segment
     function completionView(s, mode) {
+      if (isEpisode(s) && (s.tokens || []).length) return episodeView(s, mode);
       const box = el("div", { class: "completion shade-" + mode, "data-mode": mode });
       const tokens = s.tokens || [];
       const segs = (s.segments && s.segments.length) ? s.segments : [[null, tokens.length]];
@@ -208,16 +278,8 @@
       let i = 0;
       segs.forEach(function (seg, k) {
         const v = seg[0];
-        const span = el("span", { class: "seg", "data-version": String(v), "data-segment": String(k),
-                                  title: "policy version " + v + " · " + seg[1] + " tokens" });
-        if (mode === "version" && v !== null) span.style.background = versionColour(v);
-        for (let j = 0; j < seg[1] && i < tokens.length; j++, i++) {
-          const lp = (s.logprobs || [])[i];
-          const t = el("span", { class: "tok", "data-logprob": lp === null || lp === undefined ? "" : String(lp),
-                                 title: "token " + i + " · version " + v + " · log p " + num(lp, 3) }, tokens[i]);
-          if (mode === "logprob") t.style.background = logprobColour(lp);
-          span.appendChild(t);
-        }
+        const span = segSpan(v, seg[1], k, mode);
+        for (let j = 0; j < seg[1] && i < tokens.length; j++, i++) span.appendChild(tokenSpan(s, i, v, mode));
         box.appendChild(span);
       });
       if (i < tokens.length) {   // segments that do not cover every token: the rest, unshaded
@@ -236,17 +298,31 @@
           sw.style.background = logprobColour(lp);
           box.appendChild(sw);
         });
+        if ((s.segments || []).some(seg => seg[0] === ENV_VERSION)) {   // no policy sampled them
+          box.appendChild(el("span", { class: "swatch env", "data-legend-version": String(ENV_VERSION) },
+                             ENV_LABEL + ": no log-probability"));
+        }
         return box;
       }
+      // the policy's segments and versions; the environment's tokens (an episode's tool
+      // messages) apart: no policy wrote them
       const totals = new Map();
-      (s.segments || []).forEach(seg => totals.set(seg[0], (totals.get(seg[0]) || 0) + seg[1]));
-      box.appendChild(el("span", {}, (s.segments || []).length + " segment" + ((s.segments || []).length === 1 ? "" : "s") +
-                         " by " + totals.size + " policy version" + (totals.size === 1 ? "" : "s") + ": "));
+      let envTokens = 0;
+      (s.segments || []).forEach(function (seg) {
+        if (seg[0] === ENV_VERSION) envTokens += seg[1];
+        else totals.set(seg[0], (totals.get(seg[0]) || 0) + seg[1]);
+      });
+      const policySegs = (s.segments || []).filter(seg => seg[0] !== ENV_VERSION).length;
+      box.appendChild(el("span", {}, plural(policySegs, "segment") + " by " + plural(totals.size, "policy version") + ": "));
       Array.from(totals.keys()).sort((a, b) => a - b).forEach(function (v) {
         const sw = el("span", { class: "swatch", "data-legend-version": String(v) }, "v" + v + " · " + totals.get(v) + " tok");
         sw.style.background = versionColour(v);
         box.appendChild(sw);
       });
+      if (envTokens) {
+        box.appendChild(el("span", { class: "swatch env", "data-legend-version": String(ENV_VERSION) },
+                           ENV_LABEL + " · " + envTokens + " tok"));
+      }
       if (s.finish === "partial") box.appendChild(el("span", { class: "muted" }, " · parked and resumed across steps (APRIL)"));
       if (s.staleness) box.appendChild(el("span", { class: "muted" }, " · " + s.staleness + " version" + (s.staleness === 1 ? "" : "s") + " behind at training"));
       return box;
@@ -258,7 +334,8 @@
       const head = el("div", { class: "member-head" });
       head.appendChild(el("b", {}, "#" + m.index));
       head.appendChild(el("span", { class: "reward-mark" }, rewarded(m) ? "✓ reward " + num(m.reward) : "✗ reward " + num(m.reward)));
-      head.appendChild(el("span", { class: "muted" }, m.length + " tok · " + m.finish + (m.reward_status !== "ok" ? " · " + m.reward_status : "")));
+      head.appendChild(el("span", { class: "muted" }, m.length + " tok · " + m.finish + (m.reward_status !== "ok" ? " · " + m.reward_status : "") +
+                          (turnsBadge(m.episode) ? " · " + turnsBadge(m.episode) : "")));
       card.appendChild(head);
       const text = m.completion || "";
       card.appendChild(el("div", { class: "member-text" }, text.length > 600 ? text.slice(0, 600) + "…" : text));
@@ -291,12 +368,18 @@
       meta(dl, "length", s.length + " tokens");
       meta(dl, "finish", s.finish);
       meta(dl, "staleness", String(s.staleness));
+      if (s.episode && s.episode.turns) {
+        const ep = s.episode;
+        meta(dl, "episode", plural(ep.turns, "model turn") + " · " + plural(ep.tool_calls || 0, "tool call") +
+             (ep.tool_errors ? " (" + ep.tool_errors + " failed)" : "") + " · " + num(ep.tool_s || 0, 3) + " s in tools" +
+             (ep.end ? " · " + (ENDS[ep.end] || ep.end) : ""));
+      }
       meta(dl, "TIS weight", num(s.tis_weight));
       meta(dl, "reward status", s.reward_status + (s.reward_error ? ": " + s.reward_error : ""));
       main.appendChild(dl);
       main.appendChild(el("h4", {}, "Prompt"));
       main.appendChild(el("pre", { class: "sample-prompt" }, s.prompt));
-      main.appendChild(el("h4", {}, "Completion"));
+      main.appendChild(el("h4", {}, isEpisode(s) ? "Episode, turn by turn" : "Completion"));
       main.appendChild(legend(s, mode));
       main.appendChild(completionView(s, mode));
       grid.appendChild(main);

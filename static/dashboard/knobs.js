@@ -19,7 +19,8 @@
     april: { label: "APRIL (active partial rollouts)", key: ["april.segment_max_tokens", "april.over_sampling_batch_size"] },
     greso: { label: "GRESO (selective rollouts)", key: ["greso.alpha"] },
   };
-  const SECTIONS = { rollout: "Rollout and sampling", algo: "Algorithm (GRPO / DAPO)",
+  const SECTIONS = { rollout: "Rollout and sampling", episode: "Episodes: turns and tools",
+                     algo: "Algorithm (GRPO / DAPO)",
                      mismatch: "Training–inference mismatch (engine vs trainer)", optim: "Optimiser" };
 
   function create(ctx) {
@@ -89,7 +90,12 @@
       const done = new Set(keyNames);
       const rest = sec => (bySection[sec] || []).filter(k => !done.has(k.name));
       on.forEach(t => knobGroup(t, TECHNIQUES[t].label, "enabled", rest(t), false));
-      Object.keys(SECTIONS).forEach(sec => knobGroup(sec, SECTIONS[sec], "", rest(sec), !on.length));
+      // a multi-turn run (episode.max_turns > 1 at launch) has its episode knobs open; a
+      // single-turn one cannot become multi-turn (the trainer refuses raising max_turns from 1)
+      const launchTurns = Number(((page.config || {}).episode || {}).max_turns || 1);
+      const notes = { episode: launchTurns > 1 ? "multi-turn episodes" : "single-turn run" };
+      Object.keys(SECTIONS).forEach(sec => knobGroup(sec, SECTIONS[sec], notes[sec] || "", rest(sec),
+                                                     !on.length || (sec === "episode" && launchTurns > 1)));
       Object.keys(bySection).filter(sec => !SECTIONS[sec] && !TECHNIQUES[sec])
         .forEach(sec => knobGroup(sec, sec, "", rest(sec), false));
       Object.keys(TECHNIQUES).filter(t => on.indexOf(t) < 0)

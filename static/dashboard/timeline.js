@@ -23,6 +23,7 @@
   const IDLE = "idle";   // the report's share chart: a lane's time outside its spans
   const PHASES = Object.keys(COLOURS);
   const OTHER = "#9ca3af";
+  const KEEP_SHORT = new Set(["tool"]), SHORT_MIN = 0.002;   // trainer/observe/timeline.py KEEP_SHORT
 
   const plotlyText = RLCharts.plotlyText;
   // rank 0, rank 1, ... first (by number), then the generators by name
@@ -36,7 +37,8 @@
     return PHASES.filter(p => phases.has(p)).concat([...phases].filter(p => PHASES.indexOf(p) < 0).sort());
   }
   function seconds(s) {
-    return s >= 100 ? s.toFixed(0) + " s" : s >= 1 ? s.toFixed(2) + " s" : (s * 1000).toFixed(0) + " ms";
+    return s >= 100 ? s.toFixed(0) + " s" : s >= 1 ? s.toFixed(2) + " s" : s >= 0.01 ? (s * 1000).toFixed(0) + " ms"
+      : (s * 1000).toFixed(2) + " ms";
   }
 
   function create(box) {
@@ -66,6 +68,11 @@
       const lanes = new Set(), phases = new Set();
       rows.forEach(r => r.spans.forEach(s => { lanes.add(s.lane); phases.add(s.phase); }));
       const laneList = [...lanes].sort(laneOrder);
+      // a tool call is drawn at least SHORT_MIN of the window wide (a calculator's takes ~0.1 ms:
+      // it happened, and shows); its hover says its real duration
+      let lo = Infinity, hi = -Infinity;
+      rows.forEach(r => r.spans.forEach(s => { lo = Math.min(lo, s.start); hi = Math.max(hi, s.end); }));
+      const shortMs = Math.max(1, (hi - lo) * 1000 * SHORT_MIN);
       const traces = phaseOrder(phases).map(function (phase) {
         const spans = [];
         rows.forEach(r => r.spans.forEach(s => { if (s.phase === phase) spans.push([r.step, s]); }));
@@ -73,7 +80,7 @@
           type: "bar", orientation: "h", name: plotlyText(phase),
           y: spans.map(([, s]) => plotlyText(s.lane)),
           base: spans.map(([, s]) => s.start * 1000),
-          x: spans.map(([, s]) => Math.max(1, (s.end - s.start) * 1000)),
+          x: spans.map(([, s]) => Math.max(KEEP_SHORT.has(phase) ? shortMs : 1, (s.end - s.start) * 1000)),
           marker: { color: COLOURS[phase] || OTHER, line: { width: 0 },
                     opacity: spans.map(([, s]) => typeof s.occupancy === "number" ? 0.3 + 0.7 * s.occupancy : 1) },
           customdata: spans.map(([step, s]) => [step, seconds(s.end - s.start),

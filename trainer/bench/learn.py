@@ -5,6 +5,10 @@ and/or seconds of RL) and measures held-out accuracy before and after on the sam
 (>= 1000 problems by default). Prints {"accuracy_before", "accuracy_after", "delta", ...}
 (fractions) and the wall time.
 
+`--preset agent` (multi-turn episodes with a calculator, the built-in tools model) also reports
+the share of held-out episodes that called the tool, before and after ("tool_use_rate_before",
+"tool_use_rate_after"), and their mean model turns.
+
 `--preset smollm2-math` (SmolLM2-135M-Instruct, created with `python -m trainer import-gguf
 smollm2`) has CPU-sized defaults: 4 prompts x 4 samples per step, responses of at most 64
 tokens, 120 s of RL, 64 held-out problems scored greedily. Options and --set override them.
@@ -58,20 +62,33 @@ def run(args, log=print) -> dict:
             runner.save_checkpoint = lambda: None  # a benchmark keeps nothing on disk
             t0 = time.monotonic()
             before = runner.evaluate()
+            tools_before = _episode_figures(runner.last_eval_result, "before")
             eval_seconds = time.monotonic() - t0
             log(f"accuracy before: {before:.3f} on {eval_size} held-out problems ({eval_seconds:.0f}s)")
             t0 = time.monotonic()
             runner.run()
             rl_seconds = time.monotonic() - t0
             after = runner.evaluate()
+            tools_after = _episode_figures(runner.last_eval_result, "after")
             log(f"accuracy after {runner.step} steps ({rl_seconds:.0f}s): {after:.3f}")
+            if tools_after:
+                log(f"tool use: {tools_before['tool_use_rate_before']:.3f} -> "
+                    f"{tools_after['tool_use_rate_after']:.3f} of held-out episodes")
     return {"accuracy_before": before, "accuracy_after": after, "delta": after - before,
             "steps": runner.step, "rl_seconds": round(rl_seconds, 1),
             "eval_seconds": round(eval_seconds, 1), "wall_s": round(time.monotonic() - t_all, 1),
             "eval_size": eval_size, "preset": args.preset, "seed": args.seed,
             "samples_per_step": cfg.rollout.rollout_batch_size * cfg.rollout.n_samples_per_prompt,
             "reward_mean_last10": _mean(sink.series("reward/mean")[-10:]),
-            "reward_mean_first": _mean(sink.series("reward/mean")[:1])}
+            "reward_mean_first": _mean(sink.series("reward/mean")[:1]),
+            **tools_before, **tools_after}
+
+
+def _episode_figures(result: dict | None, when: str) -> dict:
+    """An evaluation's episode figures (multi-turn presets), named for `when`."""
+    if not result or "tool_use_rate" not in result:
+        return {}
+    return {f"tool_use_rate_{when}": result["tool_use_rate"], f"turns_mean_{when}": result["turns_mean"]}
 
 
 def _mean(xs):

@@ -8,7 +8,8 @@
   knobs [--json]                                                   the parameter schema
   presets [--json]                                                 shipped presets (what an opt-in one needs)
   reward --dataset D.jsonl --completions C.jsonl                   score completions
-  warmup [--out DIR]                                               rebuild the built-in model
+  warmup [--tools] [--out DIR] [--steps N]                         rebuild a built-in model (--tools:
+                                                    builtin-tools, warmed up on the calculator task)
   bench learn|... [--json]                                         benchmarks
   docs config [--write | --check]                                  docs/configuration.md
   samples RUN_DIR [--step N] [--worst | --longest]                 what the model wrote
@@ -210,11 +211,12 @@ def _cmd_presets(args) -> int:
 
 
 def _cmd_warmup(args) -> int:
-    from trainer.models.loading import builtin_dir
-    from trainer.models.warmup import warmup
+    from trainer.models.loading import BUILTIN, BUILTIN_TOOLS, builtin_dir
+    from trainer.models.warmup import warmup, warmup_tools
 
-    out = args.out or str(builtin_dir())
-    info = warmup(out, steps=args.steps, seed=args.seed)
+    out = args.out or str(builtin_dir(BUILTIN_TOOLS if args.tools else BUILTIN))
+    steps = {} if args.steps is None else {"steps": args.steps}  # else each warm-up's own default
+    info = (warmup_tools if args.tools else warmup)(out, seed=args.seed, **steps)
     print(json.dumps({"out": out, **info}))
     return 0
 
@@ -256,9 +258,13 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--json", action="store_true")
     pr.set_defaults(func=_cmd_presets)
 
-    w = sub.add_parser("warmup", help="rebuild the built-in model (supervised warm-up)")
-    w.add_argument("--out", help="directory (default: the shipped trainer/assets/builtin-sum)")
-    w.add_argument("--steps", type=int, default=1000)
+    w = sub.add_parser("warmup", help="rebuild a built-in model (supervised warm-up)")
+    w.add_argument("--tools", action="store_true", help="the calculator-task model (model.path "
+                   "'builtin-tools'): by-hand sums and calculator calls")
+    w.add_argument("--out", help="directory (default: the shipped trainer/assets/builtin-sum, "
+                   "or builtin-tools with --tools)")
+    w.add_argument("--steps", type=int, default=None,
+                   help="optimizer steps (default: 1000, or 1500 with --tools)")
     w.add_argument("--seed", type=int, default=0)
     w.set_defaults(func=_cmd_warmup)
 

@@ -45,14 +45,36 @@ def _num(v, fmt="{:.2f}") -> str:
 
 
 def describe(r: dict) -> str:
-    versions = " ".join(f"v{v}x{n}" for v, n in r.get("segments", []))
+    versions = " ".join(f"{'env' if v == -1 else f'v{v}'}x{n}" for v, n in r.get("segments", []))
     head = (f"step {r.get('step')}  group {r.get('group')} #{r.get('index')}  len {r.get('length')}  "
             f"reward {_num(r.get('reward'))} (score {_num(r.get('score'))})  "
             f"adv {_num(r.get('advantage'), '{:+.2f}')}  {r.get('finish')}  [{versions}]  "
             f"staleness {r.get('staleness', 0)}  ({r.get('why')})")
     if r.get("reward_status", "ok") != "ok":
         head += f"\n  reward {r['reward_status']}: {r.get('reward_error', '')}"
-    return f"{head}\n  prompt:\n{_indent(r.get('prompt', ''))}\n  completion:\n{_indent(r.get('completion', ''))}"
+    body = f"{head}\n  prompt:\n{_indent(r.get('prompt', ''))}\n"
+    if r.get("turns") and r.get("tokens"):
+        return body + _episode(r)
+    return body + f"  completion:\n{_indent(r.get('completion', ''))}"
+
+
+def _episode(r: dict) -> str:
+    """An episode's completion turn by turn (the environment's messages are never trained)."""
+    ep = r.get("episode") or {}
+    lines = [f"  episode: {_count(ep.get('turns'), 'turn')}, {_count(ep.get('tool_calls'), 'tool call')} "
+             f"({ep.get('tool_errors')} failed, {_num(ep.get('tool_s'), '{:.3f}')} s), "
+             f"ended: {ep.get('end') or '-'}"]
+    n = 0
+    for t in r["turns"]:
+        text = "".join(r["tokens"][t["start"]:t["end"]])
+        n += t["role"] == "model"
+        label = f"model turn {n}" if t["role"] == "model" else "tool message (environment, not trained)"
+        lines.append(f"  [{label}]\n{_indent(text)}")
+    return "\n".join(lines)
+
+
+def _count(n, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
 
 
 def _indent(text) -> str:

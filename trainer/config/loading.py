@@ -13,7 +13,7 @@ import tomli_w
 
 from trainer.config.checks import check
 from trainer.config.params import ConfigError
-from trainer.config.sections import SECTIONS, Config, param_spec
+from trainer.config.sections import BUILTIN_MODELS, SECTIONS, Config, param_spec
 from trainer.models.gguf_import import KNOWN as GGUF_SOURCES  # stdlib only: no torch here
 
 PRESETS_PACKAGE = "trainer.presets"
@@ -39,7 +39,7 @@ def preset_config(name: str, *, project_dir: str | Path = ".",
     (project_dir: where it runs) and the web (the server's project folder and var dir)."""
     cfg = from_dict(preset_dict(name))
     path = cfg.model.path
-    if path != "builtin" and not Path(path).is_absolute():
+    if not _shipped(path) and not Path(path).is_absolute():
         project = Path(project_dir)
         var = Path(var_dir or os.environ.get("RLPILOT_VAR_DIR") or project / "var")
         head, _, rest = path.partition("/")
@@ -47,12 +47,17 @@ def preset_config(name: str, *, project_dir: str | Path = ".",
     return cfg
 
 
+def _shipped(path: str) -> bool:
+    """Is `path` the name of a model rlpilot ships ("builtin", "builtin-tools")?"""
+    return path in BUILTIN_MODELS
+
+
 def preset_requires(name: str) -> str | None:
     """What a preset needs beyond the default install, or None. A preset whose model.path is
     not "builtin" needs a model directory of your own: it is opt-in. `python -m trainer presets`
     and the launch form say so with this text (the per-preset tests skip it with it too)."""
     path = preset_dict(name).get("model", {}).get("path", "builtin")
-    if path == "builtin":
+    if _shipped(path):
         return None
     source = GGUF_SOURCES.get(Path(path).name)
     how = (f"create it with `python -m trainer import-gguf {source}`" if source

@@ -12,6 +12,10 @@ from typing import Any
 
 from trainer.config.params import ConfigError, ParamSpec, param
 
+# model.path names of the models rlpilot ships -> their folder in trainer/assets (the one place
+# they are named; trainer/models/loading.py loads them)
+BUILTIN_MODELS = {"builtin": "builtin-sum", "builtin-tools": "builtin-tools"}
+
 # what run.report_to may name (trainer/observe/trackers/: one adapter each)
 TRACKERS = ("tensorboard", "wandb", "mlflow")
 

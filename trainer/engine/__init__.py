@@ -43,7 +43,7 @@ def build_engine(cfg, model, tokenizer, device, dtype, max_seq_len: int, *,
     eos = stop_token_ids(model, tokenizer)  # the tokenizer's eos and the generation config's
     stops = stop_strings(r.stop)
     if cfg.episode.max_turns > 1:
-        from trainer.episode.engine import with_episodes
+        from trainer.episode.build import with_episodes
 
         return with_episodes(cfg, tokenizer, lambda tool_stops: _engine(
             cfg, model, tokenizer, device, dtype, max_seq_len, weights_dir, eos,
@@ -72,7 +72,8 @@ def _engine(cfg, model, tokenizer, device, dtype, max_seq_len, weights_dir, eos,
     if procs:
         return _with_stops(tokenizer, stops, _process_pool(
             model, int(procs), eos_token_ids=eos, max_seq_len=max_seq_len, seed=cfg.run.seed,
-            device=device, dtype=dtype, threads=cfg.async_.worker_threads, **slots))
+            device=device, dtype=dtype, threads=cfg.async_.worker_threads, stops=stops,
+            tokenizer=tokenizer, **slots))
     from trainer.engine.embedded import EmbeddedEngine
 
     return _with_stops(tokenizer, stops, EmbeddedEngine(

@@ -64,7 +64,22 @@ class Sample:
 
     @property
     def done(self) -> bool:
-        return self.finish_reason in DONE_REASONS
+        """Finished: for an episode, once its episode is over (`meta["episode"]["end"]`), not when
+        a turn stops (an engine in another process may file that stop before the episode
+        wrapper has seen it)."""
+        if self.finish_reason not in DONE_REASONS:
+            return False
+        episode = self.meta.get("episode")
+        return not isinstance(episode, dict) or bool(episode.get("end"))
+
+    @property
+    def settled(self) -> bool:
+        """Out of the engine until it is submitted again: finished, or stopped part-way (its
+        segment limit, an abort). An episode whose turn stopped is not: its environment answers
+        and it goes on (trainer/episode/engine.py)."""
+        if self.finish_reason is None:
+            return False
+        return self.finish_reason not in DONE_REASONS or self.done
 
     @property
     def policy_versions(self) -> list[int]:
@@ -182,3 +197,35 @@ class RolloutEngine:
         while self.num_pending:
             out.extend(self.step())
         return out
+
+
+class EngineWrapper(RolloutEngine):
+    """An engine around another (`inner`): what it does not define itself is the inner engine's
+    (stop strings, trainer/engine/stops.py; episodes, trainer/episode/engine.py)."""
+
+    inner: RolloutEngine
+
+    def __getattr__(self, name):
+        inner = self.__dict__.get("inner")
+        if inner is None:
+            raise AttributeError(name)
+        return getattr(inner, name)
+
+    @property
+    def version(self) -> int:
+        return self.inner.version
+
+    @version.setter
+    def version(self, value: int) -> None:
+        self.inner.version = value
+
+    @property
+    def num_pending(self) -> int:
+        return self.inner.num_pending
+
+    @property
+    def stats(self) -> EngineStats:
+        return self.inner.stats
+
+    def update_weights(self, named_tensors, version: int, recompute_kv: bool = False) -> None:
+        self.inner.update_weights(named_tensors, version, recompute_kv=recompute_kv)

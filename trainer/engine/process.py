@@ -105,7 +105,7 @@ def _state(s: Sample) -> dict:
 def _serve(conn: Connection) -> None:
     """The child: build the engine from the shared weights, then serve the socket."""
     try:
-        _, config, spec, kwargs, threads = conn.recv()
+        _, config, spec, kwargs, threads, stops, tokenizer = conn.recv()
         torch.set_num_threads(threads)
         from transformers import AutoModelForCausalLM
 
@@ -116,6 +116,10 @@ def _serve(conn: Connection) -> None:
         model.load_state_dict(shared.tensors, strict=False)
         kwargs["device"], kwargs["dtype"] = torch.device(kwargs["device"]), _dtype(kwargs["dtype"])
         engine = EmbeddedEngine(model, **kwargs)
+        if stops:   # matched here, as tokens come: the child stops where the parent would cut
+            from trainer.engine.stops import StopStrings
+
+            engine = StopStrings(engine, tokenizer, stops)
         del model
         conn.send(("ready", {"pid": os.getpid(), "device": str(engine.device),
                              "dtype": str(engine.dtype), "max_slots": engine.max_slots}))
@@ -216,10 +220,13 @@ class ProcessEngine(RolloutEngine):
                  max_seq_len: int = 512, seed: int = 0, threads: int = 1,
                  device: torch.device | None = None, dtype: torch.dtype | None = None,
                  slots_cap: int = 1024, start_timeout_s: float = 120.0,
-                 weights: dict[str, torch.Tensor] | None = None):
+                 weights: dict[str, torch.Tensor] | None = None, stops: Iterable[str] = (),
+                 tokenizer=None):
         """`weights`: the tensors to start from instead of `model`'s (a generation process
         restarted mid-run starts from the policy the others hold, not from a model the trainer
-        may be updating at that moment); `model` still gives the architecture."""
+        may be updating at that moment); `model` still gives the architecture. `stops`: stop
+        strings the child matches itself (decoded with `tokenizer`), so it generates nothing
+        past one (a StopStrings in the parent would only cut what it had generated)."""
         params = next(model.parameters())
         device = torch.device(device) if device is not None else params.device
         dtype = dtype or params.dtype
@@ -254,7 +261,8 @@ class ProcessEngine(RolloutEngine):
                       max_seq_len=max_seq_len, seed=seed, device=str(device),
                       dtype=str(dtype).removeprefix("torch."))
         try:
-            self._send(("start", model.config, self.weights.spec(), kwargs, threads))
+            self._send(("start", model.config, self.weights.spec(), kwargs, threads,
+                        list(stops), tokenizer if stops else None))
             _, self.child_info = self._expect("ready", start_timeout_s)
         except BaseException:
             self.close()

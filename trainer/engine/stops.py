@@ -22,10 +22,10 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from trainer.engine.base import DONE_REASONS, STOP, Sample
+from trainer.engine.base import DONE_REASONS, STOP, EngineWrapper, Sample
 
 
-class StopStrings:
+class StopStrings(EngineWrapper):
     """`engine` with responses also ending at any of `stops` (decoded with `tokenizer`). Every
     other attribute is the wrapped engine's (`inner`)."""
 
@@ -40,24 +40,18 @@ class StopStrings:
         self.window = max(len(s.encode("utf-8")) for s in self.stops) + 2
         self.live: dict[int, Sample] = {}
         self.checked: dict[int, int] = {}  # request id -> response tokens already checked
-
-    def __getattr__(self, name):
-        inner = self.__dict__.get("inner")
-        if inner is None:
-            raise AttributeError(name)
-        return getattr(inner, name)
+        # tokens an engine that reports late generated past a stop string, cut here: never part
+        # of a response, so `stats.generated_tokens` leaves them out (the token ledger balances)
+        self.cut_tokens = 0
 
     @property
-    def version(self) -> int:
-        return self.inner.version
-
-    @version.setter
-    def version(self, value: int) -> None:
-        self.inner.version = value
-
-    @property
-    def num_pending(self) -> int:
-        return self.inner.num_pending
+    def stats(self):
+        stats = self.inner.stats
+        if not self.cut_tokens:
+            return stats
+        out = type(stats)(*stats.astuple())
+        out.generated_tokens -= self.cut_tokens
+        return out
 
     # --- the engine interface ----------------------------------------------------------------------
     def submit(self, samples: Iterable[Sample]) -> None:
@@ -95,16 +89,6 @@ class StopStrings:
             self.live.pop(s.request_id, None)  # checked later, when it comes back
         return out
 
-    def update_weights(self, named_tensors, version: int, recompute_kv: bool = False) -> None:
-        self.inner.update_weights(named_tensors, version, recompute_kv=recompute_kv)
-
-    def generate(self, samples: list[Sample]) -> list[Sample]:
-        self.submit(samples)
-        out: list[Sample] = []
-        while self.num_pending:
-            out.extend(self.step())
-        return out
-
     def close(self) -> None:
         self.live.clear()
         self.checked.clear()
@@ -138,6 +122,7 @@ class StopStrings:
             self.checked.pop(s.request_id, None)
 
     def _cut(self, s: Sample, keep: int) -> None:
+        self.cut_tokens += max(0, len(s.response_ids) - keep)
         del s.response_ids[keep:], s.logprobs[keep:], s.versions[keep:]
         s.finish_reason = STOP
         self.checked.pop(s.request_id, None)

@@ -27,12 +27,11 @@ call's wall-clock span (the timeline's "tool" phase).
 from __future__ import annotations
 
 import dataclasses
-import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Iterable
 
-from trainer.engine.base import ABORT, ENV_VERSION, LENGTH, SEGMENT, STOP, Sample
+from trainer.engine.base import ABORT, ENV_VERSION, LENGTH, SEGMENT, STOP, EngineWrapper, Sample
 from trainer.episode.environments import Environment, Reply
 
 # why an episode ended (meta["episode"]["end"])
@@ -59,7 +58,7 @@ def final_turn(sample: Sample) -> list[int]:
     return sample.response_ids[sample.turn_start:]
 
 
-class Episodes:
+class Episodes(EngineWrapper):
     """`engine` with episodes (see the module docstring). `environment` answers turns; `fmt`
     (trainer/episode/turns.py) writes its messages; `max_turns` is per episode."""
 
@@ -72,29 +71,13 @@ class Episodes:
         self.pool = ThreadPoolExecutor(max_workers=max(1, int(workers)),
                                        thread_name_prefix="rlpilot-tool")
         self.in_tool: dict[int, tuple[Sample, Future]] = {}   # request id -> (sample, reply)
-        self.ready: list[Sample] = []                          # episodes that left, not returned
         # request id -> (model tokens at its submission, its segment limit then): a segment runs
         # over turns, as one response's would
         self.segment: dict[int, tuple[int, int | None]] = {}
-        self.lock = threading.Lock()
-
-    def __getattr__(self, name):
-        inner = self.__dict__.get("inner")
-        if inner is None:
-            raise AttributeError(name)
-        return getattr(inner, name)
-
-    @property
-    def version(self) -> int:
-        return self.inner.version
-
-    @version.setter
-    def version(self, value: int) -> None:
-        self.inner.version = value
 
     @property
     def num_pending(self) -> int:
-        return self.inner.num_pending + len(self.in_tool) + len(self.ready)
+        return self.inner.num_pending + len(self.in_tool)
 
     def set_limits(self, *, max_turns: int, timeout_s: float, output_chars: int,
                    feedback: bool) -> None:
@@ -116,8 +99,6 @@ class Episodes:
         if not due and not self.inner.num_pending and not out:
             due = list(self.in_tool)   # nothing else to do: wait for the tools called just now
         out.extend(self._replies(due))
-        out.extend(self.ready)
-        self.ready.clear()
         for s in out:
             self.segment.pop(s.request_id, None)
         return out
@@ -131,21 +112,8 @@ class Episodes:
             if self._append(s, fut.result()):   # the tool is bounded by its time limit
                 s.finish_reason = ABORT
             out.append(s)
-        held = [s for s in self.ready if ids is None or s.request_id in ids]
-        self.ready = [s for s in self.ready if not (ids is None or s.request_id in ids)]
-        out.extend(held)
         for s in out:
             self.segment.pop(s.request_id, None)
-        return out
-
-    def update_weights(self, named_tensors, version: int, recompute_kv: bool = False) -> None:
-        self.inner.update_weights(named_tensors, version, recompute_kv=recompute_kv)
-
-    def generate(self, samples: list[Sample]) -> list[Sample]:
-        self.submit(samples)
-        out: list[Sample] = []
-        while self.num_pending:
-            out.extend(self.step())
         return out
 
     def close(self) -> None:
@@ -159,7 +127,11 @@ class Episodes:
     def _turn_ended(self, s: Sample) -> bool:
         """Whether `s`, just out of the engine, goes on to its environment (True: held here)."""
         ep = s.meta.get("episode")
-        if not isinstance(ep, dict) or s.finish_reason != STOP or ep.get("end"):
+        if not isinstance(ep, dict) or ep.get("end"):
+            return False
+        if s.finish_reason == LENGTH:   # the token budget ran out mid-turn
+            ep["end"] = END_BUDGET
+        if s.finish_reason != STOP:
             return False
         if ep["turns"] >= self.max_turns:
             ep["end"] = END_MAX_TURNS if self._calls_tool(s) else END_ANSWER
@@ -183,11 +155,10 @@ class Episodes:
 
     def _respond(self, turn: str, episode: dict) -> Reply:
         start = time.time()   # wall-clock, as the timeline's spans
-        try:
-            return self.environment.respond(turn, episode)
-        finally:
-            if self.on_tool is not None:
-                self.on_tool(start, time.time())
+        reply = self.environment.respond(turn, episode)
+        if self.on_tool is not None and (reply.tool or reply.error):   # a tool was called
+            self.on_tool(start, time.time())
+        return reply
 
     def _replies(self, due: list[int]) -> list[Sample]:
         """The samples whose tools were `due`, in the order they were called (so a run is the
@@ -247,33 +218,6 @@ class Episodes:
         if seg is not None:
             left = max(1, seg - (s.model_tokens - base))
             s.params = dataclasses.replace(s.params, segment_max_tokens=left)
-
-
-def offered_tools(cfg) -> tuple[str, ...] | None:
-    """The tools a new episode is offered (`episode.tools`), or None: single-turn
-    (`episode.max_turns` = 1)."""
-    from trainer.episode.environments import parse_tools
-
-    return parse_tools(cfg.episode.tools) if cfg.episode.max_turns > 1 else None
-
-
-def with_episodes(cfg, tokenizer, make_engine) -> Episodes:
-    """The run's engine with episodes: `make_engine(tool_stops)` builds the inner engine, ending
-    responses also at the closing tags of the offered tools' calls."""
-    from trainer.episode.environments import parse_tools
-    from trainer.episode.tools import stop_strings
-    from trainer.episode.turns import TurnFormat
-    from trainer.tasks import task_spec
-    from trainer.tasks.prompts import PromptRenderer
-
-    e = cfg.episode
-    fmt = TurnFormat.for_renderer(PromptRenderer.from_config(cfg, tokenizer))
-    tools = parse_tools(e.tools)
-    env = Environment(syntax=fmt.syntax, feedback=e.feedback, timeout_s=e.tool_timeout_s,
-                      output_chars=e.tool_output_chars,
-                      verify=lambda kind, answer, text: task_spec(kind).score(answer, text))
-    inner = make_engine(stop_strings(fmt.syntax, tools) if tools else [])
-    return Episodes(inner, tokenizer, env, fmt, max_turns=e.max_turns, workers=e.tool_workers)
 
 
 def apply_limits(engine, cfg) -> None:

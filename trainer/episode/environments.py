@@ -39,6 +39,12 @@ def parse_tools(value: str) -> tuple[str, ...]:
     return tuple(dict.fromkeys(names))
 
 
+def offered_tools(cfg) -> tuple[str, ...] | None:
+    """The tools a new episode is offered (`episode.tools`), or None: single-turn
+    (`episode.max_turns` = 1)."""
+    return parse_tools(cfg.episode.tools) if cfg.episode.max_turns > 1 else None
+
+
 class Environment:
     """Answers turns with `tools` (called in `syntax`) and, with `feedback`, tells a wrong final
     answer so (`verify(kind, answer, text)` -> score, the task's verifier)."""

@@ -4,7 +4,10 @@ directory. Nothing here ever downloads: every load passes `local_files_only=True
 The built-in model is a standard transformers Qwen2 architecture (~0.85M parameters) with a
 character-level tokenizer over printable ASCII. It is created from scratch and given a short
 supervised warm-up on the built-in task (`trainer.models.warmup`) so RL starts from a partly competent
-policy; the warmed-up weights ship in `trainer/assets/builtin-sum/`.
+policy; the warmed-up weights ship in `trainer/assets/builtin-sum/`. A second one, `builtin-tools`
+(`trainer/assets/builtin-tools/`), is warmed up on the calculator task (trainer/tasks/calc.py): it
+sometimes calls the tool and sometimes sums by hand, so RL on tool-using episodes has a choice to
+improve.
 """
 from __future__ import annotations
 
@@ -16,17 +19,29 @@ from pathlib import Path
 import torch
 import transformers
 
+from trainer.config.sections import BUILTIN_MODELS
+
 # Loading a 1M-parameter model should not draw progress bars over the training display.
 transformers.utils.logging.disable_progress_bar()
 transformers.utils.logging.set_verbosity_error()
 
 BUILTIN = "builtin"
-BUILTIN_ASSET = "builtin-sum"
+BUILTIN_TOOLS = "builtin-tools"
+# model.path names of the shipped models -> their folder in trainer/assets (declared with the config)
+BUILTIN_ASSETS = BUILTIN_MODELS
+# how each is rebuilt, for the message when its folder is missing
+_REBUILD = {BUILTIN: "python -m trainer warmup", BUILTIN_TOOLS: "python -m trainer warmup --tools"}
 SPECIAL_TOKENS = ["<pad>", "<eos>", "<unk>"]
 
 
-def builtin_dir() -> Path:
-    return Path(str(resources.files("trainer").joinpath("assets", BUILTIN_ASSET)))
+def builtin_dir(name: str = BUILTIN) -> Path:
+    """The shipped folder of the built-in model `name` (a key of BUILTIN_ASSETS)."""
+    return Path(str(resources.files("trainer").joinpath("assets", BUILTIN_ASSETS[name])))
+
+
+def _local_dir(path: str) -> Path:
+    """The directory a `model.path` names: a shipped model's folder, or the path itself."""
+    return builtin_dir(path) if path in BUILTIN_ASSETS else Path(path).expanduser()
 
 
 def build_char_tokenizer():
@@ -80,8 +95,8 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def _missing_hint(path: str) -> str:
-    if path == BUILTIN:
-        return " (run `python -m trainer warmup` to rebuild the built-in model)"
+    if path in BUILTIN_ASSETS:
+        return f" (run `{_REBUILD[path]}` to rebuild the built-in model)"
     from trainer.models.gguf_import import import_hint
 
     hint = import_hint(path)
@@ -92,7 +107,7 @@ def _missing_hint(path: str) -> str:
 
 def model_dir(path: str) -> Path:
     """The directory a `model.path` refers to, checked to look like a local HF model."""
-    d = builtin_dir() if path == BUILTIN else Path(path).expanduser()
+    d = _local_dir(path)
     if not d.is_dir():
         raise FileNotFoundError(f"model.path: no model directory at {d}{_missing_hint(path)}")
     if not (d / "config.json").is_file():
@@ -115,10 +130,10 @@ def check_model_dir(path: str, *, engine: str = "embedded") -> list[str]:
     weights, and a tokenizer that loads and can end a response (an eos token)."""
     from trainer.engine.decoder import SUPPORTED
 
-    d = builtin_dir() if path == BUILTIN else Path(path).expanduser()
+    d = _local_dir(path)
     if not d.is_dir():
         return [f"no model directory at {d}{_missing_hint(path)}"]
-    if path == BUILTIN:
+    if path in BUILTIN_ASSETS:
         return []  # shipped with rlpilot: checked by its own tests
     cfg_file = d / "config.json"
     if not cfg_file.is_file():

@@ -14,6 +14,12 @@ is known before the update (APRIL's TIS or mask weights; the asynchronous behavi
 `async.prox_logp = recompute`, not with `loglinear`, which the learner interpolates), the
 reward's status, whether the update trained it, and per token the text and log-probability. Rows go to the metrics sink
 (`MetricsSink.samples`): samples.jsonl on the CLI, the database in the web app.
+
+A multi-turn episode's row (trainer/episode/) also carries its `turns`: the response's runs of
+model tokens and of environment tokens (tool results, feedback: version ENV_VERSION, never
+trained), as [{"role": "model" | "tool", "start", "end", "trained"}] over token positions, and
+its `episode` counters (turns, tool calls, tool errors, tool seconds, how it ended). Its segments
+keep the environment's runs (version -1); its finish and staleness read only the policy's tokens.
 """
 from __future__ import annotations
 
@@ -23,7 +29,7 @@ from typing import Any
 import torch
 
 from trainer.algo import grpo
-from trainer.engine.base import ABORT, LENGTH, STOP
+from trainer.engine.base import ABORT, ENV_VERSION, LENGTH, STOP
 
 WHY_GROUP, WHY_LONGEST, WHY_SHORTEST, WHY_ERROR = "group", "longest", "shortest", "error"
 FINISHES = ("stop", "length", "aborted", "partial")
@@ -62,8 +68,38 @@ def segments(versions: list[int]) -> list[list[int]]:
     return out
 
 
+def turns(versions: list[int]) -> list[dict[str, Any]]:
+    """An episode's turns: contiguous runs of model tokens ("model", trained) and of environment
+    tokens ("tool": a tool's result or feedback, never trained), as token positions [start, end)."""
+    out: list[dict[str, Any]] = []
+    for i, v in enumerate(versions):
+        role = "tool" if v == ENV_VERSION else "model"
+        if out and out[-1]["role"] == role:
+            out[-1]["end"] = i + 1
+        else:
+            out.append({"role": role, "start": i, "end": i + 1, "trained": role == "model"})
+    return out
+
+
+EPISODE_FIELDS = ("turns", "tool_calls", "tool_errors", "tool_s", "end")
+
+
+def episode_of(sample) -> dict[str, Any] | None:
+    """An episode's counters for its row (None for a single-turn sample)."""
+    ep = sample.meta.get("episode")
+    if not isinstance(ep, dict):
+        return None
+    return {k: ep.get(k) for k in EPISODE_FIELDS}
+
+
+def staleness(sample, version: int) -> int:
+    """Versions between the oldest policy that sampled a token and the one the step trains."""
+    policy = sample.policy_versions
+    return version - min(policy) if policy else 0
+
+
 def finish(sample) -> str:
-    if sample.finish_reason in (STOP, LENGTH) and len(set(sample.versions)) > 1:
+    if sample.finish_reason in (STOP, LENGTH) and len(set(sample.policy_versions)) > 1:
         return "partial"   # parked and resumed under a newer policy before it finished
     return {STOP: "stop", LENGTH: "length", ABORT: "aborted"}.get(sample.finish_reason, "aborted")
 
@@ -87,21 +123,25 @@ def rows(step: int, picks, tokenizer, version: int, cfg, trained: set[int]) -> l
         reward = g.rewards[k] if k < len(g.rewards) else None
         score = g.raw_scores[k] if k < len(g.raw_scores) else None
         status = g.reward_status[k] if k < len(g.reward_status) else "ok"
-        out.append({
+        row = {
             "step": step, "group": g.draw, "index": k, "prompt": g.problem.prompt,
             "completion": tokenizer.decode(ids, skip_special_tokens=True),
             "reward": reward, "score": score,
             "penalty": (reward - score) if reward is not None and score is not None else 0.0,
             "advantage": advantages[id(g)][k], "length": len(ids), "finish": finish(s),
             "segments": segments(s.versions),
-            "staleness": version - min(s.versions) if s.versions else 0,
+            "staleness": staleness(s, version),
             "tis_weight": s.meta.get("is_weight"),
             "reward_status": status,
             "reward_error": g.reward_notes[k] if status != "ok" and k < len(g.reward_notes) else "",
             "why": why, "trained": id(g) in trained,
             "tokens": tokenizer.batch_decode([[t] for t in ids]) if ids else [],
             "logprobs": [float(x) for x in s.logprobs],
-        })
+        }
+        episode = episode_of(s)
+        if episode is not None:   # single-turn rows stay as they were
+            row["turns"], row["episode"] = turns(s.versions), episode
+        out.append(row)
     return out
 
 

@@ -17,6 +17,8 @@ SCALARS: dict[str, str] = {
     "reward/timeouts": "rewards that timed out (scored 0)",
     "eval/accuracy": "held-out accuracy", "eval/reward_mean": "held-out mean reward",
     "eval/response_len_mean": "held-out mean response length (tokens)",
+    "eval/tool_use_rate": "held-out share of episodes that called a tool (multi-turn runs)",
+    "eval/turns_mean": "held-out model turns per episode, mean (multi-turn runs)",
     # rollout
     "rollout/response_len/mean": "mean response length (tokens)",
     "rollout/response_len/p50": "median response length", "rollout/response_len/p90": "p90 length",
@@ -48,6 +50,17 @@ SCALARS: dict[str, str] = {
     "rollout/waste/mismatch": "tokens dropped: masked out by the mismatch correction (mask, band)",
     "rollout/waste/total": "tokens dropped this step, every reason",
     "rollout/waste/share_total": "share of the run's generated tokens dropped so far",
+    # multi-turn episodes (trainer/episode/; rollout/base.py episode_metrics): the step's scored
+    # episodes, reported by multi-turn runs only
+    "episode/turns": "model turns per episode, mean",
+    "episode/turns/max": "model turns of the longest episode",
+    "episode/tool_calls": "tool calls in the step's scored episodes",
+    "episode/tool_errors": "tool calls that failed (bad call, error, timeout): the tool's message",
+    "episode/tool_s": "seconds the step's scored episodes spent in tools, summed",
+    "episode/tool_use_rate": "share of episodes with at least one tool call",
+    "episode/max_turns_ratio": "share of episodes that ran out of turns (episode.max_turns)",
+    "episode/env_tokens": "environment tokens (tool results, feedback) in the scored episodes: "
+                          "in the context, never trained",
     # the update
     "actor/pg_loss": "policy-gradient loss (token mean)", "actor/kl": "k3 KL to the reference",
     "actor/clip_ratio": "share of tokens clipped", "actor/entropy": "token entropy",
@@ -138,7 +151,8 @@ HISTOGRAM_AXES: dict[str, str] = {  # histogram name -> what its x axis counts
 # The dashboard's charts, in page order. keys: line traces; "fallback": used when the first
 # key has no data (no GPU); "pattern": traces for every matching name (one per device);
 # "prefix": every name under it; type "hist"/"heat": the histogram `name`; "eta": draw eta;
-# "band": draw the mismatch band's |log| ends (mismatch.lower, mismatch.upper) on the y2 axis.
+# "band": draw the mismatch band's |log| ends (mismatch.lower, mismatch.upper) on the y2 axis;
+# "y2": 1 draws the second key on a right axis, "y2": [names] those keys.
 CHARTS: list[dict] = [
     {"id": "system", "title": "GPU utilisation (%) and memory (GB), mean over devices",
      "keys": ["system/gpu_util", "system/gpu_mem_gb"], "y2": 1,
@@ -153,6 +167,15 @@ CHARTS: list[dict] = [
     {"id": "reward", "title": "Reward and accuracy",
      "keys": ["reward/mean", "reward/accuracy", "eval/accuracy"]},
     {"id": "kl", "title": "KL to the reference (k3)", "keys": ["actor/kl"]},
+    {"id": "episodes", "title": "Episodes: model turns (mean, max; left) and shares (right): "
+     "tool use, out of turns",
+     "keys": ["episode/turns", "episode/turns/max", "eval/turns_mean", "episode/tool_use_rate",
+              "episode/max_turns_ratio", "eval/tool_use_rate"],
+     "y2": ["episode/tool_use_rate", "episode/max_turns_ratio", "eval/tool_use_rate"]},
+    {"id": "tools", "title": "Tool calls and tool errors per step",
+     "keys": ["episode/tool_calls", "episode/tool_errors"]},
+    {"id": "tool-time", "title": "Tool seconds per step, and environment tokens (right axis)",
+     "keys": ["episode/tool_s", "episode/env_tokens"], "y2": 1},
     {"id": "mismatch", "title": "Engine vs trainer: KL (k3) and max |Δ log p|",
      "keys": ["mismatch/kl", "mismatch/abs_logp_diff_max"], "y2": 1, "band": True},
     {"id": "mismatch-age", "title": "Engine vs trainer by token age (versions): KL (k3)",

@@ -33,6 +33,9 @@ CONTROLLER = "rank 0"
 MAX_SPANS = 48       # per step, every lane together
 MERGE_GAP_S = 0.01   # same-phase spans of a lane closer than this are one span
 MIN_SPAN_S = 0.001   # shorter spans are dropped (a boundary crossed at once is no "paused")
+# ... but not a tool call: however short (a calculator's is ~0.1 ms), it happened, and the
+# "tools" lane shows when episodes called tools (the dashboard draws it at least a few pixels wide)
+KEEP_SHORT = ("tool",)
 
 
 def rank_lane(rank: int) -> str:
@@ -79,8 +82,8 @@ def _joined(a: Span, b: Span) -> Span:
 def bound(spans: list[Span], max_spans: int = MAX_SPANS, merge_gap_s: float = MERGE_GAP_S,
           min_span_s: float = MIN_SPAN_S) -> list[Span]:
     """Spans sorted by lane and start, at most `max_spans` of them, none overlapping in a lane:
-    1. spans shorter than `min_span_s` go; a span starting before its lane's previous one ends
-       starts where it ends (a lane does one thing at a time);
+    1. spans shorter than `min_span_s` go (but a tool call: KEEP_SHORT); a span starting
+       before its lane's previous one ends starts where it ends (a lane does one thing at a time);
     2. same-phase neighbours closer than `merge_gap_s` become one span;
     3. while there are too many, in the lane with the most spans the same-phase neighbours
        with the smallest gap merge (a generator's busy spans around a short idle moment; on a
@@ -88,7 +91,7 @@ def bound(spans: list[Span], max_spans: int = MAX_SPANS, merge_gap_s: float = ME
        or, with none left, its shortest span goes (its time shows as a gap)."""
     lanes: dict[str, list[Span]] = {}
     for s in sorted(spans, key=lambda s: (s.start, s.end)):
-        if s.seconds < min_span_s:
+        if s.seconds < min_span_s and s.phase not in KEEP_SHORT:
             continue
         lane = lanes.setdefault(s.lane, [])
         if lane and s.start < lane[-1].end:

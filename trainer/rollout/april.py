@@ -35,7 +35,7 @@ from dataclasses import asdict
 from typing import Callable, Iterable
 
 from trainer.engine.base import Sample, SamplingParams, reserve_request_ids
-from trainer.episode.engine import offered_tools
+from trainer.episode.environments import offered_tools
 from trainer.rollout.base import Group, RolloutResult, StepCounts, StepRun, new_group, sampling_params
 from trainer.tasks.base import Problem
 

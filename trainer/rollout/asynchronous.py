@@ -48,7 +48,7 @@ import time
 from collections import deque
 
 from trainer.engine.base import SEGMENT, Sample, SamplingParams
-from trainer.episode.engine import offered_tools
+from trainer.episode.environments import offered_tools
 from trainer.rollout import april as april_mod
 from trainer.rollout.auto_staleness import STABLE, STABLE_STEPS, TIGHTEN, behaviour_verdict
 from trainer.rollout.base import Driver, Group, RolloutResult, StepCounts, new_group, sampling_params

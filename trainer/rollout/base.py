@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from trainer.engine.base import LENGTH, Sample, SamplingParams
-from trainer.episode.engine import new_episode, offered_tools
+from trainer.episode.engine import new_episode
+from trainer.episode.environments import offered_tools
 from trainer.observe.metrics import percentile
 from trainer.rollout import dynamic
 from trainer.rollout.greso import classify
@@ -239,7 +240,7 @@ class StepRun:
             g = self.owner[s.request_id]
             if s.done:
                 self.counts.completed += 1
-            if all(x.finish_reason is not None for x in g.samples) and id(g) in self.active:
+            if all(x.settled for x in g.samples) and id(g) in self.active:
                 del self.active[id(g)]
                 if g.complete:
                     self.waiting.append(g)

@@ -28,7 +28,8 @@ from trainer.algo import objective
 from trainer.algo.learner import TrainSequence
 from trainer.cluster import distributed, training_ranks
 from trainer.engine import rollout_precision
-from trainer.episode.engine import apply_limits, offered_tools
+from trainer.episode.engine import apply_limits
+from trainer.episode.environments import offered_tools
 from trainer.observe import trackers
 from trainer.observe.metrics import MetricsSink, MultiSink
 from trainer.observe.timeline import CONTROLLER, rank_lane

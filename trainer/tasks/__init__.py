@@ -18,6 +18,7 @@ from trainer.config import ConfigError
 from trainer.rewards.verifiers import Verdict, check_code, score_code, score_math, warm_math
 from trainer.tasks.arith import ArithTask
 from trainer.tasks.base import Problem, Task
+from trainer.tasks.calc import CalcTask
 from trainer.tasks.jsonl import JsonlTask
 from trainer.tasks.prompts import PromptRenderer
 from trainer.tasks.sum import SumTask, score_sum
@@ -45,6 +46,12 @@ def _arith(cfg, renderer: PromptRenderer) -> Task:
                      seed=cfg.run.seed, renderer=renderer)
 
 
+def _calc(cfg, renderer: PromptRenderer) -> Task:
+    d = cfg.data
+    return CalcTask(max_len=d.max_list_len, max_operand=d.max_operand, train_size=d.train_size,
+                    seed=cfg.run.seed, renderer=renderer)
+
+
 def _jsonl(cfg, renderer: PromptRenderer) -> Task:
     d = cfg.data
     return JsonlTask(d.path, kind=d.task, template=d.prompt_template, eval_path=d.eval_path,
@@ -56,6 +63,7 @@ TASKS: dict[str, TaskSpec] = {
     "arith": TaskSpec(_arith, score_math, preload=warm_math),
     "math": TaskSpec(_jsonl, score_math, preload=warm_math),
     "code": TaskSpec(_jsonl, score_code, check_within=check_code),
+    "calc": TaskSpec(_calc, score_sum),   # sum a list with a calculator tool (multi-turn episodes)
 }
 
 

@@ -82,7 +82,7 @@ class PromptRenderer:
 
     @classmethod
     def from_config(cls, cfg, tokenizer=None) -> "PromptRenderer":
-        from trainer.episode.engine import offered_tools
+        from trainer.episode.environments import offered_tools
 
         d = cfg.data
         return cls(tokenizer, template=d.prompt_template, chat_template=d.chat_template,

@@ -57,11 +57,16 @@ class SumTask(Task):
         if renderer is not None:
             self.renderer = renderer
 
-    def _problem(self, stream: int, index: int) -> Problem:
+    def values(self, stream: int, index: int) -> list[int]:
+        """The list of problem `index` of `stream` (0: training rows; the eval stream)."""
         rng = random.Random(f"{self.seed}:{stream}:{index}")
-        values = sample_list(rng, self.max_len, self.alpha, self.max_operand)
+        return sample_list(rng, self.max_len, self.alpha, self.max_operand)
+
+    def _problem(self, stream: int, index: int) -> Problem:
+        values = self.values(stream, index)
         prompt = self.renderer.render(format_prompt(values))
-        return Problem(id=f"sum:{stream}:{index}", prompt=prompt, answer=sum(values), kind="sum")
+        return Problem(id=f"{self.name}:{stream}:{index}", prompt=prompt, answer=sum(values),
+                       kind="sum")
 
     def problem(self, row: int) -> Problem:
         return self._problem(0, row)

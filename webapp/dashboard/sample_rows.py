@@ -39,8 +39,9 @@ MAX_GROUP = 2 ** 63 - 1
 SUMMARY_FIELDS = ("id", "step", "group", "index", "length", "reward", "finish", "why",
                   "reward_status", "staleness")
 # the list without tokens and log-probabilities (fields=summary): the table's rows
-LIST_FIELDS = SUMMARY_FIELDS + ("score", "penalty", "advantage", "tis_weight", "seq")
-FULL_FIELDS = LIST_FIELDS + ("prompt", "completion", "segments", "reward_error", "tokens", "logprobs")
+LIST_FIELDS = SUMMARY_FIELDS + ("score", "penalty", "advantage", "tis_weight", "seq", "episode")
+FULL_FIELDS = LIST_FIELDS + ("prompt", "completion", "segments", "reward_error", "tokens", "logprobs",
+                             "turns")
 PREVIEW = 160               # characters of the completion in a summary list
 
 
@@ -82,6 +83,35 @@ def _segments(v: Any) -> list[list[int]]:
     return out
 
 
+MAX_TURNS = 4_096           # turns kept per episode (the trainer allows 64 model turns)
+TURN_ROLES = ("model", "tool")
+EPISODE_ENDS = ("answer", "max_turns", "budget", "")
+
+
+def _turns(v: Any, length: int) -> list[dict[str, Any]]:
+    """An episode's turns: {"role", "start", "end", "trained"}, positions within the response."""
+    out = []
+    for t in (v if isinstance(v, (list, tuple)) else [])[:MAX_TURNS]:
+        if not isinstance(t, dict) or t.get("role") not in TURN_ROLES:
+            continue
+        start = _int(t.get("start"), 0, length)
+        end = _int(t.get("end"), start, length)
+        out.append({"role": t["role"], "start": start, "end": end,
+                    "trained": t.get("trained") is True and t["role"] == "model"})
+    return out
+
+
+def _episode(v: Any) -> dict[str, Any]:
+    """An episode's counters (empty for a single-turn sample)."""
+    if not isinstance(v, dict):
+        return {}
+    seconds = _float(v.get("tool_s"))
+    return {"turns": _int(v.get("turns")), "tool_calls": _int(v.get("tool_calls")),
+            "tool_errors": _int(v.get("tool_errors")),
+            "tool_s": max(0.0, seconds) if seconds is not None else 0.0,
+            "end": _choice(v.get("end"), EPISODE_ENDS, "")}
+
+
 def row_for(run_id: int, seq: int, step: int, row: Any) -> RolloutSample | None:
     """One sample row as the trainer's sink gives it (MetricsSink.samples) -> a model instance
     (unsaved), or None when it is not a dict. The step is the sink call's (the training step).
@@ -105,7 +135,9 @@ def row_for(run_id: int, seq: int, step: int, row: Any) -> RolloutSample | None:
         segments=_segments(row.get("segments")), staleness=_int(row.get("staleness")),
         tis_weight=_float(row.get("tis_weight")), reward_status=status,
         reward_error=_text(row.get("reward_error") or "", MAX_ERROR),
-        why=_choice(row.get("why"), WHY, "group"), tokens=tokens, logprobs=logprobs)
+        why=_choice(row.get("why"), WHY, "group"), tokens=tokens, logprobs=logprobs,
+        turns=_turns(row.get("turns"), _int(row.get("length", len(tokens)))),
+        episode=_episode(row.get("episode")))
 
 
 # --- the per-run cap -------------------------------------------------------------------------------

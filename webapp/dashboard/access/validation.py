@@ -253,12 +253,14 @@ def config_problems(cfg: config_mod.Config, on_worker: bool = False) -> dict[str
             "must be empty here: a run's engine weights are written to its own folder "
             "(RUN_DIR/engine_weights under RLPILOT_RUNS_DIR)")
     if cfg.model.path != "builtin":
-        problem = path_problem(cfg.model.path, _roots(settings.RLPILOT_MODEL_ROOTS), "RLPILOT_MODEL_ROOTS")
+        # (imported here: torch) a shipped model's name ("builtin-tools": trainer/assets) is no path
+        from trainer.models.loading import BUILTIN_ASSETS, check_model_dir
+
+        problem = None if cfg.model.path in BUILTIN_ASSETS else path_problem(
+            cfg.model.path, _roots(settings.RLPILOT_MODEL_ROOTS), "RLPILOT_MODEL_ROOTS")
         if problem:
             errors["model.path"] = problem + ', or "builtin"'
-        else:  # an allowed folder: is it a model a run can load? (imported here: torch)
-            from trainer.models.loading import check_model_dir
-
+        else:  # an allowed folder or a shipped model: is it a model a run can load?
             problems = check_model_dir(cfg.model.path, engine=r.engine)
             if problems:
                 errors["model.path"] = "; ".join(problems)

@@ -76,8 +76,8 @@ def export_json(run: Run) -> dict[str, Any]:
 
 SAMPLE_COLUMNS = ["id", "seq", "step", "group", "index", "why", "finish", "length", "reward", "score",
                   "penalty", "advantage", "staleness", "tis_weight", "reward_status", "reward_error",
-                  "segments", "prompt", "completion", "tokens", "logprobs"]
-_JSON_COLUMNS = ("segments", "tokens", "logprobs")
+                  "segments", "prompt", "completion", "tokens", "logprobs", "turns", "episode"]
+_JSON_COLUMNS = ("segments", "tokens", "logprobs", "turns", "episode")
 
 
 def iter_samples_csv(run: Run):
@@ -103,17 +103,45 @@ REPORT_SAMPLES = 1000       # samples in the offline HTML report's table (the la
 REPORT_TEXT = 4000          # characters of a prompt or completion shown there
 
 
+def _versions(segments) -> str:
+    """[[version, tokens], ...] as text: an episode's environment runs (version -1) as "env"."""
+    return ", ".join(f"{'env' if v == -1 else f'v{v}'}×{n}" for v, n in (segments or []))
+
+
+def _episode_text(ep: dict) -> str:
+    if not ep:
+        return ""
+    errors = f" ({ep.get('tool_errors')} failed)" if ep.get("tool_errors") else ""
+    return (f"{ep.get('turns')} turn{'' if ep.get('turns') == 1 else 's'}, "
+            f"{ep.get('tool_calls')} tool call{'' if ep.get('tool_calls') == 1 else 's'}{errors}"
+            + (f", ended: {ep['end']}" if ep.get("end") else ""))
+
+
+def _turn_texts(turns, tokens) -> list[dict[str, Any]]:
+    """An episode's completion, turn by turn: {"role", "text"} (a tool's turn is never trained)."""
+    out = []
+    for t in turns:
+        text = "".join(tokens[t["start"]:t["end"]])
+        out.append({"role": t["role"], "text": text if len(text) <= REPORT_TEXT else text[:REPORT_TEXT] + "…"})
+    return out
+
+
 def report_samples(run: Run, limit: int = REPORT_SAMPLES) -> dict[str, Any]:
-    """The offline report's sample table: the latest `limit` samples, texts shortened."""
+    """The offline report's sample table: the latest `limit` samples, texts shortened; an
+    episode's completion also turn by turn."""
     qs = RolloutSample.objects.filter(run_id=run.pk)
     rows = []
-    for s in qs.order_by("-seq", "-id").defer("tokens", "logprobs")[:limit]:
+    picked = list(qs.order_by("-seq", "-id").defer("tokens", "logprobs")[:limit])
+    episodes = [s.pk for s in picked if s.turns]
+    tokens = dict(RolloutSample.objects.filter(pk__in=episodes).values_list("pk", "tokens")) if episodes else {}
+    for s in picked:
         rows.append({"id": s.pk, "step": s.step, "group": s.group, "index": s.index, "length": s.length,
                      "reward": formatting.figure(s.reward), "score": formatting.figure(s.score),
                      "finish": s.finish, "why": s.why,
                      "reward_status": s.reward_status, "reward_error": s.reward_error,
                      "staleness": s.staleness,
-                     "versions": ", ".join(f"v{v}×{n}" for v, n in (s.segments or [])),
+                     "versions": _versions(s.segments), "episode": _episode_text(s.episode),
+                     "turns": _turn_texts(s.turns, tokens.get(s.pk) or []) if s.turns else [],
                      "prompt": s.prompt if len(s.prompt) <= REPORT_TEXT else s.prompt[:REPORT_TEXT] + "…",
                      "completion": (s.completion if len(s.completion) <= REPORT_TEXT
                                     else s.completion[:REPORT_TEXT] + "…")})
