@@ -58,10 +58,12 @@ def test_the_choice_of_the_tool_is_trained_at_tool_share_though_most_examples_us
     first = []   # the first target character of each example: '<' = the tool chosen
     episodes = 0
     for _ in range(4000):
-        targets, masked = _split(tok, _tools_example(tok, rng, task, 0.75, keep))
-        episodes += "</calc>" in targets
-        if masked.endswith("]="):   # the choice is a target
-            first.append(targets[0])
+        ids, flags = _tools_example(tok, rng, task, 0.75, keep)
+        chars = tok.convert_ids_to_tokens(ids)
+        episodes += "/" in chars
+        choice = chars.index("=") + 1   # the first response character
+        if flags[choice]:
+            first.append(chars[choice])
     assert abs(episodes / 4000 - 0.75) < 0.03
     assert abs(first.count("<") / len(first) - 0.3) < 0.03
     assert choice_keep(0.3, 0.3) == 1.0 and choice_keep(0.0, 0.5) == 0.0
