@@ -82,7 +82,9 @@ def choice_keep(tool_share: float, tool_examples: float) -> float:
 def _tools_example(tok, rng, task: CalcTask, tool_examples: float, keep: float) -> Example:
     values = sample_calc_list(rng, task.max_len, task.max_operand)
     use_tool = rng.random() < tool_examples
-    return _segments(tok, tools_parts(values, use_tool, train_choice=use_tool and rng.random() < keep))
+    # no draw when every choice is trained: the shipped model's data stream (tool_examples 1) stays
+    train_choice = use_tool and (keep >= 1.0 or rng.random() < keep)
+    return _segments(tok, tools_parts(values, use_tool, train_choice=train_choice))
 
 
 def _batches(examples, batch_tokens: int):
