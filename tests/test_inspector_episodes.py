@@ -10,7 +10,7 @@ from types import SimpleNamespace
 from trainer.cli import main as cli
 from trainer.engine.base import ENV_VERSION, LENGTH, STOP, Sample
 from trainer.observe import metric_names
-from trainer.observe.inspector import finish, rows, segments, staleness, turns
+from trainer.observe.inspector import finish, rows, segments, turns
 from trainer.observe.metrics import JsonlSink
 from trainer.rollout.base import Group, episode_metrics
 from trainer.tasks.base import Problem
@@ -59,13 +59,13 @@ def test_an_episode_is_not_partial_and_its_staleness_ignores_the_environment():
     s = episode_sample(CALC)
     assert segments(s.versions) == [[3, 18], [E, 19], [3, 3]]   # the environment's run is kept
     assert finish(s) == "stop"                                   # not "partial": -1 is no policy
-    assert staleness(s, 4) == 1                                  # not 4 - (-1) = 5
+    assert s.age(4) == 1                                  # not 4 - (-1) = 5
     s.finish_reason = LENGTH
     assert finish(s) == "length"
     parked = episode_sample([("<calc>1+2</calc>", 3), ("<result>3</result>", E), (">3", 4)])
-    assert finish(parked) == "partial" and staleness(parked, 4) == 1
+    assert finish(parked) == "partial" and parked.age(4) == 1
     only_env = Sample([1], response_ids=[5], logprobs=[0.0], versions=[E], finish_reason=STOP)
-    assert staleness(only_env, 7) == 0
+    assert only_env.age(7) == 0
 
 
 def test_an_episode_row_carries_its_turns_and_counters_and_a_single_turn_row_does_not():

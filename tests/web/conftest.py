@@ -387,3 +387,16 @@ def test_db_env():
 @pytest.fixture
 def free_port():
     return _free_port()
+
+
+def kill_active_runs(username: str) -> None:
+    """Kill the runs of `username` still active (a browser test that failed may leave its run
+    running on the session's worker)."""
+    from webapp.dashboard import actions
+    from webapp.dashboard.models import ACTIVE, Run
+
+    for run in Run.objects.filter(status__in=ACTIVE, owner__username=username):
+        try:
+            actions.control(run, run.owner, "kill")
+        except Exception as e:   # the test's own failure is what matters
+            print(f"run {run.pk} not killed: {e}")

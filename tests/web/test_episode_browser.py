@@ -363,11 +363,6 @@ def test_an_agent_run_launched_from_the_form_shows_its_episodes(live_asgi, djang
 def _no_run_left_behind(django_user_model):
     """A failure above leaves its run running on the session's worker: killed here."""
     yield
-    from webapp.dashboard import actions
-    from webapp.dashboard.models import ACTIVE, Run
+    from conftest import kill_active_runs
 
-    for run in Run.objects.filter(status__in=ACTIVE, owner__username="ada"):
-        try:
-            actions.control(run, run.owner, "kill")
-        except Exception as e:   # the test's own failure is what matters
-            print(f"run {run.pk} not killed: {e}")
+    kill_active_runs("ada")

@@ -178,11 +178,6 @@ def test_the_mismatch_chart_draws_live_with_its_band(live_asgi, django_user_mode
 def _no_run_left_behind(django_user_model):
     """A failure above leaves its run running on the session's worker: killed here."""
     yield
-    from webapp.dashboard import actions
-    from webapp.dashboard.models import ACTIVE, Run
+    from conftest import kill_active_runs
 
-    for run in Run.objects.filter(status__in=ACTIVE, owner__username="mona"):
-        try:
-            actions.control(run, run.owner, "kill")
-        except Exception as e:   # the test's own failure is what matters
-            print(f"run {run.pk} not killed: {e}")
+    kill_active_runs("mona")

@@ -69,8 +69,13 @@ class Sample:
         wrapper has seen it)."""
         if self.finish_reason not in DONE_REASONS:
             return False
+        return self.episode is None or bool(self.episode.get("end"))
+
+    @property
+    def episode(self) -> dict | None:
+        """A multi-turn episode's state (`meta["episode"]`, trainer/episode/engine.py), or None."""
         episode = self.meta.get("episode")
-        return not isinstance(episode, dict) or bool(episode.get("end"))
+        return episode if isinstance(episode, dict) else None
 
     @property
     def settled(self) -> bool:
@@ -85,6 +90,12 @@ class Sample:
     def policy_versions(self) -> list[int]:
         """The versions of the tokens a policy sampled (environment tokens left out)."""
         return [v for v in self.versions if v != ENV_VERSION]
+
+    def age(self, version: int) -> int:
+        """How many versions before `version` the policy of its oldest sampled token was (0 for
+        no tokens): APRIL's version span, asynchronous staleness."""
+        versions = self.policy_versions
+        return version - min(versions) if versions else 0
 
     @property
     def model_tokens(self) -> int:

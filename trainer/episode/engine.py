@@ -47,10 +47,6 @@ def new_episode(problem, tools: tuple[str, ...]) -> dict:
             "tool_calls": 0, "tool_errors": 0, "tool_s": 0.0, "feedback": 0, "end": ""}
 
 
-def is_episode(sample: Sample) -> bool:
-    return isinstance(sample.meta.get("episode"), dict)
-
-
 def final_turn(sample: Sample) -> list[int]:
     """The token ids of the sample's last model turn (the whole response for a single turn):
     what the verifier scores, so a tool's output in the conversation is never read as the
@@ -126,32 +122,19 @@ class Episodes(EngineWrapper):
     # --- turns -------------------------------------------------------------------------------------
     def _turn_ended(self, s: Sample) -> bool:
         """Whether `s`, just out of the engine, goes on to its environment (True: held here)."""
-        ep = s.meta.get("episode")
-        if not isinstance(ep, dict) or ep.get("end"):
+        ep = s.episode
+        if ep is None or ep.get("end"):
             return False
         if s.finish_reason == LENGTH:   # the token budget ran out mid-turn
             ep["end"] = END_BUDGET
         if s.finish_reason != STOP:
             return False
-        if ep["turns"] >= self.max_turns:
-            ep["end"] = END_MAX_TURNS if self._calls_tool(s) else END_ANSWER
+        turn = self.tokenizer.decode(final_turn(s), skip_special_tokens=True)
+        if ep["turns"] >= self.max_turns:   # out of turns: a call in this one is not run
+            ep["end"] = END_MAX_TURNS if self.environment.calls_tool(turn, ep) else END_ANSWER
             return False
-        turn = self.tokenizer.decode(s.response_ids[s.turn_start:], skip_special_tokens=True)
         self.in_tool[s.request_id] = (s, self.pool.submit(self._respond, turn, dict(ep)))
         return True
-
-    def _calls_tool(self, s: Sample) -> bool:
-        """Would the environment have run a tool for this turn (the episode ran out of turns)?"""
-        from trainer.episode.tools import ToolCallError, parse_call
-
-        tools = s.meta["episode"].get("tools") or ()
-        if not tools:
-            return False
-        turn = self.tokenizer.decode(s.response_ids[s.turn_start:], skip_special_tokens=True)
-        try:
-            return parse_call(turn, self.fmt.syntax, tuple(tools)) is not None
-        except ToolCallError:
-            return True
 
     def _respond(self, turn: str, episode: dict) -> Reply:
         start = time.time()   # wall-clock, as the timeline's spans

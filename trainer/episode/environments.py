@@ -68,3 +68,13 @@ class Environment:
         if self.feedback and self.verify(episode["kind"], episode["answer"], turn) < 1.0:
             return Reply(FEEDBACK, FEEDBACK_WRONG)
         return DONE
+
+    def calls_tool(self, turn: str, episode: dict) -> bool:
+        """Does `turn` call one of the episode's tools (a malformed call counts)?"""
+        tools = tuple(episode.get("tools", ()))
+        if not tools:
+            return False
+        try:
+            return parse_call(turn, self.syntax, tools) is not None
+        except ToolCallError:
+            return True

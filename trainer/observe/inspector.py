@@ -86,16 +86,8 @@ EPISODE_FIELDS = ("turns", "tool_calls", "tool_errors", "tool_s", "end")
 
 def episode_of(sample) -> dict[str, Any] | None:
     """An episode's counters for its row (None for a single-turn sample)."""
-    ep = sample.meta.get("episode")
-    if not isinstance(ep, dict):
-        return None
-    return {k: ep.get(k) for k in EPISODE_FIELDS}
-
-
-def staleness(sample, version: int) -> int:
-    """Versions between the oldest policy that sampled a token and the one the step trains."""
-    policy = sample.policy_versions
-    return version - min(policy) if policy else 0
+    ep = sample.episode
+    return None if ep is None else {k: ep.get(k) for k in EPISODE_FIELDS}
 
 
 def finish(sample) -> str:
@@ -130,7 +122,7 @@ def rows(step: int, picks, tokenizer, version: int, cfg, trained: set[int]) -> l
             "penalty": (reward - score) if reward is not None and score is not None else 0.0,
             "advantage": advantages[id(g)][k], "length": len(ids), "finish": finish(s),
             "segments": segments(s.versions),
-            "staleness": staleness(s, version),
+            "staleness": s.age(version),
             "tis_weight": s.meta.get("is_weight"),
             "reward_status": status,
             "reward_error": g.reward_notes[k] if status != "ok" and k < len(g.reward_notes) else "",

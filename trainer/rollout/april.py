@@ -97,8 +97,7 @@ def _group_to_dict(g) -> dict:
 
 def version_span(sample: Sample, version: int) -> int:
     """How many versions old the sample's oldest token is (0 for no tokens)."""
-    versions = sample.policy_versions
-    return version - min(versions) if versions else 0
+    return sample.age(version)
 
 
 def segment_limit(cfg) -> int:

@@ -307,7 +307,7 @@ def episode_metrics(samples: list[Sample]) -> dict[str, float]:
     """The step's scored episodes (multi-turn runs; nothing for single-turn samples): model turns
     per episode, tool calls, tool errors and tool seconds, the share that called a tool, the
     share that ran out of turns, and the environment's tokens in them."""
-    episodes = [(s, s.meta["episode"]) for s in samples if isinstance(s.meta.get("episode"), dict)]
+    episodes = [(s, s.episode) for s in samples if s.episode is not None]
     if not episodes:
         return {}
     n = len(episodes)
