@@ -113,5 +113,11 @@ def test_builtin_tools_loads_like_builtin():
     assert 5e5 < sum(p.numel() for p in model.parameters()) < 2e6
     text = "[23,58,91]=<calc>23+58+91</calc><result>172</result>>172"
     assert tok.decode(tok(text).input_ids) == text
+    # spaces and newlines too (a tool's error message): both shipped models read text as built
+    spaced = "<result>error: unknown tool 'foo'\nTry again.</result>"
+    for name in BUILTIN_ASSETS:
+        loaded = load_tokenizer(name)
+        assert loaded(spaced).input_ids == build_char_tokenizer()(spaced).input_ids
+        assert loaded.decode(loaded(spaced).input_ids) == spaced
     info = json.loads((builtin_dir(BUILTIN_TOOLS) / "warmup.json").read_text())
     assert info["task"]["name"] == "calc" and 0 < info["tool_share"] <= 1

@@ -229,10 +229,17 @@ def load_tokenizer(path: str):
     its eos token as pad. That is safe: the pad id only fills padded positions and never builds
     a mask (the learner and the engine mask by sequence length), so a response's own eos is
     still trained and scored."""
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     d = model_dir(path)
-    tok = AutoTokenizer.from_pretrained(str(d), local_files_only=True)
+    if path in BUILTIN_ASSETS:
+        # its own tokenizer.json, as built (build_char_tokenizer): AutoTokenizer picks the Qwen2
+        # class from config.json, whose byte-level pre-tokenizer turns a space into a symbol the
+        # character vocabulary lacks, so every space and newline would vanish
+        tok = PreTrainedTokenizerFast(tokenizer_file=str(d / "tokenizer.json"), pad_token="<pad>",
+                                      eos_token="<eos>", unk_token="<unk>")
+    else:
+        tok = AutoTokenizer.from_pretrained(str(d), local_files_only=True)
     if tok.eos_token_id is None:
         ids = generation_eos_ids(d)
         if not ids:
