@@ -89,6 +89,10 @@ def test_release_memory_is_part_of_the_engine_interface(builtin):
     trainer's device memory says it freed something."""
     from trainer.engine.base import RolloutEngine
     from trainer.engine.stops import StopStrings
+    from trainer.episode.engine import Episodes
+    from trainer.episode.environments import Environment
+    from trainer.episode.tools import TAG_SYNTAX
+    from trainer.episode.turns import TurnFormat
 
     model, tok = builtin
     eng = EmbeddedEngine(model, eos_token_ids=[tok.eos_token_id], max_slots=2, max_seq_len=64)
@@ -96,4 +100,11 @@ def test_release_memory_is_part_of_the_engine_interface(builtin):
     assert wrapped.release_memory() is True and eng.cache is None
     wrapped.reacquire_memory()
     assert eng.cache is not None
+    env = Environment(syntax=TAG_SYNTAX, feedback=False, timeout_s=1.0, output_chars=10,
+                      verify=lambda kind, answer, text: 0.0)
+    episodes = Episodes(wrapped, tok, env, TurnFormat(tok, chat=False), max_turns=2)
+    assert episodes.release_memory() is True and eng.cache is None   # two wrappers deep
+    episodes.reacquire_memory()
+    assert eng.cache is not None
+    episodes.close()
     assert RolloutEngine().release_memory() is False   # SGLang servers, the process engine

@@ -181,6 +181,8 @@ CELERY_TASK_ROUTES = {SWEEP_TASK: {"queue": SWEEP_QUEUE},
 
 # --- alerts (webapp/dashboard/worker/alerts.py): evaluated as a run's metrics arrive ----------------
 ALERT_KL_MAX = env_float("RLPILOT_ALERT_KL_MAX", 0.5)              # actor/kl above this
+# for this many steps in a row: one step's KL estimate spikes ~2.5x its level on a healthy run
+ALERT_KL_HIGH_STEPS = env_int("RLPILOT_ALERT_KL_HIGH_STEPS", 2)
 # kl_rising: actor/kl's median over the last WINDOW steps >= FACTOR x its median over the WINDOW
 # before, and >= MIN (a learning policy's KL rises too; a runaway doubles)
 ALERT_KL_RISE_FACTOR = env_float("RLPILOT_ALERT_KL_RISE_FACTOR", 2.0)

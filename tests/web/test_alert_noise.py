@@ -34,6 +34,7 @@ def healthy_rows(preset: str, shape: str, seed: int = 0, late_start: bool = Fals
     cfg = config_mod.load(preset)
     rnd = random.Random(seed)
     mrnd = random.Random(1000 + seed)   # its own draws: the other series stay as they were
+    krnd = random.Random(2000 + seed)   # KL's own too: the preset's batch shape does not reshuffle it
     n, groups = cfg.rollout.n_samples_per_prompt, cfg.rollout.rollout_batch_size
     rows = []
     for s in range(1, STEPS + 1):
@@ -45,7 +46,7 @@ def healthy_rows(preset: str, shape: str, seed: int = 0, late_start: bool = Fals
         row = {"reward/accuracy": acc, "rollout/zero_var_ratio/all_wrong": all_wrong,
                "actor/pg_loss": rnd.gauss(0, 0.05), "reward/mean": acc}
         if cfg.algo.track_kl:
-            row["actor/kl"] = kl_level(shape, s) * math.exp(rnd.gauss(0, 0.3) - 0.045)
+            row["actor/kl"] = kl_level(shape, s) * math.exp(krnd.gauss(0, 0.3) - 0.045)
         if cfg.mismatch.measure:   # a bf16 engine against the fp32 trainer (rollout.dtype = bfloat16)
             engine = 5e-5 * math.exp(mrnd.gauss(0, 0.5))
             row.update({"mismatch/kl": engine, "mismatch/outside_band_ratio": mrnd.choice([0.0] * 9 + [0.002])})

@@ -439,8 +439,14 @@ def test_kl_alerts(user, make_run, settings):
     run = make_run(user, "running")
     got = stream(run, [(s, {**healthy(s), "actor/kl": kl}) for s, kl in
                        enumerate([0.01, 0.02, 0.6, 0.7, 0.1, 0.1, 0.1], start=1)])
-    assert (3, "alert", "kl_high") in got and (7, "alert_cleared", "kl_high") in got
+    # raised at the second step above the maximum (one noisy step is no alert)
+    assert (4, "alert", "kl_high") in got and (7, "alert_cleared", "kl_high") in got
     assert len([g for g in got if g[2] == "kl_high" and g[1] == "alert"]) == 1
+    # one step's spike above the maximum, between healthy ones, is no alert
+    spike = make_run(user, "running")
+    got = stream(spike, [(s, {**healthy(s), "actor/kl": kl}) for s, kl in
+                         enumerate([0.2, 0.55, 0.2, 0.6, 0.2], start=1)])
+    assert [g for g in got if g[2] == "kl_high"] == []
     # rising: the median of the last 5 steps (0.3) is at least twice that of the 5 before (0.05)
     # and at least ALERT_KL_RISE_MIN (0.25), while still below the maximum
     settings.ALERT_KL_RISE_WINDOW = 5
@@ -459,7 +465,7 @@ def test_kl_alerts(user, make_run, settings):
 
 
 def test_a_value_hovering_at_a_threshold_raises_one_alert_not_one_per_step(user, make_run, settings):
-    settings.ALERT_KL_MAX = 0.5
+    settings.ALERT_KL_MAX, settings.ALERT_KL_HIGH_STEPS = 0.5, 1
     run = make_run(user, "running")
     kls = [0.6, 0.4, 0.6, 0.45, 0.55, 0.4, 0.6, 0.3, 0.3, 0.3, 0.6]
     got = stream(run, [(s, {**healthy(s), "actor/kl": kl}) for s, kl in enumerate(kls, 1)])

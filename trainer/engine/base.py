@@ -240,3 +240,10 @@ class EngineWrapper(RolloutEngine):
 
     def update_weights(self, named_tensors, version: int, recompute_kv: bool = False) -> None:
         self.inner.update_weights(named_tensors, version, recompute_kv=recompute_kv)
+
+    # Inherited defaults would answer for the wrapper; the memory is the inner engine's.
+    def release_memory(self) -> bool:
+        return self.inner.release_memory()
+
+    def reacquire_memory(self) -> None:
+        self.inner.reacquire_memory()

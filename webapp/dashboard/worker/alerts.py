@@ -13,7 +13,7 @@ writes); the actions layer never imports it.
 
 Rules (thresholds are settings, `RLPILOT_ALERT_*`):
   staleness      async/staleness/max > async/max_staleness (eta)
-  kl_high        actor/kl > ALERT_KL_MAX
+  kl_high        actor/kl > ALERT_KL_MAX for ALERT_KL_HIGH_STEPS steps in a row
   kl_rising      the median of actor/kl over the last ALERT_KL_RISE_WINDOW steps is at least
                  ALERT_KL_RISE_FACTOR x its median over the window before, and at least
                  ALERT_KL_RISE_MIN (trainer/pilot/window.py kl_rising, the pilot's KL rule too)
@@ -114,7 +114,13 @@ class Monitor:
             kl = number(v["actor/kl"])
             if kl is not None and math.isfinite(kl):
                 kmax = settings.ALERT_KL_MAX
-                out += self._set("kl_high", kl > kmax, step, f"KL {kl:.4g} is above {kmax:g}",
+                # one step's estimate is noisy (a healthy run's spikes reach ~2.5x its level);
+                # a runaway stays up
+                n = self.mem.get("kl_high_steps", 0) + 1 if kl > kmax else 0
+                self.mem["kl_high_steps"] = n
+                need = max(1, settings.ALERT_KL_HIGH_STEPS)
+                out += self._set("kl_high", n >= need, step,
+                                 f"KL {kl:.4g} is above {kmax:g}" + (f" for {n} steps" if n > 1 else ""),
                                  value=kl, threshold=kmax)
                 window = max(2, settings.ALERT_KL_RISE_WINDOW)
                 hist = [h for h in self.mem.get("kl", []) if h[0] < step] + [[step, kl]]
