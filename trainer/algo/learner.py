@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from trainer.algo import decoupled, grpo
+from trainer.models import lora
 
 
 @dataclass
@@ -83,9 +84,12 @@ class Learner:
         # gradients are summed over them so the loss is the token mean of the global batch
         self.dist = dist if dist is not None and dist.size > 1 else None
         # the reference is this process's model as given, copied before DDP's wrap replaces a
-        # training rank's weights with rank 0's (which, resumed, are no longer the reference)
+        # training rank's weights with rank 0's (which, resumed, are no longer the reference);
+        # with LoRA it is the model itself with its adapters off (no copy)
         self.reference = None
-        if track_reference:
+        self.adapted = lora.is_adapted(model)
+        self.has_reference = bool(track_reference)
+        if track_reference and not self.adapted:
             self.reference = reference if reference is not None else copy.deepcopy(model)
             self.reference.eval().requires_grad_(False)
         self.ddp = None  # the DistributedDataParallel wrapper the update's forward runs through
@@ -105,8 +109,10 @@ class Learner:
             # DDP broadcasts rank 0's weights and all-reduces the gradients, bucketed and
             # overlapped with the backward pass, at the last micro-batch of each mini-batch
             self.ddp = DistributedDataParallel(model, device_ids=self.dist.ddp_device_ids())
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay,
-                                           betas=(0.9, 0.999), eps=1e-8)
+        # the trainable parameters only (LoRA: the adapters; full fine-tuning: every one)
+        self.optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad],
+                                           lr=lr, weight_decay=weight_decay, betas=(0.9, 0.999),
+                                           eps=1e-8)
 
     def _pack(self, batch: list[TrainSequence], pad_id: int):
         """Right-padded ids plus per-position tensors aligned with the shifted targets."""
@@ -164,9 +170,9 @@ class Learner:
         ids, attn, old, adv, w, temps, behave, vers, isw = self._pack(mb, pad_id)
         logp, entropy = self._token_logprobs(self.ddp or self.model, ids, attn, temps, True)
         ref = None
-        if self.reference is not None:
+        if self.has_reference:
             with torch.no_grad():
-                ref, _ = self._token_logprobs(self.reference, ids, attn, temps)
+                ref = self._reference_logprobs(ids, attn, temps)
         if decoupled_loss is None:
             loss, stats = grpo.token_loss(logp, old, adv, w, clip_low=clip_low, clip_high=clip_high,
                                           ref_logp=ref, kl_coef=kl_coef, is_weights=isw,
@@ -189,6 +195,12 @@ class Learner:
                         s.report["is_weight"] = mean
         return loss, stats, entropy, w
 
+    def _reference_logprobs(self, ids, attn, temps):
+        if self.reference is not None:
+            return self._token_logprobs(self.reference, ids, attn, temps)[0]
+        with lora.reference(self.model):   # the base: adapters off
+            return self._token_logprobs(self.model, ids, attn, temps)[0]
+
     @staticmethod
     def _token_logprobs(model, ids, attn, temps, with_entropy=False):
         logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float() / temps
@@ -204,18 +216,24 @@ class Learner:
     def logprobs(self, seqs: list[TrainSequence], pad_id: int, max_tokens: int,
                  reference: bool = False) -> list[list[float]]:
         """Per-response-token log-probabilities under the policy (or the reference)."""
-        model = self.reference if reference else self.model
         out: dict[int, list[float]] = {}
         for mb in self._matched(micro_batches(seqs, max_tokens), pad_id):
             ids, attn, _, _, _, temps, _, _, _ = self._pack(mb, pad_id)
-            logp, _ = self._token_logprobs(model, ids, attn, temps)
+            if reference:
+                logp = self._reference_logprobs(ids, attn, temps)
+            else:
+                logp, _ = self._token_logprobs(self.model, ids, attn, temps)
             for b, s in enumerate(mb):
                 start = len(s.prompt_ids) - 1
                 out[id(s)] = logp[b, start:start + len(s.response_ids)].tolist()
         return [out[id(s)] for s in seqs]
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The policy's tensors whole, for the generators (sharded: a collective, rank 0's CPU)."""
+    def full_state_dict(self, only_changed: bool = False) -> dict[str, torch.Tensor]:
+        """The policy's tensors whole, for the generators (sharded: a collective, rank 0's CPU),
+        under the model's plain names. LoRA: the adapted layers merged (W + alpha/r B A), and
+        with `only_changed` those alone (the rest is the base, which the engines hold)."""
+        if self.adapted:
+            return lora.merged_weights(self.model, only_adapted=only_changed)
         if self.sharded:
             from trainer.cluster import sharding
 
@@ -243,7 +261,7 @@ class Learner:
         if not total:
             # sharded, the KL's forwards are collectives: the other ranks (no samples) join in
             measured = self.dist.all_sum(len(samples)) if self.sharded else len(samples)
-            if self.reference is None or not measured:
+            if not self.has_reference or not measured:
                 return {}
             return {"actor/kl": self.kl_to_reference(samples, pad_id, cfg.optim.micro_batch_tokens)}
         return self.update(seqs, pad_id=pad_id, lr=cfg.optim.lr, grad_clip=cfg.optim.grad_clip,
@@ -310,7 +328,7 @@ class Learner:
                    "actor/importance_weight": sums["ratio"] / n, "actor/entropy": sums["entropy"] / n,
                    "actor/grad_norm": max(grad_norms) if grad_norms else 0.0, "actor/lr": lr,
                    "actor/loss_tokens": tokens_total}
-        if self.reference is not None:
+        if self.has_reference:
             metrics["actor/kl"] = sums["kl"] / n
         if decoupled_loss is not None:
             metrics["actor/behave_imp_weight"] = sums["behave_imp_weight"] / n

@@ -134,11 +134,12 @@ class Controller:
                 out[i] = lp
         return out
 
-    def full_weights(self, learner) -> dict:
-        """The policy's whole tensors for the generators (sharded: gathered onto rank 0)."""
+    def full_weights(self, learner, only_changed: bool = False) -> dict:
+        """The policy's whole tensors for the generators (sharded: gathered onto rank 0);
+        `only_changed`: LoRA's adapted layers alone, for engines that keep the rest."""
         if learner.sharded:
             self._send((WEIGHTS,))
-        return learner.full_state_dict()
+        return learner.full_state_dict(only_changed)
 
     def save_shards(self, learner, folder) -> None:
         """Sharded: every rank writes its shards of the model and optimizer into `folder`."""

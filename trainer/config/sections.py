@@ -32,6 +32,20 @@ class ModelConfig:
 
 
 @dataclass
+class LoraConfig:
+    rank: int = param(0, min=0, max=1024, help="LoRA: the adapters' rank r (0 = off: full "
+                      "fine-tuning). The base weights stay frozen; the KL reference is the base "
+                      "(adapters off)")
+    alpha: float = param(16.0, min=0.001, max=100_000.0,
+                         help="LoRA: the adapters' scale is alpha / rank")
+    dropout: float = param(0.0, min=0.0, max=0.9, help="LoRA: dropout on the adapters' input "
+                           "while training")
+    target_modules: str = param("all-linear", help="LoRA: the linear layers that get adapters, "
+                                "comma-separated (q_proj,v_proj,...), or all-linear (every one "
+                                "but the output head)")
+
+
+@dataclass
 class DataConfig:
     task: str = param("sum", choices=["sum", "math", "code", "arith", "calc"],
                       help="built-in list-sum task, a JSONL file of math or code problems, "
@@ -335,6 +349,7 @@ SECTIONS: dict[str, type] = {
     "algo": AlgoConfig,
     "mismatch": MismatchConfig,
     "optim": OptimConfig,
+    "lora": LoraConfig,
     "april": AprilConfig,
     "greso": GresoConfig,
     "async": AsyncConfig,
@@ -351,6 +366,7 @@ _ATTR = {"async": "async_"}
 @dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)

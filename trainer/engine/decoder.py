@@ -213,12 +213,16 @@ class Decoder:
         self.final_norm = self.w["model.norm.weight"]
 
     @torch.no_grad()
-    def load(self, named_tensors) -> None:
-        """Copy new weights in place (fused matrices included: their parts are views)."""
+    def load(self, named_tensors) -> int:
+        """Copy new weights in place (fused matrices included: their parts are views); the
+        names it does not hold are ignored. Returns the bytes copied."""
         items = named_tensors.items() if isinstance(named_tensors, dict) else named_tensors
+        copied = 0
         for name, t in items:
             if name in self.w:
                 self.w[name].copy_(t.detach())
+                copied += self.w[name].numel() * self.w[name].element_size()
+        return copied
 
     def new_cache(self, slots: int, max_len: int) -> KVCache:
         self._rope_tables(max_len)

@@ -81,6 +81,7 @@ class EmbeddedEngine(RolloutEngine):
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
         self.version = 0
+        self.last_sync_bytes = 0   # bytes the last update_weights copied in
         self.stats = EngineStats()
         self.lock = threading.RLock()  # step() and update_weights() never interleave
         self.busy = BusyRecorder("engine")  # its steps, for the run's timeline
@@ -164,7 +165,7 @@ class EmbeddedEngine(RolloutEngine):
         """Swap weights between decode steps. In-flight sequences keep their cache (computed
         by the old weights) unless `recompute_kv`, which re-prefills them under the new ones."""
         with self.lock:
-            self.decoder.load(named_tensors)
+            self.last_sync_bytes = self.decoder.load(named_tensors)
             self.version = version
             if recompute_kv:
                 self.parked.clear()  # stale: resumed samples are prefilled under the new weights

@@ -24,6 +24,7 @@ from trainer.algo.learner import Learner
 from trainer.cluster import sharding
 from trainer.engine import build_engine
 from trainer.episode.engine import Episodes
+from trainer.models import lora
 from trainer.models.loading import load_model, load_tokenizer, resolve_device, resolve_dtype
 from trainer.observe.inspector import InspectorRecorder
 from trainer.observe.system import ProcessMeter, SystemSampler
@@ -74,11 +75,17 @@ def collaborators(run, resumed, tensors, *, system_telemetry: bool) -> None:
     # rank 0 resumes an unsharded checkpoint's weights; a sharded checkpoint's are read into the
     # base model later (by every rank), and DDP's wrap gives the other ranks rank 0's weights
     resumes_weights = controller and resumed is not None
-    policy_path = str(resumed[0] / "model") if resumes_weights and not resumed[1] else cfg.model.path
-    run.model = load_model(policy_path, run.device, run.dtype).eval()
     reference = None   # else the learner copies the model it is given: the base weights
-    if resumes_weights and track_reference(cfg):
-        reference = load_model(cfg.model.path, run.device, run.dtype)
+    if lora.enabled(cfg):   # the base, frozen, with adapters: fresh, or the checkpoint's
+        base = load_model(cfg.model.path, run.device, run.dtype)
+        run.model = (lora.load(base, resumed[0] / "model") if resumes_weights
+                     else lora.wrap(base, cfg)).eval()
+    else:
+        policy_path = (str(resumed[0] / "model") if resumes_weights and not resumed[1]
+                       else cfg.model.path)
+        run.model = load_model(policy_path, run.device, run.dtype).eval()
+        if resumes_weights and track_reference(cfg):
+            reference = load_model(cfg.model.path, run.device, run.dtype)
     if resumes_weights and resumed[1] and not run.sharded:   # sharded before, whole now
         tensors["optimizer"] = sharding.read_whole(resumed[0], run.model)
     if controller:   # before the learner: generation processes copy the model whole, which sharding splits
@@ -97,7 +104,10 @@ def _generation(run) -> None:
     cfg = run.cfg
     run.task = build_task(cfg, run.tokenizer)  # prompts rendered for its chat template
     run.prompts = PromptSource(run.task)
-    run.engine = build_engine(cfg, run.model, run.tokenizer, run.device, run.dtype,
+    # LoRA: the engines decode the merged weights (a plain copy, made once; updates send the
+    # adapted layers merged)
+    served = lora.merged_copy(run.model) if lora.enabled(cfg) else run.model
+    run.engine = build_engine(cfg, served, run.tokenizer, run.device, run.dtype,
                               run.task.max_sequence_len(run.tokenizer, cfg),
                               weights_dir=run.run_dir / "engine_weights")
 

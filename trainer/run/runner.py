@@ -295,8 +295,11 @@ class Runner:
         t0 = time.monotonic()
         self.version += 1
         with self.timeline.span(CONTROLLER, "syncing weights"):
-            self.engine.update_weights(self.ranks.full_weights(self.learner), self.version,
-                                       recompute_kv=cfg.rollout.recompute_kv_on_update)
+            # the embedded engine (and its generation processes) loads weights by name and keeps
+            # the rest: a LoRA run sends it the adapted layers only; SGLang reloads whole models
+            only_changed = cfg.rollout.engine == "embedded"
+            self.engine.update_weights(self.ranks.full_weights(self.learner, only_changed),
+                                       self.version, recompute_kv=cfg.rollout.recompute_kv_on_update)
             self.rollout.on_new_version(self.version)
         return time.monotonic() - t0
 

@@ -46,6 +46,8 @@ def load_latest(run_dir: Path, cfg: config_mod.Config, keep_knobs=()):
 # resume with --set and a fork refuse to change these (carry_problems).
 BOUND = {
     "model.path": "the checkpoint holds this model's weights, tokenizer and optimizer state",
+    **{key: "the checkpoint holds adapters of this shape (or none) and their optimizer state"
+       for key in ("lora.rank", "lora.alpha", "lora.target_modules")},
     **{key: "the data cursor and GRESO's per-prompt history index the training problems, which "
        "this key defines" for key in ("data.task", "data.path", "data.train_size",
                                       "data.max_list_len", "data.length_alpha",

@@ -1,0 +1,247 @@
+"""LoRA (trainer/models/lora.py): one learner step is the low-rank update computed by hand; the
+KL reference is the base model exactly; the engines decode the merged weights; a run
+checkpoints its adapters, resumes bit for bit, forks, and exports an adapter and a merged model
+that transformers and PEFT reload and decode the same greedy tokens as the run's engine."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from helpers import TINY_RUN, full_forward_logprobs
+
+from trainer import config as C
+from trainer.algo.learner import Learner, TrainSequence
+from trainer.cli.export import ExportError, export
+from trainer.engine.base import Sample, SamplingParams
+from trainer.engine.embedded import EmbeddedEngine
+from trainer.models import lora
+from trainer.models.loading import load_model, load_tokenizer
+from trainer.observe.metrics import MemorySink
+from trainer.run.runner import Runner
+
+CPU = torch.device("cpu")
+PROMPTS = ["[3,5]=", "[1,2,3,4,5]=", "[9,9]=", "[4,4,4,4]="]
+
+
+def adapted_builtin(rank=2, alpha=4.0, targets="q_proj,v_proj", seed=0):
+    cfg = C.load("demo", [f"lora.rank={rank}", f"lora.alpha={alpha}",
+                          f"lora.target_modules={targets}"])
+    model = lora.wrap(load_model("builtin", CPU, torch.float32), cfg)
+    torch.manual_seed(seed)
+    with torch.no_grad():   # B starts at zero (the base exactly): give both factors a value
+        for _, layer in lora._lora_layers(model):
+            layer.lora_B[lora.ADAPTER].weight.normal_(0, 0.05)
+    return model.eval()
+
+
+def sequences(tok, model):
+    """Two sequences whose old log-probabilities are the policy's own (importance ratio 1)."""
+    seqs = []
+    for text, completion, adv in (("[3,5]=", "8]", 1.0), ("[1,2]=", "4]", -0.5)):
+        p, r = tok(text).input_ids, tok(completion, add_special_tokens=False).input_ids
+        s = Sample(p, SamplingParams(temperature=1.0))
+        s.response_ids = r
+        old = full_forward_logprobs(model, s).tolist()
+        seqs.append(TrainSequence(p, r, old, adv, 1.0))
+    return seqs
+
+
+def test_one_step_is_the_low_rank_update_computed_by_hand():
+    tok = load_tokenizer("builtin")
+    model = adapted_builtin()
+    base_before = {n: t.clone() for n, t in model.state_dict().items() if "lora_" not in n}
+    layers = dict(lora._lora_layers(model))
+    factors = {n: (layer.lora_A[lora.ADAPTER].weight.detach().clone(),
+                   layer.lora_B[lora.ADAPTER].weight.detach().clone(), layer.scaling[lora.ADAPTER])
+               for n, layer in layers.items()}
+    seqs = sequences(tok, model)
+
+    # by hand: the gradient of the GRPO loss (ratio 1: -A * logp, token mean) with respect to
+    # each merged weight W' = W + s B A of a plain model, then the chain rule onto A and B
+    plain = lora.merged_copy(model).requires_grad_(True)
+    total = sum(len(s.response_ids) for s in seqs)
+    loss = 0.0
+    for s in seqs:
+        ids = torch.tensor([s.prompt_ids + s.response_ids])
+        logp = torch.log_softmax(plain(ids).logits[0].float(), -1)[len(s.prompt_ids) - 1:-1]
+        logp = logp.gather(1, torch.tensor(s.response_ids).unsqueeze(1))
+        loss = loss - s.advantage * logp.sum() / total
+    loss.backward()
+    modules = dict(plain.named_modules())
+
+    lr, eps = 1e-3, 1e-8
+    learner = Learner(model, lr=lr, weight_decay=0.0, track_reference=False)
+    assert {id(p) for g in learner.optimizer.param_groups for p in g["params"]} == {
+        id(p) for n, p in model.named_parameters() if "lora_" in n}   # the adapters alone
+    learner.update(seqs, pad_id=tok.pad_token_id, lr=lr, grad_clip=0.0, clip_low=0.2,
+                   clip_high=0.2, kl_coef=0.0, micro_batch_tokens=4096)
+
+    checked = 0
+    for name, layer in layers.items():
+        A, B, s = factors[name]
+        G = modules[lora._plain(name)].weight.grad                # dL/dW'
+        want_gA, want_gB = s * B.T @ G, s * G @ A.T               # dW'/dA = s B, dW'/dB = s A
+        got_A, got_B = layer.lora_A[lora.ADAPTER].weight, layer.lora_B[lora.ADAPTER].weight
+        for got, want in ((got_A.grad, want_gA), (got_B.grad, want_gB)):   # float32 sums
+            assert want.abs().max() > 1e-4
+            torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-4 * want.abs().max().item())
+        # AdamW's first step (bias-corrected, no decay): p - lr * g / (|g| + eps)
+        for before, after, g in ((A, got_A, got_A.grad), (B, got_B, got_B.grad)):
+            torch.testing.assert_close(after.detach(), before - lr * g / (g.abs() + eps),
+                                       rtol=0, atol=1e-7)
+        assert not torch.equal(got_A.detach(), A) and not torch.equal(got_B.detach(), B)
+        checked += 1
+    assert checked == 2 * 4   # q_proj and v_proj of the built-in model's 4 layers
+    for n, t in model.state_dict().items():   # the base weights: bit-identical
+        if "lora_" not in n:
+            assert torch.equal(t, base_before[n]), n
+
+
+def test_the_reference_is_the_base_model_exactly():
+    tok = load_tokenizer("builtin")
+    model = adapted_builtin()
+    learner = Learner(model, lr=1e-3, weight_decay=0.0, track_reference=True)
+    assert learner.reference is None   # no copy: the adapters switched off
+    seqs = sequences(tok, model)
+    base = load_model("builtin", CPU, torch.float32).eval()
+    want = learner.logprobs(seqs, tok.pad_token_id, 4096, reference=False)
+    ref = learner.logprobs(seqs, tok.pad_token_id, 4096, reference=True)
+    plain = Learner(base, lr=1e-3, weight_decay=0.0, track_reference=False)
+    assert ref == plain.logprobs(seqs, tok.pad_token_id, 4096)   # exactly
+    assert ref != want   # the guard: the adapters do change the policy
+    # the adapters are on again afterwards
+    assert learner.logprobs(seqs, tok.pad_token_id, 4096) == want
+
+
+def test_the_engine_decodes_the_merged_weights():
+    tok = load_tokenizer("builtin")
+    model = adapted_builtin(targets="all-linear")
+    served = lora.merged_copy(model)
+    assert not lora.is_adapted(served) and "lora" not in str(served)
+    eng = EmbeddedEngine(served, eos_token_ids=[tok.eos_token_id], max_slots=4, max_seq_len=128)
+    ss = [Sample(tok(t).input_ids, SamplingParams(temperature=1.0, max_new_tokens=24))
+          for t in PROMPTS]
+    eng.generate(ss)
+    for s in ss:
+        torch.testing.assert_close(torch.tensor(s.logprobs), full_forward_logprobs(model, s),
+                                   rtol=0, atol=2e-4)
+    # an update sends the adapted layers merged; the engine's logprobs follow them
+    changed = lora.merged_weights(model, only_adapted=True)
+    whole = lora.merged_weights(model)
+    assert set(changed) < set(whole) and len(changed) == 7 * 4   # all-linear: 7 per layer
+    assert set(whole) == set(load_model("builtin", CPU, torch.float32).state_dict())
+    with torch.no_grad():
+        for _, layer in lora._lora_layers(model):
+            layer.lora_B[lora.ADAPTER].weight.mul_(3.0)
+    eng.update_weights(lora.merged_weights(model, only_adapted=True), 1)
+    assert eng.last_sync_bytes == sum(t.numel() * 4 for t in changed.values())
+    ss = [Sample(tok(t).input_ids, SamplingParams(temperature=1.0, max_new_tokens=24))
+          for t in PROMPTS]
+    eng.generate(ss)
+    for s in ss:
+        torch.testing.assert_close(torch.tensor(s.logprobs), full_forward_logprobs(model, s),
+                                   rtol=0, atol=2e-4)
+
+
+LORA = ["lora.rank=4", "lora.alpha=8", "optim.lr=2e-3", "algo.track_kl=true"]
+
+
+def _run(run_dir, overrides, steps, **kw):
+    cfg = C.load("demo", TINY_RUN + LORA + overrides + [f"run.max_steps={steps}"])
+    sink = MemorySink()
+    runner = Runner(cfg, run_dir, sink=sink, system_telemetry=False, **kw)
+    with runner:
+        runner.run()
+    runner.memory = sink
+    return runner
+
+
+def _adapters(model):
+    return {n: t.clone() for n, t in lora.adapter_weights(model).items()}
+
+
+def test_a_lora_run_checkpoints_its_adapters_resumes_exactly_forks_and_exports(tmp_path):
+    first = _run(tmp_path / "run", ["run.checkpoint_every=2"], steps=2)
+    ckpt = tmp_path / "run" / "checkpoints" / "step_000002" / "model"
+    assert (ckpt / "adapter_model.safetensors").is_file()
+    assert not (ckpt / "model.safetensors").exists()   # the adapters, not the model
+    assert lora.is_adapted(first.model)
+    last = first.memory.steps[-1]
+    sync = last["perf/weight_sync_bytes"]
+    full = sum(t.numel() * t.element_size() for t in lora.merged_weights(first.model).values())
+    assert 0 < sync < full   # the adapted layers only, not the embeddings and norms
+
+    straight = _run(tmp_path / "straight", [], steps=3)
+    kls = [r["actor/kl"] for r in straight.memory.steps]
+    # against the base (adapters off): exactly 0 while B is still its initial zeros, then not
+    assert kls[0] == 0.0 and max(kls) > 0, kls
+    shutil.copytree(tmp_path / "run", tmp_path / "resumed")
+    resumed = _run(tmp_path / "resumed", [], steps=3, resume=True)
+    a, b = _adapters(straight.model), _adapters(resumed.model)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert resumed.totals == straight.totals
+
+    # carrying the adapters into another shape (a fork, a resume with --set) is refused by name
+    from trainer.run.fork import fork_run_dir
+
+    for key in ("lora.rank=8", "lora.target_modules=q_proj", "lora.alpha=1"):
+        with pytest.raises(C.ConfigError, match=key.split("=")[0]):
+            fork_run_dir(tmp_path / "run", 2, tmp_path / "bad", [key, "run.max_steps=5"])
+
+    # export: the adapter (PEFT) and the merged model (transformers) decode the engine's tokens
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    export(tmp_path / "run", tmp_path / "adapter", adapter=True)
+    export(tmp_path / "run", tmp_path / "merged", adapter=False)
+    assert json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["r"] == 4
+    tok = load_tokenizer("builtin")
+    via_peft = PeftModel.from_pretrained(load_model("builtin", CPU, torch.float32),
+                                         str(tmp_path / "adapter")).eval()
+    via_hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged")).eval()
+    resumed_at_2 = lora.load(load_model("builtin", CPU, torch.float32), ckpt, trainable=False)
+    eng = EmbeddedEngine(lora.merged_copy(resumed_at_2), eos_token_ids=[tok.eos_token_id],
+                         max_slots=4, max_seq_len=128)
+    for text in PROMPTS:
+        s = Sample(tok(text).input_ids, SamplingParams(temperature=0.0, max_new_tokens=16))
+        eng.generate([s])
+        ids = torch.tensor([s.prompt_ids])
+        for m in (via_peft, via_hf):
+            out = m.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                             max_new_tokens=16, eos_token_id=tok.eos_token_id,
+                             pad_token_id=tok.pad_token_id)[0, len(s.prompt_ids):].tolist()
+            assert out == s.response_ids, (text, type(m).__name__)
+
+    with pytest.raises(ExportError, match="not empty"):
+        export(tmp_path / "run", tmp_path / "merged", adapter=False)
+
+    # a fork with another learning rate continues from the adapters
+    from trainer.run.fork import parent_config
+
+    fork_run_dir(tmp_path / "run", 2, tmp_path / "fork", ["optim.lr=5e-3", "run.max_steps=6"])
+    sink = MemorySink()
+    forked = Runner(parent_config(tmp_path / "fork"), tmp_path / "fork", sink=sink,
+                    system_telemetry=False, resume=True)
+    with forked:
+        forked.run()
+    assert forked.step == 6 and forked.cfg.optim.lr == 5e-3 and lora.is_adapted(forked.model)
+    assert any(r.get("actor/loss_tokens") for r in sink.steps)   # the guard: it trained
+    resumed_from = _adapters(lora.load(load_model("builtin", CPU, torch.float32), ckpt))
+    assert not all(torch.equal(resumed_from[k], v) for k, v in _adapters(forked.model).items())
+
+
+def test_bad_lora_settings_are_refused_by_name(tmp_path):
+    with pytest.raises(C.ConfigError, match="lora.target_modules"):
+        C.load("demo", ["lora.rank=4", "lora.target_modules= , "])
+    with pytest.raises(C.ConfigError, match="lora.rank"):
+        C.load("demo", ["lora.rank=4", "cluster.sharding=fsdp", "cluster.train_procs=2",
+                        "cluster.gen_procs=1"])
+    with pytest.raises(ValueError, match="lora.target_modules='nope_proj'"):
+        lora.wrap(load_model("builtin", CPU, torch.float32),
+                  C.load("demo", ["lora.rank=4", "lora.target_modules=nope_proj"]))
+    first = _run(tmp_path / "full", ["lora.rank=0", "run.checkpoint_every=1"], steps=1)
+    assert not lora.is_adapted(first.model)
+    with pytest.raises(ExportError, match="no adapter"):
+        export(tmp_path / "full", tmp_path / "x", adapter=True)

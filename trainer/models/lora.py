@@ -1,0 +1,135 @@
+"""LoRA: the policy trains low-rank adapters (PEFT) on frozen base weights.
+
+For each adapted linear layer of weight W (out x in):
+
+    W' = W + (alpha / r) * B @ A        A: r x in (random), B: out x r (zeros)
+
+so the first policy is exactly the base model. Only A and B train (no optimizer state for W);
+the KL reference is the same model with its adapters switched off (no second copy); the engines
+decode the merged W' (the embedded engine's fused kernels know no adapters). This module is the
+one place that knows PEFT's names: `merged_weights` turns the adapted model into the plain
+Hugging Face names the engines and exports use.
+"""
+from __future__ import annotations
+
+import contextlib
+import warnings
+from pathlib import Path
+
+import torch
+
+# PEFT's prefix of every name in the adapted model, and the frozen layer inside an adapted one
+_PREFIX, _BASE = "base_model.model.", ".base_layer"
+ADAPTER = "default"   # PEFT's name for a model's one adapter
+
+
+def enabled(cfg) -> bool:
+    return cfg.lora.rank > 0
+
+
+def target_modules(value: str) -> list[str] | str:
+    """`lora.target_modules`: "all-linear" (PEFT: every linear layer but the output head) or
+    comma-separated module names (q_proj, v_proj, ...)."""
+    names = [n.strip() for n in value.split(",") if n.strip()]
+    if not names:
+        raise ValueError("lora.target_modules: name at least one module, or 'all-linear'")
+    return "all-linear" if names == ["all-linear"] else names
+
+
+def wrap(model, cfg):
+    """`model` with fresh adapters of `cfg.lora` (PEFT's LoRA; the base weights frozen)."""
+    from peft import LoraConfig, get_peft_model
+
+    lc = cfg.lora
+    config = LoraConfig(r=lc.rank, lora_alpha=lc.alpha, lora_dropout=lc.dropout,
+                        target_modules=target_modules(lc.target_modules), bias="none",
+                        task_type="CAUSAL_LM")
+    try:
+        with warnings.catch_warnings():   # PEFT asks transformers a deprecated question
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")
+            return get_peft_model(model, config)
+    except ValueError as e:   # PEFT names the modules it could not find
+        raise ValueError(f"lora.target_modules={lc.target_modules!r}: {e}") from None
+
+
+def load(model, folder: str | Path, trainable: bool = True):
+    """`model` with the adapters saved in `folder` (a checkpoint's model/ or an export)."""
+    from peft import PeftModel
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")
+        return PeftModel.from_pretrained(model, str(folder), is_trainable=trainable)
+
+
+def is_adapted(model) -> bool:
+    from peft import PeftModel
+
+    return isinstance(model, PeftModel)
+
+
+def reference(model):
+    """A context in which `model` is its base (adapters off): the KL reference."""
+    return model.disable_adapter() if is_adapted(model) else contextlib.nullcontext()
+
+
+def _lora_layers(model):
+    from peft.tuners.lora import LoraLayer
+
+    for name, module in model.named_modules():
+        if isinstance(module, LoraLayer) and ADAPTER in module.lora_A:
+            yield name, module
+
+
+def _plain(name: str) -> str:
+    return name.removeprefix(_PREFIX).replace(_BASE, "")
+
+
+@torch.no_grad()
+def merged_weights(model, only_adapted: bool = False) -> dict[str, torch.Tensor]:
+    """The policy's weights under plain Hugging Face names, each adapted W as W + (alpha/r) B A.
+    `only_adapted`: just those (what a weight update changes: the engines keep the rest)."""
+    out: dict[str, torch.Tensor] = {}
+    if not only_adapted:
+        for name, t in model.state_dict().items():
+            if "lora_" not in name:
+                out[_plain(name)] = t.detach()
+    for name, layer in _lora_layers(model):
+        base = layer.get_base_layer().weight
+        delta = layer.get_delta_weight(ADAPTER)   # scaling * B @ A, in the base's layout
+        out[_plain(name) + ".weight"] = (base.float() + delta.float()).to(base.dtype)
+    return out
+
+
+def adapter_weights(model) -> dict[str, torch.Tensor]:
+    """The adapters' tensors alone (PEFT's names, as its adapter files hold them)."""
+    from peft import get_peft_model_state_dict
+
+    return get_peft_model_state_dict(model)
+
+
+def merged_copy(model):
+    """A plain copy of the policy with the adapters merged in (the base model is untouched)."""
+    import copy
+
+    plain = copy.deepcopy(model.get_base_model() if is_adapted(model) else model)
+    if is_adapted(model):
+        from peft.tuners.lora import LoraLayer
+
+        for module in list(plain.modules()):
+            if isinstance(module, LoraLayer):
+                module.merge(adapter_names=[ADAPTER])
+        # unwrap: each adapted layer becomes its merged base layer again
+        for module in list(plain.modules()):
+            for child_name, child in list(module.named_children()):
+                if isinstance(child, LoraLayer):
+                    setattr(module, child_name, child.get_base_layer())
+    return plain
+
+
+def sizes(model) -> dict[str, int]:
+    """Trainable parameters, all parameters, and the adapter's bytes (what its file holds)."""
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    adapter = sum(t.numel() * t.element_size() for t in adapter_weights(model).values()) \
+        if is_adapted(model) else 0
+    return {"trainable_params": trainable, "total_params": total, "adapter_bytes": adapter}
