@@ -111,9 +111,28 @@ def test_bench_mismatch_table_shows_fp32_rollouts_agree_and_bf16_rollouts_do_not
 
 
 def test_bench_learn_reports_before_after_and_delta():
-    out = learn.run(args(preset="demo", seconds=5.0, steps=2, eval_size=16), log=lambda *a: None)
+    out = learn.run(args(preset="demo", seconds=5.0, steps=2, eval_size=16, variant=None),
+                    log=lambda *a: None)
     assert abs(out["delta"] - (out["accuracy_after"] - out["accuracy_before"])) < 1e-12
-    assert out["steps"] == 2
+    assert out["steps"] == 2 and out["variant"] == "full"
+    assert out["stderr_before"] == pytest.approx(
+        (out["accuracy_before"] * (1 - out["accuracy_before"]) / 16) ** 0.5, abs=1e-4)
+
+
+def test_bench_learn_side_by_side_trains_full_and_lora_each_in_its_own_process():
+    lines = []
+    out = learn.run(args(preset="demo", seconds=30.0, steps=2, eval_size=16, variant="both"),
+                    log=lines.append)
+    full, lora = out["variants"]["full"], out["variants"]["lora"]
+    assert (full["variant"], full["lora_rank"]) == ("full", 0)
+    assert (lora["variant"], lora["lora_rank"]) == ("lora", 16)
+    assert full["steps"] == lora["steps"] == 2
+    assert lora["trainable_params"] < full["trainable_params"] == full["total_params"]
+    # an update sends the adapted layers only, not the embeddings and norms
+    assert 0 < lora["weight_sync_bytes"] < full["weight_sync_bytes"]
+    assert full["peak_rss_bytes"] > 0 and lora["peak_rss_bytes"] > 0
+    assert out["delta_lora"] == lora["delta"] and out["weight_sync_bytes_ratio_lora_vs_full"] < 1
+    assert any(line.startswith("[lora] accuracy before") for line in lines)   # progress streamed
 
 
 def test_variants_run_interleaved_and_report_medians_and_spread(monkeypatch):

@@ -104,6 +104,8 @@ MODES = {  # mode: (preset, settings that make each technique act within 3 tiny 
     "greso": ("greso", []),
     "async": ("async", []),
     "all": ("all", ["april.segment_max_tokens=16", "async.max_inflight=8", "cluster.gen_procs=2"]),
+    # LoRA adapters trained over DDP ranks, the reference the base with them off
+    "lora": ("demo", ["lora.rank=4", "lora.alpha=8", "algo.track_kl=true"]),
 }
 LR = 5e-5
 
@@ -192,11 +194,10 @@ def test_every_mode_trains_over_two_ranks_with_one_controller(tmp_path, mode):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["sync", "april", "greso"])
+@pytest.mark.parametrize("mode", ["sync", "april", "greso", "lora"])
 def test_a_synchronous_run_over_two_ranks_equals_the_one_process_run(tmp_path, mode):
     """Rank 0 samples exactly what one process samples, and the shared update equals the whole
     one: identical up to the first update (its float rounding may then change a sampled token)."""
-    from trainer.models.loading import load_model
     from trainer.run.runner import Runner
 
     spawn(_mode_worker, free_port(), str(tmp_path / "two"), mode)
@@ -216,8 +217,10 @@ def test_a_synchronous_run_over_two_ranks_equals_the_one_process_run(tmp_path, m
     for key in ("actor/pg_loss", "actor/loss_tokens", "actor/entropy", "actor/grad_norm"):
         assert two[first][key] == pytest.approx(one[first][key], rel=1e-4, abs=1e-7), key
     ckpt = f"checkpoints/step_{first + 1:06d}/model"
-    a = load_model(str(tmp_path / "two" / ckpt), torch.device("cpu"), torch.float32)
-    b = load_model(str(tmp_path / "one" / ckpt), torch.device("cpu"), torch.float32)
+    a, b = (_policy(tmp_path / run / ckpt, mode) for run in ("two", "one"))
+    if mode == "lora":   # the adapters trained, the base did not
+        assert all(("lora_" in n) == p.requires_grad for n, p in a.named_parameters())
+        assert two[first]["actor/kl"] == pytest.approx(one[first]["actor/kl"], rel=1e-4, abs=1e-9)
     # where a weight's exact gradient is float noise (|g| ~ 1e-9), Adam's first step still moves it
     # by up to lr x sign(g), the sign being the rounding's (test_fsdp saw it in CI): a few such
     # weights may differ, by no more than two steps; every other weight is equal
@@ -228,6 +231,17 @@ def test_a_synchronous_run_over_two_ranks_equals_the_one_process_run(tmp_path, m
         apart += int((diff > 1e-5).sum())
         total += diff.numel()
     assert apart <= total * 1e-3, f"{apart} of {total} weights differ by more than 1e-5"
+
+
+def _policy(folder, mode):
+    """The policy a checkpoint's model/ holds: a model, or the base with its adapters."""
+    from trainer.models import lora
+    from trainer.models.loading import load_model
+
+    cpu = torch.device("cpu")
+    if mode == "lora":
+        return lora.load(load_model("builtin", cpu, torch.float32), folder)
+    return load_model(str(folder), cpu, torch.float32)
 
 
 def _resume_worker(rank, port, run_dir, steps):

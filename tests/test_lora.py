@@ -121,12 +121,7 @@ def test_the_engine_decodes_the_merged_weights():
     served = lora.merged_copy(model)
     assert not lora.is_adapted(served) and "lora" not in str(served)
     eng = EmbeddedEngine(served, eos_token_ids=[tok.eos_token_id], max_slots=4, max_seq_len=128)
-    ss = [Sample(tok(t).input_ids, SamplingParams(temperature=1.0, max_new_tokens=24))
-          for t in PROMPTS]
-    eng.generate(ss)
-    for s in ss:
-        torch.testing.assert_close(torch.tensor(s.logprobs), full_forward_logprobs(model, s),
-                                   rtol=0, atol=2e-4)
+    _decodes_the_policy(eng, tok, model)
     # an update sends the adapted layers merged; the engine's logprobs follow them
     changed = lora.merged_weights(model, only_adapted=True)
     whole = lora.merged_weights(model)
@@ -137,6 +132,11 @@ def test_the_engine_decodes_the_merged_weights():
             layer.lora_B[lora.ADAPTER].weight.mul_(3.0)
     eng.update_weights(lora.merged_weights(model, only_adapted=True), 1)
     assert eng.last_sync_bytes == sum(t.numel() * 4 for t in changed.values())
+    _decodes_the_policy(eng, tok, model)
+
+
+def _decodes_the_policy(eng, tok, model):
+    """The engine's log-probabilities are the adapted model's plain forward pass's."""
     ss = [Sample(tok(t).input_ids, SamplingParams(temperature=1.0, max_new_tokens=24))
           for t in PROMPTS]
     eng.generate(ss)
@@ -245,3 +245,27 @@ def test_bad_lora_settings_are_refused_by_name(tmp_path):
     assert not lora.is_adapted(first.model)
     with pytest.raises(ExportError, match="no adapter"):
         export(tmp_path / "full", tmp_path / "x", adapter=True)
+
+
+@pytest.mark.parametrize("preset,extra", [
+    ("april", ["april.segment_max_tokens=12"]),
+    ("greso", []),
+    ("async", []),
+    ("demo", ["cluster.gen_procs=1"]),   # the process pool: the adapted layers cross to the child
+    ("all", ["april.segment_max_tokens=16", "cluster.gen_procs=2"]),
+])
+def test_every_technique_and_engine_layout_trains_the_adapters(tmp_path, preset, extra):
+    cfg = C.load(preset, TINY_RUN + LORA + extra + ["run.max_steps=4"])
+    sink = MemorySink()
+    with Runner(cfg, tmp_path, sink=sink, system_telemetry=False) as runner:
+        runner.run()
+    assert runner.step == 4 and lora.is_adapted(runner.model)
+    assert sum(r["rollout/trained_tokens"] for r in sink.steps) > 0   # the guard: it trained
+    changed = lora.merged_weights(runner.model, only_adapted=True)
+    adapted = sum(t.numel() * t.element_size() for t in changed.values())
+    # what reached the engine each update: the adapted layers, not the whole model (a pool
+    # reports its children's copies: one each)
+    members = max(1, cfg.cluster.gen_procs)
+    assert {r["perf/weight_sync_bytes"] for r in sink.steps} == {adapted * members}
+    # B starts at zeros (the policy is the base): the updates moved it
+    assert any(t.abs().max() > 0 for k, t in _adapters(runner.model).items() if "lora_B" in k)

@@ -168,6 +168,10 @@
       for (const k in (d.changes || {})) state.knobs[k] = d.changes[k].new;
       state.annotations.push({ step: m.step, text: m.text });
       knobValuesChanged();
+    } else if ((m.kind === "run_started" || m.kind === "run_resumed") && m.trains) {
+      // what trains, with the trainer's figures (the server's line: formatting.trains)
+      const trains = document.getElementById("run-trains");
+      if (trains) trains.textContent = m.trains;
     } else if (m.kind === "alert" || m.kind === "alert_cleared") {
       // any rule (staleness, kl_high, stalled, ...): the banner shows its name and message
       // the rule's own message, else the server's line without its "rule: " prefix

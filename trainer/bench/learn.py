@@ -10,13 +10,25 @@ the share of held-out episodes that called the tool, before and after ("tool_use
 "tool_use_rate_after"), and their mean model turns.
 
 `--preset smollm2-math` (SmolLM2-135M-Instruct, created with `python -m trainer import-gguf
-smollm2`) has CPU-sized defaults: 4 prompts x 4 samples per step, responses of at most 64
-tokens, 120 s of RL, 64 held-out problems scored greedily. Options and --set override them.
+smollm2`) has CPU-sized defaults: 4 prompts x 4 samples per step, responses of at most 96
+tokens, 900 s of RL, 200 held-out problems scored greedily. Options and --set override them.
+On a real model's preset it trains twice, for the same wall time each, full fine-tuning and
+LoRA (`--variant both`, its default there; `full` or `lora` runs one), each in a process of its
+own (so each one's peak memory is its own), and reports each one's accuracy before and after
+with the evaluation's standard error, peak resident memory, median step time, weight-sync
+bytes per update and trainable parameters.
 """
 from __future__ import annotations
 
+import json
+import math
+import resource
+import statistics
+import subprocess
+import sys
 import tempfile
 import time
+from pathlib import Path
 
 from trainer import config as config_mod
 from trainer.observe.metrics import MemorySink
@@ -27,9 +39,12 @@ HELP = "held-out accuracy before and after RL on the demo preset"
 
 # presets whose model is too slow on 2 CPU cores for the defaults: (seconds, eval size, overrides)
 PRESET_DEFAULTS = {
-    "smollm2-math": (120.0, 64, ["rollout.rollout_batch_size=4", "rollout.n_samples_per_prompt=4",
-                                 "rollout.max_response_len=64", "rollout.max_slots=16"]),
+    "smollm2-math": (900.0, 200, ["rollout.rollout_batch_size=4", "rollout.n_samples_per_prompt=4",
+                                  "rollout.max_response_len=96", "rollout.max_slots=16"]),
 }
+# real models' presets: full fine-tuning against LoRA (these settings: an adapter's learning rate
+# is about 10x full fine-tuning's)
+LORA_VARIANT = {"smollm2-math": ["lora.rank=16", "lora.alpha=32", "optim.lr=1e-4"]}
 
 
 def add_arguments(p) -> None:
@@ -41,9 +56,66 @@ def add_arguments(p) -> None:
                    "64 for smollm2-math)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    p.add_argument("--variant", choices=["full", "lora", "both"], default=None,
+                   help="full fine-tuning, LoRA, or both side by side (default: both on a real "
+                   "model's preset, else the preset as it is)")
 
 
 def run(args, log=print) -> dict:
+    variant = args.variant or ("both" if args.preset in LORA_VARIANT else "full")
+    if variant == "both":
+        return _side_by_side(args, log)
+    extra = LORA_VARIANT.get(args.preset, ["lora.rank=16", "lora.alpha=32"]) if variant == "lora" else []
+    result = _one(args, extra, log)
+    result["variant"] = variant
+    return result
+
+
+def _side_by_side(args, log) -> dict:
+    """Each variant in a child process (`--variant full|lora`), one after the other."""
+    out = {}
+    for variant in ("full", "lora"):
+        with tempfile.TemporaryDirectory(prefix="rlpilot-bench-") as d:
+            path = Path(d) / "result.json"
+            cmd = [sys.executable, "-m", "trainer", "bench", "learn", "--preset", args.preset,
+                   "--variant", variant, "--json", str(path), "--steps", str(args.steps),
+                   "--seed", str(args.seed)]
+            cmd += [] if args.seconds is None else ["--seconds", str(args.seconds)]
+            cmd += [] if args.eval_size is None else ["--eval-size", str(args.eval_size)]
+            for s in args.set:
+                cmd += ["--set", s]
+            log(f"--- {variant} ---")
+            err_path = Path(d) / "stderr.txt"
+            with open(err_path, "w") as err, subprocess.Popen(
+                    cmd, stdout=subprocess.PIPE, stderr=err, text=True) as child:
+                for line in child.stdout:   # its progress as it comes
+                    if line.strip() and not line.startswith("wrote "):
+                        log(f"[{variant}] {line.rstrip()}")
+            errors = err_path.read_text(errors="replace")
+            if child.returncode != 0:
+                raise RuntimeError(f"bench learn --variant {variant} failed "
+                                   f"(exit {child.returncode}):\n{errors[-2000:]}")
+            out[variant] = json.loads(path.read_text())
+    full, lora = out["full"], out["lora"]
+    return {"preset": args.preset, "variants": out,
+            "delta_full": full["delta"], "delta_lora": lora["delta"],
+            "peak_rss_ratio_lora_vs_full": _ratio(lora["peak_rss_bytes"], full["peak_rss_bytes"]),
+            "step_s_ratio_lora_vs_full": _ratio(lora["step_s_median"], full["step_s_median"]),
+            "weight_sync_bytes_ratio_lora_vs_full": _ratio(lora["weight_sync_bytes"],
+                                                            full["weight_sync_bytes"])}
+
+
+def _ratio(a, b):
+    return round(a / b, 3) if a and b else None
+
+
+def stderr(p: float, n: int) -> float:
+    """The standard error of an accuracy p measured on n problems (binomial)."""
+    return math.sqrt(max(p * (1 - p), 0.0) / n) if n else 0.0
+
+
+def _one(args, extra: list[str], log) -> dict:
+    from trainer.models import lora as adapters
     from trainer.models.loading import require_model_dir
     from trainer.run.runner import Runner
 
@@ -53,7 +125,7 @@ def run(args, log=print) -> dict:
     cfg = config_mod.load(args.preset, [*shrink, f"run.seed={args.seed}", f"run.max_steps={args.steps}",
                                         f"run.time_budget_s={seconds}", "run.eval_every=0",
                                         f"run.eval_size={eval_size}", "run.checkpoint_every=0",
-                                        *args.set])
+                                        *extra, *args.set])
     require_model_dir(cfg.model.path, engine=cfg.rollout.engine)
     t_all = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="rlpilot-bench-") as d:
@@ -69,6 +141,7 @@ def run(args, log=print) -> dict:
             runner.run()
             rl_seconds = time.monotonic() - t0
             after = runner.evaluate()
+            sizes = adapters.sizes(runner.model)
             tools_after = _episode_figures(runner.last_eval_result, "after")
             log(f"accuracy after {runner.step} steps ({rl_seconds:.0f}s): {after:.3f}")
             if tools_after:
@@ -81,7 +154,20 @@ def run(args, log=print) -> dict:
             "samples_per_step": cfg.rollout.rollout_batch_size * cfg.rollout.n_samples_per_prompt,
             "reward_mean_last10": _mean(sink.series("reward/mean")[-10:]),
             "reward_mean_first": _mean(sink.series("reward/mean")[:1]),
+            "stderr_before": round(stderr(before, eval_size), 4),
+            "stderr_after": round(stderr(after, eval_size), 4),
+            # what the variants differ in (a process of its own: ru_maxrss is its peak)
+            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "step_s_median": _median(sink.series("timing/step_s")),
+            "weight_sync_bytes": _median(sink.series("perf/weight_sync_bytes")),
+            "trainable_params": sizes["trainable_params"],
+            "total_params": sizes["total_params"],
+            "lora_rank": cfg.lora.rank, "lr": cfg.optim.lr,
             **tools_before, **tools_after}
+
+
+def _median(xs):
+    return statistics.median(xs) if xs else None
 
 
 def _episode_figures(result: dict | None, when: str) -> dict:

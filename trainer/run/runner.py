@@ -30,6 +30,7 @@ from trainer.cluster import distributed, training_ranks
 from trainer.engine import rollout_precision
 from trainer.episode.engine import apply_limits
 from trainer.episode.environments import offered_tools
+from trainer.models import lora
 from trainer.observe import trackers
 from trainer.observe.metrics import MetricsSink, MultiSink
 from trainer.observe.timeline import CONTROLLER, rank_lane
@@ -107,7 +108,9 @@ class Runner:
                          # the trainer's precision and the engine's (the mismatch metrics' cause)
                          "model_dtype": str(self.dtype).removeprefix("torch."),
                          "rollout_dtype": rollout_precision(self.engine, self.cfg.rollout.dtype,
-                                                            self.dtype)})
+                                                            self.dtype),
+                         # what trains: every parameter, or LoRA's adapters (their file's bytes)
+                         **lora.sizes(self.model)})
         status = FINISHED
         try:
             if self.step == 0 and self.cfg.run.eval_every:

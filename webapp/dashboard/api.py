@@ -11,12 +11,13 @@ import logging
 from django.conf import settings
 from django.contrib.auth.models import AnonymousUser
 from django.core.exceptions import RequestDataTooBig
-from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
+from django.http import FileResponse, HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
 from django.middleware.csrf import CsrfViewMiddleware
 from django.utils import timezone
 from django.views.decorators.csrf import csrf_exempt
 
 from trainer import config as config_mod
+from trainer.cli.export import ExportError
 from trainer.pilot.thresholds import DEFAULT as DEFAULT_THRESHOLDS
 from webapp.dashboard import actions, advice, sample_rows, timeline_rows
 from webapp.dashboard.access import policy, validation
@@ -307,13 +308,15 @@ def run_sample(request, body, run_id: int, sample_id: int):
 
 EXPORTS = {"csv": "text/csv; charset=utf-8", "json": "application/json",
            "toml": "application/toml; charset=utf-8", "html": "text/html; charset=utf-8",
-           "samples_csv": "text/csv; charset=utf-8"}
+           "samples_csv": "text/csv; charset=utf-8", "adapter": "application/zip"}
 
 
-def export_response(run, fmt: str, user) -> HttpResponse:
+def export_response(run, fmt: str, user, step: int | None = None) -> HttpResponse:
     """The export, made while holding one of the user's export slots (policy.take_export_slot):
-    a streamed one until its stream is closed."""
+    a streamed one until its stream is closed. `step`: the adapter's checkpoint (default the latest)."""
     give_back = policy.take_export_slot(user)
+    if fmt == "adapter":
+        return _adapter_response(run, step, give_back)
     if fmt == "samples_csv":   # streamed: per-token arrays of 20,000 samples can be large
         resp = StreamingHttpResponse(_SlotStream(exports.iter_samples_csv(run), give_back),
                                      content_type=EXPORTS[fmt])
@@ -333,6 +336,20 @@ def export_response(run, fmt: str, user) -> HttpResponse:
     resp = HttpResponse(body, content_type=EXPORTS[fmt])
     resp["Content-Disposition"] = f'attachment; filename="rlpilot-run-{run.pk}.{fmt}"'
     return resp
+
+
+def _adapter_response(run, step: int | None, give_back) -> HttpResponse:
+    """A LoRA run's adapter as a .zip (exports.adapter_zip; the export slot is held while it is
+    written); 404 naming why when there is none (no LoRA, no checkpoint)."""
+    try:
+        archive, filename = exports.adapter_zip(run, step)
+    except exports.NoAdapter as e:
+        raise NotFound(str(e), {"format": "no adapter to download"}) from None
+    except ExportError as e:
+        raise actions.Conflict(f"run {run.pk}'s adapter cannot be exported: {e}", {"format": str(e)}) from None
+    finally:
+        give_back()
+    return FileResponse(archive, as_attachment=True, filename=filename, content_type=EXPORTS["adapter"])
 
 
 class _SlotStream:
@@ -358,7 +375,18 @@ def run_export(request, body, run_id: int):
     fmt = request.GET.get("format", "json")
     if fmt not in EXPORTS:
         return error(400, "bad format", {"format": "one of " + ", ".join(EXPORTS)})
-    return export_response(run, fmt, request.user)
+    step = None
+    if fmt == "adapter":
+        # a LoRA run's adapter is its weights: its owner's or staff's, as its checkpoints are
+        # (policy.model_source_problem); the report and the metrics stay open to every user
+        if not run.can_control(request.user):
+            raise actions.Forbidden("only the run's owner or staff can download its adapter (its weights)")
+        raw = request.GET.get("step")
+        if raw not in (None, ""):
+            if not raw.isascii() or not raw.isdigit() or len(raw) > 18:
+                return error(400, "bad step", {"step": "expected a checkpoint's step (an integer)"})
+            step = int(raw)
+    return export_response(run, fmt, request.user, step)
 
 
 def knob_request(body: dict) -> tuple[dict, dict | None]:

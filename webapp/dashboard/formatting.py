@@ -10,6 +10,8 @@ from typing import Any
 from trainer.run.controls import AUTOPILOT  # requested_by of the autopilot's knob changes
 
 MISSING = "—"   # a figure a run does not have (summary tables, comparisons)
+# the trainer's events that open a run's training (a start, a resume): they carry its sizes (`trains`)
+RUN_STARTS = ("run_started", "run_resumed")
 
 
 def number(v: int | float | bool, digits: int = 4, grouping: bool = False) -> str:
@@ -42,6 +44,47 @@ def figure(v: Any) -> str:
     if isinstance(v, (int, float)):
         return number(v, grouping=True)
     return str(v)
+
+
+def byte_size(n: int | float) -> str:
+    """Bytes in binary units, 3 significant digits: 311296 -> "304 KiB", 5452595 -> "5.2 MiB",
+    512 -> "512 bytes"."""
+    n = float(n)
+    for unit in ("bytes", "KiB", "MiB", "GiB"):
+        if abs(round(n)) < 1024 or unit == "GiB":
+            return f"{number(n, digits=3, grouping=True)} {unit}"
+        n /= 1024
+    return ""   # never reached
+
+
+def trains(lora: dict | None, sizes: dict | None) -> str:
+    """What a run trains, in words (the run and report pages): "LoRA r=8, α=16: 77,824 trainable
+    parameters of 879,232 (8.9%), adapter 304 KiB", or "full fine-tuning: 879,232 parameters".
+    `lora`: the config's [lora] section; `sizes`: the figures of the run's run_started /
+    run_resumed event (trainable_params, total_params, adapter_bytes), None before it started
+    (then only the kind of training: "LoRA r=8, α=16", "full fine-tuning")."""
+    lora = lora if isinstance(lora, dict) else {}
+    sizes = sizes if isinstance(sizes, dict) else {}
+    rank = lora.get("rank") or 0
+    trainable, total = sizes.get("trainable_params"), sizes.get("total_params")
+    known = isinstance(trainable, int) and isinstance(total, int) and total > 0
+    if not (isinstance(rank, int) and rank > 0):
+        if not known:
+            return "full fine-tuning"
+        if trainable == total:
+            return f"full fine-tuning: {number(total, grouping=True)} parameters"
+        return (f"full fine-tuning: {number(trainable, grouping=True)} trainable parameters of "
+                f"{number(total, grouping=True)}")
+    alpha = lora.get("alpha")
+    head = f"LoRA r={rank}" + (f", α={number(alpha)}" if isinstance(alpha, (int, float)) else "")
+    if not known:
+        return head
+    text = (f"{head}: {number(trainable, grouping=True)} trainable parameters of "
+            f"{number(total, grouping=True)} ({number(100.0 * trainable / total, digits=2)}%)")
+    adapter = sizes.get("adapter_bytes")
+    if isinstance(adapter, (int, float)) and adapter > 0:
+        text += f", adapter {byte_size(adapter)}"
+    return text
 
 
 # --- events -------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from webapp.dashboard import actions, formatting
 from webapp.dashboard.access import validation
 from webapp.dashboard.api import filter_runs
 from webapp.dashboard.models import ACTIVE, RESUMABLE, Run, RunEvent, Status
-from webapp.dashboard.reports import comparison, summary
+from webapp.dashboard.reports import comparison, exports, summary
 from webapp.dashboard.worker import sweep
 
 FIELD_PREFIX = "cfg:"
@@ -206,6 +206,7 @@ def run_page(request, run_id: int):
             "active_statuses": list(ACTIVE), "allowed_actions": run.allowed_actions}
     return render(request, "dashboard/run.html", {"run": run, "page": page, "active_alerts": active_alerts(run),
                                                   "tracker_links": tracker_links(run),
+                                                  "trains": summary.trains(run),
                                                   "config_toml": config_mod.to_toml(config_mod.from_dict(run.config)),
                                                   **_lineage(run)})
 
@@ -243,12 +244,14 @@ def report_page(request, run_id: int):
     events = list(RunEvent.objects.filter(run_id=run.pk).order_by("-seq")[:1000])
     events.reverse()
     page = {"id": run.pk, "config": run.config, "knobs": run.knobs}
+    adapter_steps = exports.adapter_steps(run)   # a LoRA run's checkpoints: its adapter's download
     return render(request, "dashboard/report.html", {
         "run": run, "page": page, "rows": summary.summary_rows(summary.summary(run)),
         "timeline": summary.knob_timeline(run), "advice": summary.advice_history(run),
         "alert_history": summary.alerts(run),
         "active_alerts": active_alerts(run), "events": summary.event_rows(events),
-        "checkpoints": summary.checkpoints(run),
+        "checkpoints": summary.checkpoints(run), "trains": summary.trains(run),
+        "adapter_step": adapter_steps[-1] if adapter_steps else None,
         "config_toml": config_mod.to_toml(config_mod.from_dict(run.config)),
         "can_control": run.can_control(request.user), "is_active": run.status in ACTIVE,
         "resumable": run.status in RESUMABLE, "tags_text": ", ".join(run.tags or []),

@@ -26,6 +26,11 @@ def event_message(e: RunEvent) -> dict[str, Any]:
            "data": e.data, "cursor": e.seq, "text": text}
     if isinstance(e.data, dict) and e.data.get("status") in lifecycle.STATUSES and "desired" in e.data:
         msg["allowed_actions"] = _allowed(e.data)
+    if e.kind in formatting.RUN_STARTS and isinstance(e.data, dict) and "trainable_params" in e.data:
+        # what the run trains, the line the live page's head shows (reports/summary.trains):
+        # LoRA's rank and alpha are the run's config's (one read, once per start or resume)
+        config = Run.objects.filter(pk=e.run_id).values_list("config", flat=True).first() or {}
+        msg["trains"] = formatting.trains(config.get("lora"), e.data)
     return msg
 
 

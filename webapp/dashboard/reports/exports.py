@@ -1,19 +1,26 @@
 """A run's exports (GET /api/runs/<id>/export?format=..., `manage.py export_run`): every metric point
-as CSV, the rollout samples as CSV, the whole run as JSON, its launch config as TOML, and one
-self-contained HTML report (Plotly, charts, data and tables inlined; no network). Every CSV goes
-through spreadsheet_safe. Reads only."""
+as CSV, the rollout samples as CSV, the whole run as JSON, its launch config as TOML, one
+self-contained HTML report (Plotly, charts, data and tables inlined; no network), and a LoRA run's
+adapter as a .zip (`adapter_zip`: written by the trainer's export in a temporary folder). Every
+CSV goes through spreadsheet_safe. Reads only: nothing is written in the run's folder."""
 from __future__ import annotations
 
 import io
 import json
-from typing import Any
+import tempfile
+import zipfile
+from pathlib import Path
+from typing import IO, Any
 
 from django.conf import settings
 from django.template.loader import render_to_string
 from django.utils import timezone
 
 from trainer import config as config_mod
+from trainer.cli.export import export
+from trainer.run.fork import checkpoint_steps
 from webapp.dashboard import formatting, sample_rows, timeline_rows
+from webapp.dashboard.actions import run_dir
 from webapp.dashboard.live import streams
 from webapp.dashboard.models import HistogramSnapshot, MetricPoint, RolloutSample, Run, RunEvent
 from webapp.dashboard.reports import summary
@@ -159,13 +166,70 @@ def _inline_script(source: str) -> str:
     return source.replace("</script", "<\\/script").replace("<!--", "<\\!--")
 
 
+class NoAdapter(Exception):
+    """Why a run has no adapter to download: a full fine-tuning run, or no checkpoint yet."""
+
+
+def adapter_steps(run: Run) -> list[int]:
+    """The checkpoint steps a LoRA run's adapter can be downloaded from (oldest first); [] for a
+    run without LoRA (lora.rank = 0) or without a checkpoint on disk."""
+    rank = ((run.config or {}).get("lora") or {}).get("rank") or 0
+    return checkpoint_steps(run_dir(run.pk)) if rank > 0 else []
+
+
+def adapter_zip(run: Run, step: int | None = None) -> tuple[IO[bytes], str]:
+    """(an open temporary file holding a .zip of the run's LoRA adapter, its file name): the
+    trainer's `export(..., adapter=True)` (PEFT's adapter_config.json and
+    adapter_model.safetensors, with the tokenizer) of the checkpoint at `step` (default the
+    latest), in one folder. Written in a temporary folder, removed before this returns; the
+    file goes when it is closed. The run's own folder is only read. Raises NoAdapter (no LoRA,
+    no such checkpoint) or trainer.cli.export.ExportError (what the trainer's export refuses)."""
+    if not (((run.config or {}).get("lora") or {}).get("rank") or 0) > 0:
+        raise NoAdapter(f"run {run.pk} trains the whole model (lora.rank = 0): it has no LoRA adapter")
+    steps = adapter_steps(run)
+    if not steps:
+        raise NoAdapter(f"run {run.pk} has no checkpoint on disk yet: its adapter is exported "
+                        "from a checkpoint")
+    if step is None:
+        step = steps[-1]
+    elif step not in steps:
+        raise NoAdapter(f"run {run.pk} has no checkpoint at step {step}; its checkpoints are at "
+                        f"step{'s' if len(steps) > 1 else ''} " + ", ".join(map(str, steps)))
+    name = f"rlpilot-run-{run.pk}-adapter-step-{step}"
+    with tempfile.TemporaryDirectory(prefix="rlpilot-adapter-") as tmp:
+        # the trainer's export reads a run folder (config.toml + checkpoints/): one made of the
+        # run's config as the dashboard holds it (an imported run's folder has no config.toml)
+        # and a link to the run's checkpoints, so nothing is written beside them
+        source = Path(tmp) / "run"
+        source.mkdir()
+        (source / "config.toml").write_text(config_mod.to_toml(config_mod.from_dict(run.config)))
+        (source / "checkpoints").symlink_to(run_dir(run.pk) / "checkpoints", target_is_directory=True)
+        out = Path(tmp) / name
+        try:
+            export(source, out, adapter=True, step=step)
+        except FileNotFoundError as e:   # the checkpoint went (rotated away) while it was read
+            raise NoAdapter(f"run {run.pk}'s checkpoint at step {step} is gone ({e.strerror}); "
+                            "try again") from None
+        archive = tempfile.TemporaryFile(prefix="rlpilot-adapter-", suffix=".zip")
+        try:
+            with zipfile.ZipFile(archive, "w", zipfile.ZIP_DEFLATED) as z:
+                for f in sorted(out.rglob("*")):
+                    if f.is_file():
+                        z.write(f, f"{name}/{f.relative_to(out).as_posix()}")
+        except BaseException:
+            archive.close()
+            raise
+    archive.seek(0)
+    return archive, name + ".zip"
+
+
 def export_html(run: Run, max_points: int = 2000) -> str:
     """One HTML file: Plotly, the chart code, the data and the tables inlined; no network."""
     static = settings.BASE_DIR / "static"
     snap = streams.metrics_snapshot(run, None, None, max_points, max_histograms=300, max_events=2000)
     return render_to_string("dashboard/report_export.html", {
         "run": run, "rows": summary.summary_rows(summary.summary(run)), "timeline": summary.knob_timeline(run),
-        "advice": summary.advice_history(run),
+        "trains": summary.trains(run), "advice": summary.advice_history(run),
         "alerts": summary.alerts(run),
         "events": summary.event_rows(RunEvent.objects.filter(run_id=run.pk).order_by("seq")[:2000]),
         "config_toml": export_toml(run), "generated": timezone.now(), "samples": report_samples(run),

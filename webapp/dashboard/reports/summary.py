@@ -151,6 +151,25 @@ def summary_rows(s: dict[str, Any]) -> list[dict[str, Any]]:
             for k, label, _ in SUMMARY if s.get(k) is not None]
 
 
+# --- what trains --------------------------------------------------------------------------------
+
+def training_sizes(run: Run) -> dict[str, Any] | None:
+    """The data of the run's latest run_started / run_resumed event that carries what trains
+    (trainable_params, total_params, adapter_bytes); None before the run started (or for a run
+    recorded before the trainer reported them)."""
+    for data in (RunEvent.objects.filter(run_id=run.pk, kind__in=formatting.RUN_STARTS)
+                 .order_by("-seq").values_list("data", flat=True)):
+        if isinstance(data, dict) and "trainable_params" in data:
+            return data
+    return None
+
+
+def trains(run: Run) -> str:
+    """What the run trains, in words (formatting.trains): LoRA's rank and alpha from its config,
+    the figures from its latest start or resume."""
+    return formatting.trains((run.config or {}).get("lora"), training_sizes(run))
+
+
 # --- knobs, events, alerts ----------------------------------------------------------------------
 
 def knob_timeline(run: Run) -> list[dict[str, Any]]:
