@@ -115,23 +115,30 @@ def test_the_reference_is_the_base_model_exactly():
     assert learner.logprobs(seqs, tok.pad_token_id, 4096) == want
 
 
-def test_the_engine_decodes_the_merged_weights():
+def test_the_engine_decodes_the_base_plus_the_factors_it_is_sent():
     tok = load_tokenizer("builtin")
     model = adapted_builtin(targets="all-linear")
-    served = lora.merged_copy(model)
+    whole = lora.merged_weights(model)   # what SGLang gets, and the exports
+    assert set(whole) == set(load_model("builtin", CPU, torch.float32).state_dict())
+    merged = EmbeddedEngine(lora.merged_copy(model), eos_token_ids=[tok.eos_token_id],
+                            max_slots=4, max_seq_len=128)
+    _decodes_the_policy(merged, tok, model)
+    # the embedded engine holds the base and merges the factors: W + (alpha/r B) A
+    served = lora.base_copy(model)
     assert not lora.is_adapted(served) and "lora" not in str(served)
     eng = EmbeddedEngine(served, eos_token_ids=[tok.eos_token_id], max_slots=4, max_seq_len=128)
+    factors = lora.adapter_update(model)
+    assert len(factors) == 2 * 7 * 4   # all-linear: 7 layers of 4 blocks, A and B each
+    eng.update_weights(factors, 1)
     _decodes_the_policy(eng, tok, model)
-    # an update sends the adapted layers merged; the engine's logprobs follow them
-    changed = lora.merged_weights(model, only_adapted=True)
-    whole = lora.merged_weights(model)
-    assert set(changed) < set(whole) and len(changed) == 7 * 4   # all-linear: 7 per layer
-    assert set(whole) == set(load_model("builtin", CPU, torch.float32).state_dict())
+    factor_bytes = sum(t.numel() * 4 for t in factors.values())
+    assert eng.last_sync_bytes == factor_bytes
+    assert factor_bytes * 10 < sum(t.numel() * 4 for t in whole.values())   # r = 2: tiny
+    # the next update merges onto the base, not onto the last merge
     with torch.no_grad():
         for _, layer in lora._lora_layers(model):
             layer.lora_B[lora.ADAPTER].weight.mul_(3.0)
-    eng.update_weights(lora.merged_weights(model, only_adapted=True), 1)
-    assert eng.last_sync_bytes == sum(t.numel() * 4 for t in changed.values())
+    eng.update_weights(lora.adapter_update(model), 2)
     _decodes_the_policy(eng, tok, model)
 
 
@@ -168,10 +175,10 @@ def test_a_lora_run_checkpoints_its_adapters_resumes_exactly_forks_and_exports(t
     assert (ckpt / "adapter_model.safetensors").is_file()
     assert not (ckpt / "model.safetensors").exists()   # the adapters, not the model
     assert lora.is_adapted(first.model)
-    last = first.memory.steps[-1]
-    sync = last["perf/weight_sync_bytes"]
-    full = sum(t.numel() * t.element_size() for t in lora.merged_weights(first.model).values())
-    assert 0 < sync < full   # the adapted layers only, not the embeddings and norms
+    sync = first.memory.steps[-1]["perf/weight_sync_bytes"]
+    # the adapters' factors, which the engine merges: the adapter's size, not the model's
+    assert sync == sum(t.numel() * t.element_size() for t in lora.adapter_update(first.model).values())
+    assert sync * 10 < sum(t.numel() * t.element_size() for t in lora.merged_weights(first.model).values())
 
     straight = _run(tmp_path / "straight", [], steps=3)
     kls = [r["actor/kl"] for r in straight.memory.steps]
@@ -261,11 +268,10 @@ def test_every_technique_and_engine_layout_trains_the_adapters(tmp_path, preset,
         runner.run()
     assert runner.step == 4 and lora.is_adapted(runner.model)
     assert sum(r["rollout/trained_tokens"] for r in sink.steps) > 0   # the guard: it trained
-    changed = lora.merged_weights(runner.model, only_adapted=True)
-    adapted = sum(t.numel() * t.element_size() for t in changed.values())
-    # what reached the engine each update: the adapted layers, not the whole model (a pool
-    # reports its children's copies: one each)
+    factors = sum(t.numel() * t.element_size() for t in lora.adapter_update(runner.model).values())
+    # what reached the engine each update: the adapters' factors, not the model (a pool reports
+    # its children's copies: one each)
     members = max(1, cfg.cluster.gen_procs)
-    assert {r["perf/weight_sync_bytes"] for r in sink.steps} == {adapted * members}
+    assert {r["perf/weight_sync_bytes"] for r in sink.steps} == {factors * members}
     # B starts at zeros (the policy is the base): the updates moved it
     assert any(t.abs().max() > 0 for k, t in _adapters(runner.model).items() if "lora_B" in k)

@@ -230,10 +230,12 @@ class Learner:
 
     def full_state_dict(self, only_changed: bool = False) -> dict[str, torch.Tensor]:
         """The policy's tensors whole, for the generators (sharded: a collective, rank 0's CPU),
-        under the model's plain names. LoRA: the adapted layers merged (W + alpha/r B A), and
-        with `only_changed` those alone (the rest is the base, which the engines hold)."""
+        under the model's plain names; LoRA: the adapted layers merged (W + alpha/r B A). With
+        `only_changed`, for an engine that holds the base and merges LoRA's factors itself:
+        the factors alone (lora.adapter_update)."""
         if self.adapted:
-            return lora.merged_weights(self.model, only_adapted=only_changed)
+            return (lora.adapter_update(self.model) if only_changed
+                    else lora.merged_weights(self.model))
         if self.sharded:
             from trainer.cluster import sharding
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 
 def build_engine(cfg, model, tokenizer, device, dtype, max_seq_len: int, *,
-                 weights_dir: str | Path | None = None):
+                 weights_dir: str | Path | None = None, adapter: dict | None = None):
     """The engine `cfg.rollout.engine` names.
 
     `dtype` is the trainer's; `rollout.dtype` other than "auto" sets the engine's own (the
@@ -34,6 +34,9 @@ def build_engine(cfg, model, tokenizer, device, dtype, max_seq_len: int, *,
     (`trainer.engine.stops.StopStrings` wraps it then).
     With `episode.max_turns` > 1 the engine generates multi-turn episodes
     (`trainer.episode.engine.Episodes` wraps it, and a tool call's closing tag ends a turn).
+    `adapter` (a LoRA run, embedded engine: `model` is the base): the adapters' factors
+    (trainer/models/lora.py `adapter_update`), loaded at once; the generation processes' shared
+    buffers hold room for them, so later updates carry the factors alone.
     """
     from trainer.config import stop_strings
     from trainer.models.loading import stop_token_ids
@@ -45,13 +48,19 @@ def build_engine(cfg, model, tokenizer, device, dtype, max_seq_len: int, *,
     if cfg.episode.max_turns > 1:
         from trainer.episode.build import with_episodes
 
-        return with_episodes(cfg, tokenizer, lambda tool_stops: _engine(
+        engine = with_episodes(cfg, tokenizer, lambda tool_stops: _engine(
             cfg, model, tokenizer, device, dtype, max_seq_len, weights_dir, eos,
-            stops + [s for s in tool_stops if s not in stops]))
-    return _engine(cfg, model, tokenizer, device, dtype, max_seq_len, weights_dir, eos, stops)
+            stops + [s for s in tool_stops if s not in stops], adapter))
+    else:
+        engine = _engine(cfg, model, tokenizer, device, dtype, max_seq_len, weights_dir, eos,
+                         stops, adapter)
+    if adapter:
+        engine.update_weights(adapter, 0)
+    return engine
 
 
-def _engine(cfg, model, tokenizer, device, dtype, max_seq_len, weights_dir, eos, stops):
+def _engine(cfg, model, tokenizer, device, dtype, max_seq_len, weights_dir, eos, stops,
+            adapter=None):
     """The engine `rollout.engine` names, ending responses at `eos` ids and `stops` strings."""
     r = cfg.rollout
     if r.engine == "sglang":
@@ -73,7 +82,7 @@ def _engine(cfg, model, tokenizer, device, dtype, max_seq_len, weights_dir, eos,
         return _with_stops(tokenizer, stops, _process_pool(
             model, int(procs), eos_token_ids=eos, max_seq_len=max_seq_len, seed=cfg.run.seed,
             device=device, dtype=dtype, threads=cfg.async_.worker_threads, stops=stops,
-            tokenizer=tokenizer, **slots))
+            tokenizer=tokenizer, adapter=adapter, **slots))
     from trainer.engine.embedded import EmbeddedEngine
 
     return _with_stops(tokenizer, stops, EmbeddedEngine(
@@ -97,13 +106,16 @@ def rollout_precision(engine, name: str, trainer_dtype) -> str:
     return str(engine_dtype(name, trainer_dtype)).removeprefix("torch.")
 
 
-def _process_pool(model, size: int, *, device, seed: int, **kwargs):
-    """An EnginePool of `size` ProcessEngines; member i on generation_device(device, i, size)."""
+def _process_pool(model, size: int, *, device, seed: int, adapter=None, **kwargs):
+    """An EnginePool of `size` ProcessEngines; member i on generation_device(device, i, size).
+    `adapter`: LoRA factors whose room each member's shared buffer holds beside the weights."""
     from trainer.engine.pool import EnginePool
     from trainer.engine.process import ProcessEngine
 
+    first = {**model.state_dict(), **adapter} if adapter else None
+
     def member(index: int, member_seed: int, weights):
-        return ProcessEngine(model, seed=member_seed, weights=weights,
+        return ProcessEngine(model, seed=member_seed, weights=first if weights is None else weights,
                              device=generation_device(device, index, size), **kwargs)
 
     return EnginePool(member, size, seed=seed)

@@ -206,6 +206,7 @@ class Decoder:
         self._cos = self._sin = None  # RoPE tables [positions, head_dim], grown on demand
         self.w = {name: t.detach().to(device=device, dtype=dtype).clone()
                   for name, t in model.state_dict().items() if not name.endswith("inv_freq")}
+        self.lora_base: dict[str, torch.Tensor] = {}   # adapted weights' base (LoRA factors' loads)
         self.tied = "lm_head.weight" not in self.w or getattr(cfg, "tie_word_embeddings", False)
         self.layers = [self._layer(i) for i in range(self.n_layers)]
         self.embed = self.w["model.embed_tokens.weight"]
@@ -215,13 +216,27 @@ class Decoder:
     @torch.no_grad()
     def load(self, named_tensors) -> int:
         """Copy new weights in place (fused matrices included: their parts are views); the
-        names it does not hold are ignored. Returns the bytes copied."""
+        names it does not hold are ignored. LoRA factors (trainer/models/lora.py
+        `adapter_update`: W#lora_A, W#lora_B) set W to the base W it held before the first
+        ones plus B @ A. Returns the bytes received."""
+        from trainer.models.lora import LORA_A, LORA_B
+
         items = named_tensors.items() if isinstance(named_tensors, dict) else named_tensors
-        copied = 0
+        copied, factors = 0, {}
         for name, t in items:
-            if name in self.w:
+            if name.endswith((LORA_A, LORA_B)):
+                factors.setdefault(name[:-len(LORA_A)], {})[name[-len(LORA_A):]] = t
+                copied += t.numel() * t.element_size()
+            elif name in self.w:
                 self.w[name].copy_(t.detach())
                 copied += self.w[name].numel() * self.w[name].element_size()
+        for name, ab in factors.items():   # after the plain weights: a base sent along stays base
+            if name in self.w and LORA_A in ab and LORA_B in ab:
+                if name not in self.lora_base:
+                    self.lora_base[name] = self.w[name].clone()
+                base = self.lora_base[name]
+                delta = ab[LORA_B].to(self.device, torch.float32) @ ab[LORA_A].to(self.device, torch.float32)
+                self.w[name].copy_((base.float() + delta).to(self.dtype))
         return copied
 
     def new_cache(self, slots: int, max_len: int) -> KVCache:

@@ -6,9 +6,11 @@ For each adapted linear layer of weight W (out x in):
 
 so the first policy is exactly the base model. Only A and B train (no optimizer state for W);
 the KL reference is the same model with its adapters switched off (no second copy); the engines
-decode the merged W' (the embedded engine's fused kernels know no adapters). This module is the
-one place that knows PEFT's names: `merged_weights` turns the adapted model into the plain
-Hugging Face names the engines and exports use.
+decode W' (the embedded engine's fused kernels know no adapters). This module is the one place
+that knows PEFT's names: `merged_weights` turns the adapted model into the plain Hugging Face
+names the exports and SGLang use; `adapter_update` gives an engine that holds the base the
+factors alone (W#lora_A = A, W#lora_B = (alpha/r) B), which it merges itself
+(trainer/engine/decoder.py `Decoder.load`): a weight update the adapters' size, not the layers'.
 """
 from __future__ import annotations
 
@@ -21,6 +23,8 @@ import torch
 # PEFT's prefix of every name in the adapted model, and the frozen layer inside an adapted one
 _PREFIX, _BASE = "base_model.model.", ".base_layer"
 ADAPTER = "default"   # PEFT's name for a model's one adapter
+# an adapter update's tensor names: the adapted weight's plain name and one of these
+LORA_A, LORA_B = "#lora_A", "#lora_B"
 
 
 def enabled(cfg) -> bool:
@@ -85,18 +89,29 @@ def _plain(name: str) -> str:
 
 
 @torch.no_grad()
-def merged_weights(model, only_adapted: bool = False) -> dict[str, torch.Tensor]:
-    """The policy's weights under plain Hugging Face names, each adapted W as W + (alpha/r) B A.
-    `only_adapted`: just those (what a weight update changes: the engines keep the rest)."""
+def merged_weights(model) -> dict[str, torch.Tensor]:
+    """The policy's weights under plain Hugging Face names, each adapted W as W + (alpha/r) B A."""
     out: dict[str, torch.Tensor] = {}
-    if not only_adapted:
-        for name, t in model.state_dict().items():
-            if "lora_" not in name:
-                out[_plain(name)] = t.detach()
+    for name, t in model.state_dict().items():
+        if "lora_" not in name:
+            out[_plain(name)] = t.detach()
     for name, layer in _lora_layers(model):
         base = layer.get_base_layer().weight
         delta = layer.get_delta_weight(ADAPTER)   # scaling * B @ A, in the base's layout
         out[_plain(name) + ".weight"] = (base.float() + delta.float()).to(base.dtype)
+    return out
+
+
+@torch.no_grad()
+def adapter_update(model) -> dict[str, torch.Tensor]:
+    """Each adapted layer's factors under its plain weight name W: W#lora_A = A (r x in),
+    W#lora_B = (alpha/r) B (out x r). An engine holding the base weights decodes
+    W + (W#lora_B) @ (W#lora_A)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, layer in _lora_layers(model):
+        w = _plain(name) + ".weight"
+        out[w + LORA_A] = layer.lora_A[ADAPTER].weight.detach().clone()
+        out[w + LORA_B] = layer.lora_B[ADAPTER].weight.detach() * layer.scaling[ADAPTER]
     return out
 
 
@@ -109,6 +124,15 @@ def adapter_weights(model) -> dict[str, torch.Tensor]:
 
 def merged_copy(model):
     """A plain copy of the policy with the adapters merged in (the base model is untouched)."""
+    return _plain_copy(model, merge=True)
+
+
+def base_copy(model):
+    """A plain copy of the base model (the adapters left out)."""
+    return _plain_copy(model, merge=False)
+
+
+def _plain_copy(model, merge: bool):
     import copy
 
     plain = copy.deepcopy(model.get_base_model() if is_adapted(model) else model)
@@ -116,9 +140,9 @@ def merged_copy(model):
         from peft.tuners.lora import LoraLayer
 
         for module in list(plain.modules()):
-            if isinstance(module, LoraLayer):
+            if merge and isinstance(module, LoraLayer):
                 module.merge(adapter_names=[ADAPTER])
-        # unwrap: each adapted layer becomes its merged base layer again
+        # unwrap: each adapted layer becomes its (merged) base layer again
         for module in list(plain.modules()):
             for child_name, child in list(module.named_children()):
                 if isinstance(child, LoraLayer):

@@ -104,12 +104,16 @@ def _generation(run) -> None:
     cfg = run.cfg
     run.task = build_task(cfg, run.tokenizer)  # prompts rendered for its chat template
     run.prompts = PromptSource(run.task)
-    # LoRA: the engines decode the merged weights (a plain copy, made once; updates send the
-    # adapted layers merged)
-    served = lora.merged_copy(run.model) if lora.enabled(cfg) else run.model
+    # LoRA: the embedded engine holds the base (a plain copy, made once) and merges the adapters'
+    # factors each update sends; SGLang servers reload whole merged models
+    served, adapter = run.model, None
+    if lora.enabled(cfg) and cfg.rollout.engine == "embedded":
+        served, adapter = lora.base_copy(run.model), lora.adapter_update(run.model)
+    elif lora.enabled(cfg):
+        served = lora.merged_copy(run.model)
     run.engine = build_engine(cfg, served, run.tokenizer, run.device, run.dtype,
                               run.task.max_sequence_len(run.tokenizer, cfg),
-                              weights_dir=run.run_dir / "engine_weights")
+                              weights_dir=run.run_dir / "engine_weights", adapter=adapter)
 
 
 def _rollout(run, system_telemetry: bool) -> None:

@@ -298,8 +298,8 @@ class Runner:
         t0 = time.monotonic()
         self.version += 1
         with self.timeline.span(CONTROLLER, "syncing weights"):
-            # the embedded engine (and its generation processes) loads weights by name and keeps
-            # the rest: a LoRA run sends it the adapted layers only; SGLang reloads whole models
+            # the embedded engine (and its generation processes) holds the base of a LoRA run and
+            # merges the adapters' factors it is sent; SGLang reloads whole (merged) models
             only_changed = cfg.rollout.engine == "embedded"
             self.engine.update_weights(self.ranks.full_weights(self.learner, only_changed),
                                        self.version, recompute_kv=cfg.rollout.recompute_kv_on_update)
