@@ -210,6 +210,8 @@ class Decoder:
         self.tied = "lm_head.weight" not in self.w or getattr(cfg, "tie_word_embeddings", False)
         self.layers = [self._layer(i) for i in range(self.n_layers)]
         self.embed = self.w["model.embed_tokens.weight"]
+        if self.tied:   # the head is the embedding: a copy of it would be loaded for nothing
+            self.w.pop("lm_head.weight", None)
         self.head = self.embed if self.tied else self.w["lm_head.weight"]
         self.final_norm = self.w["model.norm.weight"]
 
