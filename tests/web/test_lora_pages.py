@@ -228,8 +228,7 @@ def test_the_launch_form_has_the_lora_fields(alice):
 
 @pytest.mark.parametrize("fields, key, words", [
     ({"lora.rank": "4", "lora.target_modules": ","}, "lora.target_modules", "name at least one module"),
-    ({"lora.rank": "8", "cluster.sharding": "fsdp", "cluster.train_procs": "2", "cluster.gen_procs": "1"},
-     "lora.rank", "LoRA with cluster.sharding = &#x27;fsdp&#x27; is not supported"),
+    ({"lora.rank": "8", "lora.alpha": "0"}, "lora.alpha", "expected a number in [0.001, 100000.0]"),
     ({"lora.rank": "-1"}, "lora.rank", "expected an integer in [0, 1024]"),
     ({"lora.rank": "4", "lora.dropout": "0.95"}, "lora.dropout", "expected a number in [0.0, 0.9]"),
 ])

@@ -229,18 +229,23 @@ class Learner:
         return [out[id(s)] for s in seqs]
 
     def full_state_dict(self, only_changed: bool = False) -> dict[str, torch.Tensor]:
-        """The policy's tensors whole, for the generators (sharded: a collective, rank 0's CPU),
-        under the model's plain names; LoRA: the adapted layers merged (W + alpha/r B A). With
-        `only_changed`, for an engine that holds the base and merges LoRA's factors itself:
-        the factors alone (lora.adapter_update)."""
-        if self.adapted:
-            return (lora.adapter_update(self.model) if only_changed
-                    else lora.merged_weights(self.model))
+        """The policy's tensors whole, for the generators (sharded: a collective that leaves
+        them on rank 0's CPU, {} elsewhere), under the model's plain names; LoRA: the adapted
+        layers merged (W + alpha/r B A). With `only_changed`, for an engine that holds the base
+        and merges LoRA's factors itself: the factors alone (lora.factor_state)."""
         if self.sharded:
             from trainer.cluster import sharding
 
-            return sharding.full_state_dict(self.model)
-        return self.model.state_dict()
+            if self.adapted and only_changed:   # gather the adapters, not the frozen base
+                state = sharding.full_parameters(self.model, lora.is_factor)
+            else:
+                state = sharding.full_state_dict(self.model)
+        else:
+            state = self.model.state_dict()
+        if not self.adapted:
+            return state
+        scales = lora.scales(self.model)
+        return lora.factor_state(state, scales) if only_changed else lora.merge_state(state, scales)
 
     def kl_to_reference(self, samples, pad_id: int, max_tokens: int) -> float:
         """Mean k3 KL of the policy to the reference over the samples' response tokens."""

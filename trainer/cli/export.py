@@ -25,7 +25,7 @@ def export(run_dir: str | Path, out: str | Path, *, adapter: bool, step: int | N
     Returns the checkpoint folder it read."""
     import torch
 
-    from trainer.models.loading import load_model, load_tokenizer
+    from trainer.models.loading import load_tokenizer
 
     run_dir, out = Path(run_dir), Path(out)
     try:
@@ -35,9 +35,6 @@ def export(run_dir: str | Path, out: str | Path, *, adapter: bool, step: int | N
         raise ExportError("; ".join(e.errors.values())) from None
     except FileNotFoundError as e:
         raise ExportError(f"{run_dir}: {e}") from None
-    if (ckpt / "sharded").is_dir():
-        raise ExportError(f"{ckpt} holds FSDP shards: resume it with cluster.sharding = 'ddp' for "
-                          f"one checkpoint step to write a whole one, then export that")
     if adapter and not lora.enabled(cfg):
         raise ExportError(f"{run_dir} trains the whole model (lora.rank = 0): it has no adapter; "
                           f"export --merged writes its model")
@@ -46,18 +43,33 @@ def export(run_dir: str | Path, out: str | Path, *, adapter: bool, step: int | N
     out.mkdir(parents=True, exist_ok=True)
     cpu = torch.device("cpu")
     tokenizer = load_tokenizer(cfg.model.path)   # never trained: the base model's
-    if lora.enabled(cfg):
-        base = load_model(cfg.model.path, cpu, torch.float32)
-        policy = lora.load(base, ckpt / "model", trainable=False)
-        if adapter:
-            policy.save_pretrained(out, safe_serialization=True)
-        else:
-            lora.merged_copy(policy).save_pretrained(out, safe_serialization=True)
+    policy = _policy(cfg, ckpt, cpu)
+    if adapter:
+        policy.save_pretrained(out, safe_serialization=True)
     else:
-        load_model(str(ckpt / "model"), cpu, torch.float32).save_pretrained(
+        (lora.merged_copy(policy) if lora.is_adapted(policy) else policy).save_pretrained(
             out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     return ckpt
+
+
+def _policy(cfg, ckpt: Path, device):
+    """Checkpoint `ckpt`'s policy in one process: its model folder, or its FSDP shards read
+    whole onto the base model (a LoRA run's shards hold the adapters alone)."""
+    import torch
+
+    from trainer.cluster import sharding
+    from trainer.models.loading import load_model
+
+    if not sharding.is_sharded(ckpt):
+        if lora.enabled(cfg):
+            base = load_model(cfg.model.path, device, torch.float32)
+            return lora.load(base, ckpt / "model", trainable=False)
+        return load_model(str(ckpt / "model"), device, torch.float32)
+    base = load_model(cfg.model.path, device, torch.float32)
+    policy = lora.wrap(base, cfg) if lora.enabled(cfg) else base
+    sharding.read_whole(ckpt, policy)
+    return policy
 
 
 def _cmd_export(args) -> int:

@@ -17,8 +17,13 @@ rest of the trainer lives with:
   optimizer state) is spread from rank 0 instead.
 
 The optimizer state of an unsharded run is keyed by parameter index (torch.optim); DCP's and
-FSDP's by parameter name. `named_optimizer_state` translates: the indices follow
-`model.named_parameters()`, the order the optimizer was given its parameters in.
+FSDP's by parameter name. `named_optimizer_state` translates: the indices follow the trainable
+parameters of `model.named_parameters()`, the order the optimizer was given them in.
+
+LoRA (trainer/models/lora.py) shards the same way: the frozen base and the adapters in each
+block's unit. Its checkpoints' shards hold what trains (the adapters and their moments): the
+frozen base is model.path's, read again on resume. An update gathers only the adapters
+(`full_parameters`) for engines that hold the base, the whole model for those that do not.
 """
 from __future__ import annotations
 
@@ -67,6 +72,20 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return get_model_state_dict(model, options=_options(full_state_dict=True, cpu_offload=True))
 
 
+def full_parameters(model: torch.nn.Module, keep) -> dict[str, torch.Tensor]:
+    """The parameters whose names `keep` accepts, whole on rank 0's CPU ({} on the other
+    ranks). A collective: every rank gathers the same parameters in the same order."""
+    import torch.distributed as dist
+
+    out = {}
+    for name, p in model.named_parameters():
+        if keep(name):
+            whole = p.full_tensor() if hasattr(p, "full_tensor") else p
+            if dist.get_rank() == 0:
+                out[name] = whole.detach().cpu()
+    return out
+
+
 def spread_optimizer_from_rank0(model, optimizer, indexed: dict | None) -> None:
     """Rank 0's optimizer state of an unsharded run (`indexed`, keyed by parameter index; None on
     the other ranks) shared out as each rank's shards. A collective."""
@@ -82,7 +101,8 @@ def save(folder: Path, model, optimizer) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-    dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)},
+    dcp.save({"model": _trained(model, get_model_state_dict(model)),
+              "optim": get_optimizer_state_dict(model, optimizer)},
              checkpoint_id=Path(folder) / SHARDED_DIR)
 
 
@@ -98,18 +118,22 @@ def load(folder: Path, model, optimizer, *, alone: bool = False) -> None:
         set_optimizer_state_dict,
     )
 
-    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
+    whole = get_model_state_dict(model)
+    state = {"model": _trained(model, whole), "optim": get_optimizer_state_dict(model, optimizer)}
     with warnings.catch_warnings():   # DCP warns that `no_dist` reads in one process: meant
         warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
         dcp.load(state, checkpoint_id=Path(folder) / SHARDED_DIR, no_dist=alone)
-    set_model_state_dict(model, state["model"])
+    # a LoRA checkpoint holds the adapters alone: the frozen base stays as loaded
+    set_model_state_dict(model, state["model"],
+                         options=_options(strict=len(state["model"]) == len(whole)))
     set_optimizer_state_dict(model, optimizer, state["optim"])
 
 
 def read_whole(folder: Path, model) -> dict:
     """Checkpoint `folder`'s shards read whole by this process alone: the weights into `model`
     (unsharded), the optimizer state returned as torch.optim keeps it (by parameter index)."""
-    optimizer = torch.optim.AdamW(model.parameters())   # its hyperparameters come with the state
+    # its hyperparameters come with the state
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
     load(folder, model, optimizer, alone=True)
     return optimizer.state_dict()
 
@@ -119,7 +143,17 @@ def is_sharded(folder: Path) -> bool:
 
 
 def _names(model) -> list[str]:
-    return [name for name, p in model.named_parameters()]
+    """The optimizer's parameters, in its order: the trainable ones (LoRA: the adapters)."""
+    return [name for name, p in model.named_parameters() if p.requires_grad]
+
+
+def _trained(model, state: dict) -> dict:
+    """`state`'s trainable parameters where some are frozen (LoRA: the adapters; model.path
+    holds the base, its buffers and tied aliases), else all of it."""
+    params = dict(model.named_parameters())
+    if all(p.requires_grad for p in params.values()):
+        return state
+    return {k: v for k, v in state.items() if k in params and params[k].requires_grad}
 
 
 def named_optimizer_state(indexed: dict, model) -> dict:

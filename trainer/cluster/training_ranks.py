@@ -137,8 +137,8 @@ class Controller:
     def full_weights(self, learner, only_changed: bool = False) -> dict:
         """The policy's whole tensors for the generators (sharded: gathered onto rank 0);
         `only_changed`: LoRA's adapted layers alone, for engines that keep the rest."""
-        if learner.sharded:
-            self._send((WEIGHTS,))
+        if learner.sharded:   # the others gather the same tensors: the same collectives
+            self._send((WEIGHTS, only_changed))
         return learner.full_state_dict(only_changed)
 
     def save_shards(self, learner, folder) -> None:
@@ -201,7 +201,7 @@ def follow(controller: Controller, learner, pad_id: int, on_step=None) -> str:
                                dst=0, group=group)
             continue
         if message[0] == WEIGHTS:
-            learner.full_state_dict()
+            learner.full_state_dict(only_changed=message[1])
             continue
         if message[0] == CHECKPOINT:
             from trainer.cluster import sharding

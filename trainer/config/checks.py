@@ -72,9 +72,6 @@ def check(cfg: Config) -> None:
             target_modules(cfg.lora.target_modules)
         except ValueError as e:
             errors["lora.target_modules"] = str(e)
-        if cfg.cluster.sharding == "fsdp" and cfg.cluster.train_procs > 1:
-            errors["lora.rank"] = ("LoRA with cluster.sharding = 'fsdp' is not supported: the "
-                                   "adapters are small, replicate them (cluster.sharding = 'ddp')")
     mm = cfg.mismatch
     if mm.correction in ("mask", "band") and mm.lower >= mm.upper:
         errors["mismatch.upper"] = (f"the band [{mm.lower:g}, {mm.upper:g}] holds only a ratio of "

@@ -7,8 +7,8 @@ For each adapted linear layer of weight W (out x in):
 so the first policy is exactly the base model. Only A and B train (no optimizer state for W);
 the KL reference is the same model with its adapters switched off (no second copy); the engines
 decode W' (the embedded engine's fused kernels know no adapters). This module is the one place
-that knows PEFT's names: `merged_weights` turns the adapted model into the plain Hugging Face
-names the exports and SGLang use; `adapter_update` gives an engine that holds the base the
+that knows PEFT's names: `merged_weights` turns the adapted model's state into the plain Hugging
+Face names the exports and SGLang use; `adapter_update` gives an engine that holds the base the
 factors alone (W#lora_A = A, W#lora_B = (alpha/r) B), which it merges itself
 (trainer/engine/decoder.py `Decoder.load`): a weight update the adapters' size, not the layers'.
 """
@@ -29,6 +29,13 @@ LORA_A, LORA_B = "#lora_A", "#lora_B"
 
 def enabled(cfg) -> bool:
     return cfg.lora.rank > 0
+
+
+def engine_holds_base(cfg) -> bool:
+    """Whether a LoRA run's engine keeps the base and merges the factors it is sent (the
+    embedded engine and its generation processes), rather than reloading merged models
+    (SGLang servers)."""
+    return enabled(cfg) and cfg.rollout.engine == "embedded"
 
 
 def target_modules(value: str) -> list[str] | str:
@@ -88,30 +95,60 @@ def _plain(name: str) -> str:
     return name.removeprefix(_PREFIX).replace(_BASE, "")
 
 
-@torch.no_grad()
+def scales(model) -> dict[str, tuple[float, bool]]:
+    """Each adapted layer (PEFT's name): its alpha/r and whether it stores W transposed
+    (fan_in_fan_out, GPT-2's Conv1D). With the state dict, all the merge needs: the sharded
+    learner gathers the tensors (trainer/cluster/sharding.py), these stay on every rank."""
+    return {name: (float(layer.scaling[ADAPTER]), bool(getattr(layer, "fan_in_fan_out", False)))
+            for name, layer in _lora_layers(model)}
+
+
+def is_factor(name: str) -> bool:
+    """A parameter of the adapters (PEFT's name): what LoRA trains and an update sends."""
+    return f".lora_A.{ADAPTER}." in name or f".lora_B.{ADAPTER}." in name
+
+
+def _factors(state: dict, layer: str) -> tuple[torch.Tensor, torch.Tensor]:
+    return (state[f"{layer}.lora_A.{ADAPTER}.weight"].detach(),
+            state[f"{layer}.lora_B.{ADAPTER}.weight"].detach())
+
+
 def merged_weights(model) -> dict[str, torch.Tensor]:
-    """The policy's weights under plain Hugging Face names, each adapted W as W + (alpha/r) B A."""
-    out: dict[str, torch.Tensor] = {}
-    for name, t in model.state_dict().items():
-        if "lora_" not in name:
-            out[_plain(name)] = t.detach()
-    for name, layer in _lora_layers(model):
-        base = layer.get_base_layer().weight
-        delta = layer.get_delta_weight(ADAPTER)   # scaling * B @ A, in the base's layout
-        out[_plain(name) + ".weight"] = (base.float() + delta.float()).to(base.dtype)
+    """The adapted `model`'s weights merged, under plain names (`merge_state`)."""
+    return merge_state(model.state_dict(), scales(model))
+
+
+def adapter_update(model) -> dict[str, torch.Tensor]:
+    """The adapted `model`'s factors, as an engine holding the base takes them (`factor_state`)."""
+    return factor_state(model.state_dict(), scales(model))
+
+
+@torch.no_grad()
+def merge_state(state: dict[str, torch.Tensor], layer_scales: dict) -> dict[str, torch.Tensor]:
+    """The policy's weights (`state`: the adapted model's state dict, PEFT's names) under plain
+    Hugging Face names, each adapted W as W + (alpha/r) B A. {} for {} (a rank that gathered
+    nothing)."""
+    out = {_plain(name): t.detach() for name, t in state.items() if "lora_" not in name}
+    for layer, (scale, transposed) in layer_scales.items() if state else ():
+        a, b = _factors(state, layer)
+        w = _plain(layer) + ".weight"
+        delta = (b.float() @ a.float()) * scale
+        out[w] = (out[w].float() + (delta.T if transposed else delta)).to(out[w].dtype)
     return out
 
 
 @torch.no_grad()
-def adapter_update(model) -> dict[str, torch.Tensor]:
-    """Each adapted layer's factors under its plain weight name W: W#lora_A = A (r x in),
-    W#lora_B = (alpha/r) B (out x r). An engine holding the base weights decodes
-    W + (W#lora_B) @ (W#lora_A)."""
+def factor_state(state: dict[str, torch.Tensor], layer_scales: dict) -> dict[str, torch.Tensor]:
+    """Each adapted layer's factors (`state`: the adapters' tensors at least, PEFT's names)
+    under its plain weight name W: W#lora_A = A (r x in), W#lora_B = (alpha/r) B (out x r). An
+    engine holding the base weights decodes W + (W#lora_B) @ (W#lora_A). {} for {}."""
     out: dict[str, torch.Tensor] = {}
-    for name, layer in _lora_layers(model):
-        w = _plain(name) + ".weight"
-        out[w + LORA_A] = layer.lora_A[ADAPTER].weight.detach().clone()
-        out[w + LORA_B] = layer.lora_B[ADAPTER].weight.detach() * layer.scaling[ADAPTER]
+    for layer, (scale, transposed) in layer_scales.items() if state else ():
+        if transposed:   # the engines' layouts are Linear's
+            raise ValueError(f"{layer}: a fan_in_fan_out layer cannot be sent as factors")
+        a, b = _factors(state, layer)
+        w = _plain(layer) + ".weight"
+        out[w + LORA_A], out[w + LORA_B] = a.clone(), b * scale
     return out
 
 

@@ -78,8 +78,8 @@ def collaborators(run, resumed, tensors, *, system_telemetry: bool) -> None:
     reference = None   # else the learner copies the model it is given: the base weights
     if lora.enabled(cfg):   # the base, frozen, with adapters: fresh, or the checkpoint's
         base = load_model(cfg.model.path, run.device, run.dtype)
-        run.model = (lora.load(base, resumed[0] / "model") if resumes_weights
-                     else lora.wrap(base, cfg)).eval()
+        run.model = (lora.load(base, resumed[0] / "model") if resumes_weights and not resumed[1]
+                     else lora.wrap(base, cfg)).eval()   # a sharded checkpoint's: read below
     else:
         policy_path = (str(resumed[0] / "model") if resumes_weights and not resumed[1]
                        else cfg.model.path)
@@ -107,7 +107,7 @@ def _generation(run) -> None:
     # LoRA: the embedded engine holds the base (a plain copy, made once) and merges the adapters'
     # factors each update sends; SGLang servers reload whole merged models
     served, adapter = run.model, None
-    if lora.enabled(cfg) and cfg.rollout.engine == "embedded":
+    if lora.engine_holds_base(cfg):
         served, adapter = lora.base_copy(run.model), lora.adapter_update(run.model)
     elif lora.enabled(cfg):
         served = lora.merged_copy(run.model)
@@ -146,12 +146,13 @@ def resume_state(run, resumed, state, tensors) -> None:
         else:
             (run.run_dir / "config.toml").write_text(config_mod.to_toml(run.cfg))
     _restore_optimizer(run, resumed, tensors)
+    only_changed = lora.engine_holds_base(run.cfg)   # LoRA: the factors alone
     if run.dist.is_main and (run.cfg.rollout.engine != "embedded" or run.sharded):
         # servers hold whatever weights they were started with, generation processes the
         # base model's when a sharded checkpoint was resumed: push the policy's
-        run.engine.update_weights(run.learner.full_state_dict(), run.version)  # all ranks
+        run.engine.update_weights(run.learner.full_state_dict(only_changed), run.version)
     elif not run.dist.is_main and run.sharded:
-        run.learner.full_state_dict()   # rank 0's first push to the generators: a collective
+        run.learner.full_state_dict(only_changed)   # rank 0's first push: a collective
 
 
 def _restore_optimizer(run, resumed, tensors) -> None:

@@ -298,9 +298,7 @@ class Runner:
         t0 = time.monotonic()
         self.version += 1
         with self.timeline.span(CONTROLLER, "syncing weights"):
-            # the embedded engine (and its generation processes) holds the base of a LoRA run and
-            # merges the adapters' factors it is sent; SGLang reloads whole (merged) models
-            only_changed = cfg.rollout.engine == "embedded"
+            only_changed = lora.engine_holds_base(cfg)   # LoRA: the factors alone
             self.engine.update_weights(self.ranks.full_weights(self.learner, only_changed),
                                        self.version, recompute_kv=cfg.rollout.recompute_kv_on_update)
             self.rollout.on_new_version(self.version)
