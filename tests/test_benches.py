@@ -125,7 +125,7 @@ def test_bench_learn_side_by_side_trains_full_and_lora_each_in_its_own_process()
                     log=lines.append)
     full, lora = out["variants"]["full"], out["variants"]["lora"]
     assert (full["variant"], full["lora_rank"]) == ("full", 0)
-    assert (lora["variant"], lora["lora_rank"]) == ("lora", 16)
+    assert (lora["variant"], lora["lora_rank"]) == ("lora", 8)   # learn.LORA_VARIANT["demo"]
     assert full["steps"] == lora["steps"] == 2
     assert lora["trainable_params"] < full["trainable_params"] == full["total_params"]
     # an update sends the adapted layers only, not the embeddings and norms

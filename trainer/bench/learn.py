@@ -42,18 +42,21 @@ PRESET_DEFAULTS = {
     "smollm2-math": (900.0, 200, ["rollout.rollout_batch_size=4", "rollout.n_samples_per_prompt=4",
                                   "rollout.max_response_len=96", "rollout.max_slots=16"]),
 }
-# real models' presets: full fine-tuning against LoRA (these settings: an adapter's learning rate
-# is about 10x full fine-tuning's)
-LORA_VARIANT = {"smollm2-math": ["lora.rank=16", "lora.alpha=32", "optim.lr=1e-4"]}
+# the LoRA variant's settings (an adapter's learning rate is about 10x full fine-tuning's); on a
+# real model's preset `--variant both` is the default
+LORA_VARIANT = {"smollm2-math": ["lora.rank=16", "lora.alpha=32", "optim.lr=1e-4"],
+                "demo": ["lora.rank=8", "lora.alpha=16", "optim.lr=2e-3"]}
+REAL_MODEL_PRESETS = ("smollm2-math",)
 
 
 def add_arguments(p) -> None:
     p.add_argument("--preset", default="demo")
-    p.add_argument("--seconds", type=float, default=None,
-                   help="RL time budget (default 600; 120 for smollm2-math)")
+    slow = "; ".join(f"{s:g} for {name}" for name, (s, _, _) in PRESET_DEFAULTS.items())
+    p.add_argument("--seconds", type=float, default=None, help=f"RL time budget (default 600; {slow})")
     p.add_argument("--steps", type=int, default=100_000, help="RL step budget")
-    p.add_argument("--eval-size", type=int, default=None, help="held-out problems (default 1000; "
-                   "64 for smollm2-math)")
+    small = "; ".join(f"{n} for {name}" for name, (_, n, _) in PRESET_DEFAULTS.items())
+    p.add_argument("--eval-size", type=int, default=None,
+                   help=f"held-out problems (default 1000; {small})")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
     p.add_argument("--variant", choices=["full", "lora", "both"], default=None,
@@ -62,7 +65,7 @@ def add_arguments(p) -> None:
 
 
 def run(args, log=print) -> dict:
-    variant = args.variant or ("both" if args.preset in LORA_VARIANT else "full")
+    variant = args.variant or ("both" if args.preset in REAL_MODEL_PRESETS else "full")
     if variant == "both":
         return _side_by_side(args, log)
     extra = LORA_VARIANT.get(args.preset, ["lora.rank=16", "lora.alpha=32"]) if variant == "lora" else []
