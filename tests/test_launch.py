@@ -6,6 +6,8 @@ tests see exactly which processes torchrun started and whether they are gone.
   end (PR_SET_PDEATHSIG on torchrun, which forwards SIGTERM to its ranks);
 - torchrun itself SIGKILLed: the ranks end (die_with_launcher);
 - stop(): everything ends; a failing rank: a non-zero status and its error in the stderr tail;
+  a rank killed by a signal: named, with the signal, the step and where a resume continues (the
+  same through the CLI on a real two-rank run, which then resumes);
 - `python -m trainer run PRESET --set cluster.train_procs=2` re-launches itself under torchrun.
 """
 import json
@@ -35,6 +37,9 @@ RANK = textwrap.dedent("""
         f.write(str(os.getpid()))
     if sys.argv[2:] == ["fail"] and os.environ["RANK"] == "1":
         raise RuntimeError("rank 1 cannot go on: bad input")
+    if sys.argv[2:] == ["kill"] and os.environ["RANK"] == "1":
+        time.sleep(1)
+        os.kill(os.getpid(), 9)
     time.sleep(600)
 """)
 
@@ -179,6 +184,116 @@ def test_a_failing_rank_gives_a_status_and_its_error(tmp_path, rank_script):
     assert error.endswith("RuntimeError: rank 1 cannot go on: bad input"), error
     assert "ChildFailedError" not in error and "ChildFailedError" in proc.stderr_tail(200)
     assert not any(_alive(p) for p in _pids(out).values())
+
+
+REPORT = """torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+=======================================================
+trainer FAILED
+-------------------------------------------------------
+Failures:
+[1]:
+  time      : 2026-12-04_12:44:36
+  host      : {host}
+  rank      : 0 (local_rank: 0)
+  exitcode  : -15 (pid: 11134)  (SIGTERM)
+  error_file: <N/A>
+  traceback : Signal 15 (SIGTERM) received by PID 11134
+-------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-12-04_12:44:36
+  host      : {host}
+  rank      : {rank} (local_rank: 1)
+  exitcode  : {code} (pid: 11135)
+  error_file: <N/A>
+  traceback : Signal 9 (SIGKILL) received by PID 11135
+======================================================="""
+
+
+@pytest.mark.parametrize("host, rank, code, words", [
+    ("localhost", 1, -9, "training rank 1 was killed by SIGKILL (signal 9)"),
+    ("gpu-node-7", 12, 1, "training rank 12 on gpu-node-7 exited with status 1"),
+    ("localhost", 3, -6, "training rank 3 was killed by SIGABRT (signal 6)"),
+])
+def test_torchruns_report_of_the_first_failure_in_words(host, rank, code, words):
+    lines = REPORT.format(host=host, rank=rank, code=code).splitlines()
+    assert launch.failure_cause(lines) == words   # the root cause, not the rank torchrun then stopped
+    assert launch.failure_cause(lines[:13]) is None   # no root cause: no guess
+
+
+def test_a_rank_killed_by_a_signal_is_named_with_the_step_and_where_a_resume_continues(tmp_path, rank_script):
+    out = tmp_path / "pids"
+    out.mkdir()
+    proc = launch.TorchrunProcess(launch.torchrun_argv([str(rank_script), str(out), "kill"], nproc=2),
+                                  env=_env(), cwd=str(ROOT)).start()
+    try:
+        rc = proc.wait(90)
+    finally:
+        proc.stop(grace_s=5)
+    assert rc != 0
+    said = proc.failure(last_step=7, checkpoint_step=6)
+    assert said == ("training rank 1 was killed by SIGKILL (signal 9) during step 8; "
+                    "resume continues from the checkpoint at step 6"), said   # not torchrun's banner
+    assert proc.failure().endswith("no checkpoint was written: a resume starts over")
+    assert not any(_alive(p) for p in _pids(out).values())
+
+
+def _rank_pids(torchrun_pid: int) -> dict[int, int]:
+    """{rank: pid} of torchrun's rank processes."""
+    out = {}
+    for child in psutil.Process(torchrun_pid).children():
+        try:
+            rank = child.environ().get("RANK")
+        except psutil.Error:
+            continue
+        if rank is not None:
+            out[int(rank)] = child.pid
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_training_rank_killed_mid_run_ends_the_cli_run_with_its_cause_and_resume_continues(tmp_path):
+    out = tmp_path / "run"
+    sets = ["rollout.rollout_batch_size=4", "rollout.n_samples_per_prompt=4", "rollout.max_response_len=48",
+            "rollout.max_slots=16", "run.eval_every=0", "run.checkpoint_every=1", "run.reward_workers=0",
+            "model.threads=1", "run.max_steps=500", "cluster.train_procs=2"]
+    cmd = [sys.executable, "-m", "trainer", "run", "demo", "--out", str(out)]
+    for s in sets:
+        cmd += ["--set", s]
+    env = {k: v for k, v in _env().items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
+    env["RLPILOT_DIST_TIMEOUT_S"] = "90"
+    cli = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait(lambda: (out / "checkpoints" / "step_000002").is_dir(), "two steps", timeout=150)
+        torchrun = _wait(lambda: [c for c in psutil.Process(cli.pid).children(recursive=True)
+                                  if "torch.distributed.run" in " ".join(c.cmdline())], "torchrun")[0]
+        ranks = _wait(lambda: (lambda r: r if len(r) == 2 else None)(_rank_pids(torchrun.pid)), "the ranks")
+        os.kill(ranks[1], signal.SIGKILL)
+        _, err = cli.communicate(timeout=60)
+    finally:
+        if cli.poll() is None:
+            cli.kill()
+    assert cli.returncode != 0
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    last, saved = rows[-1]["step"], launch_checkpoint_step(out)
+    said = next(line for line in err.splitlines() if line.startswith("run failed: "))
+    assert said == (f"run failed: training rank 1 was killed by SIGKILL (signal 9) during step {last + 1}; "
+                    f"resume continues from the checkpoint at step {saved}"), said
+    assert f"python -m trainer run --resume {out}" in err
+    assert not _alive(torchrun.pid) and not any(_alive(p) for p in ranks.values())
+    resumed = subprocess.run([sys.executable, "-m", "trainer", "run", "--resume", str(out),
+                              "--set", f"run.max_steps={saved + 1}"], cwd=ROOT, env=env,
+                             capture_output=True, text=True, timeout=150)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["step"] == saved + 1
+
+
+def launch_checkpoint_step(run_dir: Path) -> int:
+    from trainer.run import checkpoint
+
+    return checkpoint.latest_step(run_dir)
 
 
 def test_the_cli_relaunches_itself_under_torchrun(tmp_path):

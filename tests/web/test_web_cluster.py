@@ -1,13 +1,16 @@
 """Multi-process runs, the parts around the trainer: how many training processes a run may ask
 for (at launch, and again by the worker on its own machine), and a run whose torchrun fails
-before its rank 0 could report: it ends `failed` with torchrun's last error lines.
+before its rank 0 could report, or loses a rank mid-run: it ends `failed` naming the rank, how it
+ended, the step and where a resume continues, with the ranks' last error lines.
 The whole story in a browser is tests/web/test_web_multiprocess.py."""
 import json
+import re
 
 import pytest
 
 from trainer import config as config_mod
 from webapp.dashboard.access import validation
+from webapp.dashboard.actions import run_dir
 from webapp.dashboard.models import Run, Status
 from webapp.dashboard.worker import tasks
 
@@ -57,8 +60,40 @@ def test_a_failing_torchrun_fails_the_run_with_its_error(user, tiny, monkeypatch
     assert tasks.execute(Run.objects.get(pk=run.pk)) == Status.FAILED
     run.refresh_from_db()
     assert run.status == Status.FAILED and run.started_at and run.finished_at
-    assert "the training processes failed (torchrun exit status 1)" in run.error, run.error
+    assert re.match(r"training rank [01] exited with status 1 during step 1; no checkpoint was written: "
+                    r"a resume starts over\n", run.error), run.error
     assert "rank cannot start: no such device cuda:7" in run.error, run.error
+
+
+def test_a_training_rank_killed_mid_run_is_named_with_its_step_and_checkpoint(user, tiny, monkeypatch, tmp_path):
+    """Rank 1 SIGKILLed while the run is at step 7 with a checkpoint at step 6: the run's error
+    says so, not torchrun's banner (the same on a real run: tests/test_launch.py)."""
+    script = tmp_path / "rank.py"
+    script.write_text("import os, time\nif os.environ['RANK'] == '1':\n    os.kill(os.getpid(), 9)\n"
+                      "time.sleep(120)\n")
+    monkeypatch.setattr(tasks, "train_rank_argv", lambda rid, resume: [str(script)])
+    run = queued_run(user, tiny, **{"cluster.train_procs": 2})
+    ckpt = run_dir(run.pk) / "checkpoints" / "step_000006"
+    ckpt.mkdir(parents=True)
+    (ckpt / "state.json").write_text("{}")
+    monkeypatch.setattr(tasks.actions, "set_status", _running_at_step(7))
+    assert tasks.execute(Run.objects.get(pk=run.pk)) == Status.FAILED
+    run.refresh_from_db()
+    assert run.error == ("training rank 1 was killed by SIGKILL (signal 9) during step 8; "
+                         "resume continues from the checkpoint at step 6"), run.error
+
+
+def _running_at_step(step: int):
+    """actions.set_status, then the run at `step` (as rank 0's reports would have left it)."""
+    from webapp.dashboard import actions
+
+    real = actions.set_status
+
+    def set_status(rid, status, **kw):
+        done = real(rid, status, **kw)
+        Run.objects.filter(pk=rid).update(step=step)
+        return done
+    return set_status
 
 
 def test_the_pages_show_the_process_layout(alice, user, tiny, make_run):

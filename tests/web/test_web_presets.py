@@ -30,9 +30,9 @@ from django.db.models import Count
 from django.test import Client
 
 from trainer import config as config_mod
+from trainer.run import checkpoint
 from webapp.dashboard import actions
 from webapp.dashboard.models import ACTIVE, HistogramSnapshot, KnobChange, MetricPoint, Run, RunEvent
-from webapp.dashboard.worker import tasks
 
 # the module fixture writes committed rows (the worker reads them); the tests only judge what it
 # recorded (their mark makes pytest-django create the test database)
@@ -436,7 +436,7 @@ def drive_lifecycle(lc: Lifecycle, story: Story, setup_name: str) -> None:
         run = lc.wait_status("stopped", 90, "status stopped")
         st["stopped_at"] = stopped_at = run.step
         expect(stopped_at >= st["applied_step"] + 1, f"stopped at {stopped_at}, before the change's next step")
-        ckpt = tasks.latest_checkpoint_step(actions.run_dir(lc.rid))
+        ckpt = checkpoint.latest_step(actions.run_dir(lc.rid))
         assert ckpt == stopped_at, f"no checkpoint at the stop step {stopped_at}: " \
             f"{[p.name for p in (actions.run_dir(lc.rid) / 'checkpoints').glob('*')]}"
         expect(bool(lc.event("stop_requested") and lc.event("run_stopped")), "no stop_requested / run_stopped")

@@ -96,13 +96,40 @@ def _relaunch_under_torchrun(args) -> int | None:
         return None
     from trainer.cluster import launch
 
-    proc = launch.TorchrunProcess(launch.torchrun_argv(["-m", "trainer", *args.argv], procs)).start()
+    argv = list(args.argv)
+    if not args.resume and not args.out:   # named here, so that a failure can point at it
+        args.out = f"runs/{Path(args.config).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
+        argv += ["--out", args.out]
+    proc = launch.TorchrunProcess(launch.torchrun_argv(["-m", "trainer", *argv], procs)).start()
     print(f"cluster.train_procs={procs}: training under torchrun (pid {proc.pid})", flush=True)
     try:
-        return proc.wait()
+        rc = proc.wait()
     except KeyboardInterrupt:   # torchrun runs in a session of its own: Ctrl-C reaches only us
         proc.stop()
         return 130
+    if rc != 0:   # which rank, how, in which step, and where a resume continues
+        run_dir = Path(args.resume or args.out)
+        why = proc.failure(last_step=_last_step(run_dir), checkpoint_step=checkpoint.latest_step(run_dir))
+        again = f"\n(python -m trainer run --resume {run_dir})" if run_dir.is_dir() else ""
+        print(f"run failed: {why}{again}", file=sys.stderr, flush=True)
+    return rc
+
+
+def _last_step(run_dir: Path) -> int | None:
+    """The last step a run directory's metrics.jsonl records (None before the first)."""
+    try:
+        with open(run_dir / "metrics.jsonl", "rb") as f:   # its end is enough
+            f.seek(max(f.seek(0, 2) - 65536, 0))
+            lines = f.read().decode(errors="replace").splitlines()
+    except OSError:
+        return None
+    steps = []
+    for line in lines:
+        try:
+            steps.append(json.loads(line).get("step"))
+        except (ValueError, AttributeError):   # a line cut by the seek or by the kill
+            continue
+    return max((s for s in steps if isinstance(s, int)), default=None)
 
 
 def _run(args) -> int:

@@ -33,6 +33,7 @@ import ctypes
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -44,6 +45,11 @@ LAUNCHER_PID_ENV = "RLPILOT_LAUNCHER_PID"   # torchrun's pid, for its ranks (die
 TAIL_LINES = 200
 # torchrun's own log lines (glog style: "E1202 10:04:05.508000 12654 .../torch/distributed/...] ...")
 TORCHRUN_LOG = re.compile(r"^[IWEF]\d{4} [\d:.]+ +\d+ \S*torch/distributed/")
+# torchrun's ChildFailedError table: the first rank that failed, its fields ("rank : 1 (local_rank: 1)")
+ROOT_CAUSE = "Root Cause (first observed failure):"
+REPORT_FIELD = re.compile(r"^\s*(rank|exitcode|host)\s*:\s*(-?\d+|\S+)")
+# torchrun's banner before the ranks start, which says nothing about a failure
+BANNER = re.compile(r"^\*+$|^Setting OMP_NUM_THREADS environment variable")
 
 
 def torchrun_argv(target: Sequence[str], nproc: int, *, nnodes: int = 1, node_rank: int | None = None,
@@ -67,6 +73,36 @@ def torchrun_argv(target: Sequence[str], nproc: int, *, nnodes: int = 1, node_ra
         if node_rank is not None:
             argv += ["--node_rank", str(node_rank)]
     return argv + ["--nproc_per_node", str(nproc), *target]
+
+
+def failure_cause(lines: Sequence[str]) -> str | None:
+    """torchrun's report of the first rank that failed, in words: "training rank 1 was killed
+    by SIGKILL (signal 9)", "training rank 0 exited with status 1"; None without a report."""
+    start = next((i for i, line in enumerate(lines) if line.strip() == ROOT_CAUSE), None)
+    if start is None:
+        return None
+    fields: dict[str, str] = {}
+    for line in lines[start + 1:]:
+        if line.startswith("====="):
+            break
+        m = REPORT_FIELD.match(line)
+        if m:
+            fields.setdefault(m[1], m[2])
+    try:
+        rank, code = int(fields["rank"]), int(fields["exitcode"])
+    except (KeyError, ValueError):
+        return None
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = "a signal"
+        what = f"was killed by {name} (signal {-code})"
+    else:
+        what = f"exited with status {code}"
+    host = fields.get("host")
+    where = f" on {host}" if host and host not in ("localhost", socket.gethostname()) else ""
+    return f"training rank {rank}{where} {what}"
 
 
 def layout_text(train_procs: int, gen_procs: int, sharding: str = "ddp") -> str:
@@ -181,13 +217,35 @@ class TorchrunProcess:
     def error_tail(self, lines: int = 20) -> str:
         """The last lines the ranks wrote before torchrun's failure report (its log lines, its
         ChildFailedError traceback and table say only which rank exited), else stderr_tail()."""
+        report, ranks = self._rank_lines()
+        if report is None:
+            return self.stderr_tail(lines)
+        return "\n".join((ranks or list(self.tail)[report:report + 1])[-lines:])
+
+    def _rank_lines(self) -> tuple[int | None, list[str]]:
+        """(where torchrun's failure report starts in the tail, or None; the lines the ranks
+        wrote before it, without torchrun's own log lines and banner)."""
         tail = list(self.tail)
         report = next((i for i, line in enumerate(tail)
                        if TORCHRUN_LOG.match(line) and "failed (exitcode" in line), None)
-        if report is None:
-            return self.stderr_tail(lines)
-        ranks = [line for line in tail[:report] if not TORCHRUN_LOG.match(line)]
-        return "\n".join((ranks or tail[report:report + 1])[-lines:])
+        ranks = [line for line in tail[:report if report is not None else 0]
+                 if not TORCHRUN_LOG.match(line) and not BANNER.match(line.strip())]
+        return report, ranks
+
+    def failure(self, *, last_step: int | None = None, checkpoint_step: int | None = None,
+                lines: int = 20) -> str:
+        """Why the run's processes failed, for a person: the first failed rank in words
+        (failure_cause), the step it was in (after `last_step`), where a resume continues
+        (`checkpoint_step`), then what the ranks last wrote (error_tail, without torchrun's
+        banner), if anything."""
+        cause = failure_cause(list(self.tail)) or "the training processes failed"
+        during = f" during step {last_step + 1}" if last_step is not None else ""
+        resume = (f"resume continues from the checkpoint at step {checkpoint_step}"
+                  if checkpoint_step is not None else "no checkpoint was written: a resume starts over")
+        report, ranks = self._rank_lines()
+        said = "\n".join(ranks[-lines:]) if report is not None else self.stderr_tail(lines)
+        head = f"{cause}{during}; {resume}"
+        return f"{head}\n{said}" if said else head
 
     def stop(self, grace_s: float = 30.0) -> int | None:
         """SIGTERM torchrun's process group (torchrun forwards it to the ranks), SIGKILL it

@@ -135,6 +135,18 @@ def list_checkpoints(run_dir: str | Path) -> list[Path]:
                   if p.is_dir() and p.name.startswith(PREFIX) and (p / "state.json").is_file())
 
 
+def step_of(path: Path) -> int | None:
+    """The step of checkpoint folder `path` (step_000040 -> 40); None for another name."""
+    tail = Path(path).name[len(PREFIX):]
+    return int(tail) if Path(path).name.startswith(PREFIX) and tail.isdigit() else None
+
+
+def latest_step(run_dir: str | Path) -> int | None:
+    """The step of the run's latest complete checkpoint; None without one."""
+    found = list_checkpoints(run_dir)
+    return step_of(found[-1]) if found else None
+
+
 def latest(run_dir: str | Path) -> Path:
     found = list_checkpoints(run_dir)
     if not found:

@@ -48,13 +48,13 @@ def parent_config(parent_dir: str | Path) -> config_mod.Config:
 
 def checkpoint_steps(run_dir: str | Path) -> list[int]:
     """The steps of the complete checkpoints of a run directory, oldest first."""
-    return [s for s in (_step_of(p) for p in checkpoint.list_checkpoints(run_dir)) if s is not None]
+    return [s for s in map(checkpoint.step_of, checkpoint.list_checkpoints(run_dir)) if s is not None]
 
 
 def find_checkpoint(run_dir: str | Path, step: int) -> Path:
     """The complete checkpoint folder at `step`; ConfigError listing the ones there otherwise."""
     for p in checkpoint.list_checkpoints(run_dir):
-        if _step_of(p) == step:
+        if checkpoint.step_of(p) == step:
             return p
     steps = checkpoint_steps(run_dir)
     there = (f"its checkpoints are at step{'s' if len(steps) > 1 else ''} "
@@ -142,8 +142,3 @@ def _link_or_copy(src: str, dst: str) -> str:
     except OSError:
         shutil.copy2(src, dst)
     return dst
-
-
-def _step_of(path: Path) -> int | None:
-    tail = path.name[len(checkpoint.PREFIX):]
-    return int(tail) if tail.isdigit() else None

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import shutil
 import socket
 import subprocess
@@ -33,15 +32,6 @@ from webapp.dashboard.worker import sweep
 from webapp.dashboard.worker.telemetry import DbControlSource, DbSink, Heartbeat
 
 log = logging.getLogger(__name__)
-
-
-def latest_checkpoint_step(path) -> int | None:
-    try:
-        ck = checkpoint.latest(path)
-    except FileNotFoundError:
-        return None
-    m = re.search(r"(\d+)$", ck.name)
-    return int(m.group(1)) if m else None
 
 
 @shared_task(name=actions.TRAIN_TASK, bind=True, acks_late=False, ignore_result=True)
@@ -66,8 +56,7 @@ def drop_checkpoints_after(path, step: int) -> list[str]:
     again (the run is rewound to `step`), so they go."""
     dropped = []
     for ck in checkpoint.list_checkpoints(path):
-        m = re.search(r"(\d+)$", ck.name)
-        if m and int(m.group(1)) > step:
+        if (checkpoint.step_of(ck) or 0) > step:
             shutil.rmtree(ck, ignore_errors=True)
             dropped.append(ck.name)
     return dropped
@@ -90,7 +79,7 @@ def execute(run: Run, resume: bool = False, resume_step: int | None = None,
     directory.mkdir(parents=True, exist_ok=True)
     if resume and resume_step is not None:
         drop_checkpoints_after(directory, resume_step)
-    ck_step = latest_checkpoint_step(directory) if resume else None
+    ck_step = checkpoint.latest_step(directory) if resume else None
     resume_from_ckpt = ck_step is not None
     attempt = run.attempts + 1
     if resume:
@@ -164,10 +153,10 @@ def train_under_torchrun(rid: int, procs: int, resume_from_ckpt: bool) -> str:
                 actions.heartbeat(rid)   # this worker and its torchrun are alive
     finally:
         proc.stop()   # nothing left behind if this process is interrupted
-    if rc != 0:
-        tail = proc.error_tail(20)
-        actions.end_run(rid, Status.FAILED, error=validation.clip(
-            f"the training processes failed (torchrun exit status {rc}): {tail}", 2000))
+    if rc != 0:   # which rank, how, in which step, and where a resume continues
+        last_step = Run.objects.filter(pk=rid).values_list("step", flat=True).first()
+        actions.end_run(rid, Status.FAILED, error=validation.clip(proc.failure(
+            last_step=last_step, checkpoint_step=checkpoint.latest_step(run_dir(rid))), 2000))
     return Run.objects.filter(pk=rid).values_list("status", flat=True).first() or "missing"
 
 
