@@ -29,6 +29,9 @@ EVIL = '<script>alert("x")</script>'
     ("warning", {"message": "non-finite loss"}, "non-finite loss"),
     ("checkpoint", {"path": "/runs/1/checkpoints/step_000010"}, "/runs/1/checkpoints/step_000010"),
     ("run_started", {"max_steps": 200, "device": "cpu"}, "max_steps=200 device=cpu"),
+    ("run_resumed", {"max_steps": 9, "devices": {"rank 0": {"kind": "gpu", "count": 1},
+                                                 "engine 1": {"kind": "gpu", "count": 1}}},
+     "max_steps=9 devices=rank 0 (1 gpu), engine 1 (1 gpu)"),
     ("rewound", {"step": 10, "from_checkpoint": True}, "step=10 from_checkpoint=true"),
     ("status", {"status": "failed", "previous": "running", "message": "boom"}, "failed — boom"),
 ])

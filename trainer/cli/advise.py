@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from trainer import config as config_mod
+from trainer.observe.metrics import read_jsonl
 from trainer.pilot.rules import advise
 from trainer.pilot.thresholds import DEFAULT
 
@@ -40,22 +41,10 @@ def read_run(path: str | Path) -> tuple[config_mod.Config, list[dict]]:
         raise RunDirError(f"{cfg_path}: {e}") from None
     except ValueError as e:   # tomllib.TOMLDecodeError
         raise RunDirError(f"{cfg_path}: not valid TOML: {e}") from None
-    rows = []
-    text = metrics_path.read_text(encoding="utf-8")
-    lines = text.splitlines()
-    for i, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            if i == len(lines) and not text.endswith("\n"):
-                continue   # a live run's last line, half written
-
-            raise RunDirError(f"{metrics_path}, line {i}: not JSON ({e.msg})") from None
-        if not isinstance(row, dict) or "step" not in row:
-            raise RunDirError(f"{metrics_path}, line {i}: not a metric row (no \"step\")")
-        rows.append(row)
+    try:
+        rows = read_jsonl(metrics_path)
+    except ValueError as e:
+        raise RunDirError(str(e)) from None
     return cfg, rows
 
 

@@ -296,7 +296,7 @@ def build_parser() -> argparse.ArgumentParser:
     w.set_defaults(func=_cmd_warmup)
 
     from trainer import bench
-    from trainer.cli import advise, docs, export, reward, samples
+    from trainer.cli import advise, cost, docs, export, reward, samples
     from trainer.engine.sglang import server as sglang_server
     from trainer.models import gguf_import
     gguf_import.add_parser(sub)
@@ -305,6 +305,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_parser(sub)
     docs.add_parser(sub)
     advise.add_parser(sub)
+    cost.add_parser(sub)
     export.add_parser(sub)
     sglang_server.add_parser(sub)
     return p

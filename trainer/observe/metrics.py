@@ -140,6 +140,28 @@ def _clean(v):
     return v
 
 
+def read_jsonl(path: str | Path) -> list[dict]:
+    """The objects of one of these files, in order. A last line without its newline is a live
+    (or killed) run's half-written row and is left out; any other line that is not a JSON
+    object raises ValueError naming the file and line."""
+    text = Path(path).read_text(encoding="utf-8")
+    lines = text.splitlines()
+    rows = []
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            if i == len(lines) and not text.endswith("\n"):
+                continue
+            raise ValueError(f"{path}, line {i}: not JSON ({e.msg})") from None
+        if not isinstance(row, dict) or "step" not in row:
+            raise ValueError(f"{path}, line {i}: not a row of a run (no \"step\")")
+        rows.append(row)
+    return rows
+
+
 class JsonlSink(MetricsSink):
     def __init__(self, run_dir: str | Path):
         d = Path(run_dir)

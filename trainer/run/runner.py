@@ -31,7 +31,7 @@ from trainer.engine import rollout_precision
 from trainer.episode.engine import apply_limits
 from trainer.episode.environments import offered_tools
 from trainer.models import lora
-from trainer.observe import trackers
+from trainer.observe import cost, trackers
 from trainer.observe.metrics import MetricsSink, MultiSink
 from trainer.observe.timeline import CONTROLLER, rank_lane
 from trainer.rollout.asynchronous import AsyncStall, CollectInterrupted
@@ -110,7 +110,12 @@ class Runner:
                          "rollout_dtype": rollout_precision(self.engine, self.cfg.rollout.dtype,
                                                             self.dtype),
                          # what trains: every parameter, or LoRA's adapters (their file's bytes)
-                         **lora.sizes(self.model)})
+                         **lora.sizes(self.model),
+                         # what each process holds, for the cost account (trainer/observe/cost.py)
+                         "devices": cost.layout_devices(
+                             self.device.type, self.dist.size, torch.get_num_threads(),
+                             getattr(self.engine, "lane_pids", dict)(), self.cfg.async_.worker_threads,
+                             len(getattr(self.engine, "servers", ())))})
         status = FINISHED
         try:
             if self.step == 0 and self.cfg.run.eval_every:

@@ -185,4 +185,8 @@ def describe_event(kind: str, data: Any) -> str:
         return f"from run #{d.get('parent')} at step {d.get('step')}" + (f": {overrides}" if overrides else "") + by
     if kind == "status":
         return str(d.get("status", "")) + (f" — {d['message']}" if d.get("message") else "")
+    if kind in RUN_STARTS and isinstance(d.get("devices"), dict):   # what each process holds
+        held = ", ".join(f"{lane} ({x.get('count')} {x.get('kind')})" for lane, x in d["devices"].items()
+                         if isinstance(x, dict))
+        return f"{pairs(d, ('devices',))} devices={held}"
     return pairs(d)

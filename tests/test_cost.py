@@ -1,0 +1,152 @@
+"""The cost account (trainer/observe/cost.py, `python -m trainer cost`): device-seconds per
+process from the timeline, priced per device-hour; dropped tokens priced at their step's cost
+per generated token. Hand-computed on a recorded timeline and ledger, then reconciled with a
+real run's own clock."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from trainer.cli import cost as cost_cli
+from trainer.observe import cost
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# two steps of a layout with a training rank of 2 cores and a generation process of 1 core
+DEVICES = {"rank 0": {"kind": "cpu", "count": 2}, "engine": {"kind": "cpu", "count": 1}}
+SLICES = [
+    (1, [{"lane": "rank 0", "phase": "generating", "start": 100.0, "end": 104.0},
+         {"lane": "rank 0", "phase": "training", "start": 104.0, "end": 106.0},
+         {"lane": "engine", "phase": "generating", "start": 100.0, "end": 103.0},
+         {"lane": "tools", "phase": "tool", "start": 101.0, "end": 101.5}]),
+    (2, [{"lane": "rank 0", "phase": "waiting", "start": 110.0, "end": 112.0},
+         {"lane": "rank 0", "phase": "training", "start": 112.0, "end": 114.0},
+         {"lane": "engine", "phase": "generating", "start": 110.0, "end": 112.0}]),
+]
+ROWS = [
+    {"step": 0, "eval/accuracy": 0.40},
+    {"step": 1, "rollout/tokens/generated": 600, "rollout/tokens/trained": 300,
+     "rollout/waste/zero_variance": 200, "rollout/waste/version_span": 100},
+    {"step": 2, "rollout/tokens/generated": 400, "rollout/tokens/trained": 400,
+     "rollout/waste/stale": 40, "eval/accuracy": 0.46},
+]
+
+
+def test_a_recorded_run_costs_what_its_lanes_held_by_hand():
+    account = cost.run_cost(SLICES, ROWS, DEVICES, {"cpu": 0.36})
+    # the steps cover 100-106 and 110-114: 10 s; 3 cores held all that time
+    assert account["wall_s"] == pytest.approx(10.0) and account["device_s"] == pytest.approx(30.0)
+    lanes = {x["lane"]: x for x in account["lanes"]}
+    assert set(lanes) == {"rank 0", "engine"}   # the tools lane holds no device of its own
+    # rank 0: 2 cores x 10 s = 20; busy generating 4 s and training 4 s (x2); waiting is idle
+    assert lanes["rank 0"]["device_s"] == pytest.approx(20.0)
+    assert lanes["rank 0"]["busy_s"] == {"generating": 8.0, "training": 8.0}
+    assert lanes["rank 0"]["idle_s"] == pytest.approx(4.0)
+    # engine: 1 core x 10 s, generating 5 s
+    assert lanes["engine"]["idle_s"] == pytest.approx(5.0)
+    assert account["idle_share"] == pytest.approx(9.0 / 30.0)
+    assert account["device_hours"] == {"cpu": pytest.approx(30 / 3600)}
+    assert account["price"] == pytest.approx(30 / 3600 * 0.36)   # 0.003
+    figures = account["device_s_figures"]
+    assert figures["per_step"] == pytest.approx(15.0)
+    assert figures["per_trained_token"] == pytest.approx(30 / 700)
+    assert figures["per_1k_generated_tokens"] == pytest.approx(30.0)
+    assert account["accuracy_points_gained"] == pytest.approx(6.0)
+    assert figures["per_accuracy_point"] == pytest.approx(5.0)
+    assert account["price_figures"]["per_step"] == pytest.approx(15 / 3600 * 0.36)
+    # step 1: 6 s x 3 cores = 18 device-s over 600 tokens = 0.03 each; step 2: 4 s x 3 / 400 = 0.03
+    waste = account["waste_device_s"]
+    assert waste["zero_variance"] == pytest.approx(200 * 0.03)
+    assert waste["version_span"] == pytest.approx(100 * 0.03)
+    assert waste["stale"] == pytest.approx(40 * 0.03)
+    assert account["waste_price"]["stale"] == pytest.approx(40 * 0.03 / 3600 * 0.36)
+    assert account["waste_share"] == pytest.approx((6 + 3 + 1.2) / 30)
+
+
+def test_no_rate_means_hours_only_and_a_rate_reprices_the_whole_run():
+    hours = cost.run_cost(SLICES, ROWS, DEVICES, {})
+    assert hours["price"] is None and hours["price_figures"] is None and hours["waste_price"] is None
+    assert hours["device_hours"]["cpu"] > 0
+    one, two = (cost.run_cost(SLICES, ROWS, DEVICES, {"cpu": r})["price"] for r in (0.5, 1.0))
+    assert two == pytest.approx(2 * one)   # the past is priced at the rate given, all of it
+    # a rate for a kind the run did not use prices nothing
+    assert cost.run_cost(SLICES, ROWS, DEVICES, {"gpu": 3.0})["price"] is None
+
+
+def test_a_step_recorded_twice_by_a_resume_is_paid_twice():
+    again = SLICES + [(2, [{"lane": "rank 0", "phase": "training", "start": 200.0, "end": 204.0}])]
+    rows = ROWS + [{"step": 2, "rollout/tokens/generated": 100, "rollout/waste/stale": 10}]
+    account = cost.run_cost(again, rows, DEVICES, {})
+    assert account["wall_s"] == pytest.approx(14.0) and account["steps"] == 3
+    # the second attempt at step 2: 4 s x 3 cores over 100 tokens = 0.12 per token
+    assert account["waste_device_s"]["stale"] == pytest.approx(40 * 0.03 + 10 * 0.12)
+
+
+def test_the_layout_says_what_each_process_holds():
+    assert cost.layout_devices("cpu", 1, 2, {}, 1, 0) == {"rank 0": {"kind": "cpu", "count": 2}}
+    cluster = cost.layout_devices("cuda", 2, 8, {"engine 0": 11, "engine 1": 12}, 1, 0)
+    assert cluster == {"rank 0": {"kind": "gpu", "count": 1}, "rank 1": {"kind": "gpu", "count": 1},
+                       "engine 0": {"kind": "gpu", "count": 1}, "engine 1": {"kind": "gpu", "count": 1}}
+    servers = cost.layout_devices("cpu", 1, 1, {}, 1, 2)
+    assert servers["server 0"] == servers["server 1"] == {"kind": "cpu", "count": 1}
+
+
+@pytest.mark.parametrize("pairs, words", [
+    (["tpu=3"], "KIND one of gpu, cpu"),
+    (["gpu"], "expected KIND=PRICE"),
+    (["gpu=cheap"], "'cheap' is not a price"),
+    (["cpu=-1"], "a finite number >= 0"),
+    (["cpu=inf"], "a finite number >= 0"),
+])
+def test_a_bad_rate_is_refused_by_name(pairs, words):
+    with pytest.raises(cost_cli.CostError, match=words):
+        cost_cli.rates_from(pairs, environ={})
+
+
+def test_rates_come_from_the_environment_unless_given():
+    env = {"RLPILOT_RATE_GPU_HOUR": "2.5", "RLPILOT_RATE_CPU_CORE_HOUR": "0.05"}
+    assert cost_cli.rates_from([], environ=env) == {"gpu": 2.5, "cpu": 0.05}
+    assert cost_cli.rates_from(["gpu=4"], environ=env) == {"gpu": 4.0, "cpu": 0.05}
+    with pytest.raises(cost_cli.CostError, match="RLPILOT_RATE_GPU_HOUR"):
+        cost_cli.rates_from([], environ={"RLPILOT_RATE_GPU_HOUR": "lots"})
+
+
+@pytest.mark.timeout(300)
+def test_a_real_runs_account_reconciles_with_its_clock(tmp_path):
+    """A run with a generation process, from the CLI: the account's lanes are its processes, the
+    device-seconds are the steps' wall time x the devices (within 5% of the run's own clock,
+    run_started to run_finished), and the CLI prints it."""
+    out = tmp_path / "run"
+    sets = ["rollout.rollout_batch_size=4", "rollout.n_samples_per_prompt=4", "rollout.max_response_len=48",
+            "rollout.max_slots=16", "run.eval_every=3", "run.checkpoint_every=0", "run.reward_workers=0",
+            "model.threads=1", "run.max_steps=6", "cluster.gen_procs=1"]
+    cmd = [sys.executable, "-m", "trainer", "run", "demo", "--out", str(out)]
+    for s in sets:
+        cmd += ["--set", s]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    shown = subprocess.run([sys.executable, "-m", "trainer", "cost", str(out), "--json", "--rate", "cpu=0.1"],
+                           cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert shown.returncode == 0, shown.stderr
+    account = json.loads(shown.stdout)
+    lanes = {x["lane"]: x for x in account["lanes"]}
+    assert set(lanes) == {"rank 0", "engine"} and lanes["engine"]["count"] == 1
+    assert lanes["engine"]["busy_s"]["generating"] > 0 and lanes["rank 0"]["busy_s"]["training"] > 0
+    events = [json.loads(x) for x in (out / "events.jsonl").read_text().splitlines()]
+    clock = (next(e["time"] for e in events if e["kind"] == "run_finished")
+             - next(e["time"] for e in events if e["kind"] == "run_started"))
+    held = sum(x["count"] for x in lanes.values())
+    assert account["device_s"] == pytest.approx(account["wall_s"] * held)
+    assert account["wall_s"] == pytest.approx(clock, rel=0.05)
+    assert account["steps"] == 6 and account["price"] == pytest.approx(account["device_s"] / 3600 * 0.1)
+    text = subprocess.run([sys.executable, "-m", "trainer", "cost", str(out)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60).stdout
+    assert "6 steps over" in text and "engine (1 cpu)" in text and "per trained token" in text
+
+
+def test_a_directory_that_is_not_a_run_is_named(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "trainer", "cost", str(tmp_path)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and f"{tmp_path} has no config.toml" in done.stderr

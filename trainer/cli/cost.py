@@ -1,0 +1,114 @@
+"""`python -m trainer cost RUN [--rate gpu=PRICE] [--rate cpu=PRICE] [--json]`: what a CLI run
+cost (trainer/observe/cost.py): device-hours by process and phase, the idle share, the figures
+per step / trained token / 1,000 generated tokens / accuracy point, and what the dropped
+tokens cost by reason. Prices are per device-hour (a CPU device is a core); without a rate the
+account is in hours only. RLPILOT_RATE_GPU_HOUR and RLPILOT_RATE_CPU_CORE_HOUR give defaults."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+from trainer.observe import cost
+from trainer.observe.metrics import read_jsonl
+
+RATE_ENV = {"gpu": "RLPILOT_RATE_GPU_HOUR", "cpu": "RLPILOT_RATE_CPU_CORE_HOUR"}
+
+
+class CostError(ValueError):
+    """A run whose cost cannot be read; the message names the file and what is wrong."""
+
+
+def rates_from(pairs: list[str], environ=os.environ) -> dict[str, float]:
+    """Rates per device-hour: the environment's defaults, then each `kind=price` pair."""
+    items = [(k, environ[v], v) for k, v in RATE_ENV.items() if environ.get(v)]
+    for pair in pairs:
+        kind, sep, value = pair.partition("=")
+        items.append((kind.strip(), value, f"--rate {pair}") if sep else ("", "", f"--rate {pair}"))
+    out = {}
+    for kind, value, where in items:
+        if kind not in cost.KINDS:
+            raise CostError(f"{where}: expected KIND=PRICE with KIND one of {', '.join(cost.KINDS)}")
+        try:
+            price = float(value)
+        except ValueError:
+            raise CostError(f"{where}: {value!r} is not a price per device-hour") from None
+        if not price >= 0 or price == float("inf"):
+            raise CostError(f"{where}: a price per device-hour is a finite number >= 0; got {value}")
+        out[kind] = price
+    return out
+
+
+def read_account(run_dir: str | Path, rates: dict[str, float]) -> dict:
+    """The cost of run directory `run_dir` (its timeline, metrics and run_started event)."""
+    d = Path(run_dir)
+    if not (d / "config.toml").is_file():
+        raise CostError(f"{d} has no config.toml: not a run directory")
+    try:
+        rows = read_jsonl(d / "metrics.jsonl")
+        timeline = read_jsonl(d / "timeline.jsonl")
+        events = read_jsonl(d / "events.jsonl")
+    except FileNotFoundError as e:
+        raise CostError(f"{d}: no {Path(e.filename).name}: the run has not reported a step yet") from None
+    except ValueError as e:
+        raise CostError(str(e)) from None
+    starts = [e for e in events if e.get("kind") in ("run_started", "run_resumed")]
+    devices = next((e["devices"] for e in reversed(starts) if isinstance(e.get("devices"), dict)), None)
+    if devices is None:
+        raise CostError(f"{d}/events.jsonl: no run_started event records the run's devices "
+                        f"(a run from before the cost account)")
+    return cost.run_cost([(t["step"], t.get("spans") or []) for t in timeline], rows, devices, rates)
+
+
+def _hours(seconds: float) -> str:
+    """Device time for a person: seconds under ten minutes, else hours."""
+    return f"{seconds:.1f} s" if seconds < 600 else f"{seconds / 3600:.3f} h"
+
+
+def text(account: dict) -> str:
+    """The account for a person."""
+    money = account["price"] is not None
+    out = [f"{account['steps']} steps over {account['wall_s']:.0f} s of steps; "
+           f"idle {account['idle_share']:.0%} of the devices' time"]
+    for kind, hours in account["device_hours"].items():
+        rate = account["rates"].get(kind)
+        out.append(f"  {kind}: {hours:.4f} device-hours" + (f" x {rate:g}/h = {hours * rate:.4g}" if rate else ""))
+    if money:
+        out.append(f"  price: {account['price']:.4g}")
+    out.append("per process (device time; busy by phase, idle):")
+    for lane in account["lanes"]:
+        busy = ", ".join(f"{p} {_hours(s)}" for p, s in sorted(lane["busy_s"].items(), key=lambda x: -x[1]))
+        out.append(f"  {lane['lane']} ({lane['count']} {lane['kind']}): {_hours(lane['device_s'])}; "
+                   f"{busy or 'nothing recorded'}; idle {_hours(lane['idle_s'])}")
+    figures = account["price_figures"] if money else account["device_s_figures"]
+    unit = "" if money else " device-seconds"
+    out.append("per unit" + (" (price)" if money else "") + ":")
+    for name, value in figures.items():
+        out.append(f"  {name.replace('_', ' ')}: " + ("-" if value is None else f"{value:.6g}{unit}"))
+    waste = account["waste_price"] if money else account["waste_device_s"]
+    out.append(f"dropped tokens cost {account['waste_share']:.1%} of the run"
+               + (" (price by reason):" if money else " (device-seconds by reason):"))
+    for reason, value in waste.items():
+        if value:
+            out.append(f"  {reason}: {value:.6g}")
+    return "\n".join(out)
+
+
+def _cmd_cost(args) -> int:
+    try:
+        account = read_account(args.run_dir, rates_from(args.rate))
+    except CostError as e:
+        print(f"cost: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(account, indent=2) if args.json else text(account))
+    return 0
+
+
+def add_parser(sub) -> None:
+    s = sub.add_parser("cost", help="what a run cost: device-hours by process and phase, priced")
+    s.add_argument("run_dir", metavar="RUN", help="a run directory")
+    s.add_argument("--rate", action="append", default=[], metavar="KIND=PRICE",
+                   help="price per device-hour of a kind (gpu, cpu: per core); repeatable")
+    s.add_argument("--json", action="store_true", help="print the account as JSON")
+    s.set_defaults(func=_cmd_cost)

@@ -1,0 +1,175 @@
+"""What a run costs: device-seconds per process, by phase, priced per device-hour.
+
+Each process lane of the timeline (trainer/observe/timeline.py) holds `count` devices of one
+`kind` ("gpu", or "cpu" counted in cores: its torch threads) for as long as the run is up,
+whether it computes or waits; the run pays for them all that time:
+
+    wall                         = the seconds the run's steps cover (covered_seconds)
+    device_s(lane)               = wall × count(lane)
+    busy_s(lane, phase)          = Σ the lane's spans of that phase × count(lane)
+    idle_s(lane)                 = device_s(lane) − Σ busy_s(lane, ·)   (waiting, paused, unrecorded)
+    hours(kind)                  = Σ device_s of the lanes of that kind / 3600
+    price                        = Σ hours(kind) × rate(kind), the kinds with a rate only
+
+"waiting" and "paused" spans count as idle: a device held and not used. An engine inside rank
+0's process holds rank 0's devices (count 0 on its own lane); generation processes and SGLang
+servers hold their own (a server: one device of the run's kind, for the whole run; its own
+timeline is not recorded). Priced waste: a step's cost per generated token is that step's
+device-seconds (its covered wall × every lane's count) over the tokens it generated; the
+tokens the ledger dropped in that step (trainer/rollout/ledger.py) cost that much each.
+
+Pure functions over what a run writes (timeline slices, metrics rows, the `devices` of its
+run_started event); `python -m trainer cost RUN` prints them (trainer/cli/cost.py).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from trainer.observe.timeline import covered_seconds, rank_lane
+from trainer.rollout.ledger import REASONS
+
+KINDS = ("gpu", "cpu")
+IDLE_PHASES = ("waiting", "paused")   # a device held, not used
+
+
+def layout_devices(device_type: str, world_size: int, threads: int, engine_lanes: dict[str, int],
+                   engine_threads: int, servers: int) -> dict[str, dict]:
+    """{lane: {"kind", "count"}} of a run's processes: `world_size` training ranks with
+    `threads` torch threads each (a GPU each on CUDA), the engine's own processes
+    (`engine_lanes`, from its lane_pids) with `engine_threads`, and `servers` SGLang servers."""
+    kind = "gpu" if device_type == "cuda" else "cpu"
+
+    def count(cpu_threads: int) -> int:
+        return 1 if kind == "gpu" else max(int(cpu_threads), 1)
+
+    out = {rank_lane(r): {"kind": kind, "count": count(threads)} for r in range(world_size)}
+    for lane in engine_lanes:
+        out[lane] = {"kind": kind, "count": count(engine_threads)}
+    for i in range(servers):
+        out[f"server {i}"] = {"kind": kind, "count": 1}
+    return out
+
+
+@dataclass
+class LaneCost:
+    lane: str
+    kind: str
+    count: int
+    device_s: float
+    busy_s: dict[str, float] = field(default_factory=dict)   # phase -> device-seconds
+    idle_s: float = 0.0
+
+    def as_dict(self) -> dict:
+        return {"lane": self.lane, "kind": self.kind, "count": self.count,
+                "device_s": round(self.device_s, 3), "idle_s": round(self.idle_s, 3),
+                "busy_s": {p: round(s, 3) for p, s in self.busy_s.items()}}
+
+
+def lane_costs(slices: list[list[dict]], devices: dict[str, dict]) -> list[LaneCost]:
+    """Each device-holding lane's device-seconds over the run's steps (`slices`: each step's
+    span dicts), busy by phase and idle."""
+    wall = covered_seconds(slices)
+    phases: dict[str, dict[str, float]] = {}
+    for spans in slices:
+        for s in spans:
+            lane = phases.setdefault(s["lane"], {})
+            lane[s["phase"]] = lane.get(s["phase"], 0.0) + s["end"] - s["start"]
+    out = []
+    for lane, d in devices.items():
+        n = int(d["count"])
+        busy = {p: sec * n for p, sec in phases.get(lane, {}).items() if p not in IDLE_PHASES}
+        held = wall * n
+        out.append(LaneCost(lane, d["kind"], n, held, busy, max(held - sum(busy.values()), 0.0)))
+    return out
+
+
+def step_device_seconds(spans: list[dict], devices: dict[str, dict]) -> float:
+    """One step's device-seconds: its covered wall time × every lane's devices."""
+    return covered_seconds([spans]) * sum(int(d["count"]) for d in devices.values())
+
+
+def _keyed(items, step_of) -> dict[tuple[int, int], object]:
+    """Items by (step, occurrence): a resumed run records the steps after its checkpoint
+    again, and both attempts were paid for."""
+    seen: dict[int, int] = {}
+    out = {}
+    for item in items:
+        step = step_of(item)
+        seen[step] = seen.get(step, -1) + 1
+        out[(step, seen[step])] = item
+    return out
+
+
+def priced_waste(slices: list[tuple[int, list[dict]]], rows: list[dict],
+                 devices: dict[str, dict]) -> dict[str, float]:
+    """Device-seconds the ledger's drops cost, per reason: each step's dropped tokens
+    (rollout/waste/<reason>) × that step's device-seconds per generated token. A step that
+    generated nothing (or has no timeline) prices its drops at the run's mean."""
+    spans_of = _keyed(slices, lambda x: x[0])
+    steps = _keyed([r for r in rows if "rollout/tokens/generated" in r], lambda r: r["step"])
+    per_token: dict[tuple[int, int], float] = {}
+    spent = generated = 0.0
+    for key, r in steps.items():
+        made = r.get("rollout/tokens/generated") or 0
+        if key not in spans_of:
+            continue
+        cost = step_device_seconds(spans_of[key][1], devices)
+        spent, generated = spent + cost, generated + made
+        if made:
+            per_token[key] = cost / made
+    mean = spent / generated if generated else 0.0
+    out = dict.fromkeys(REASONS, 0.0)
+    for key, r in steps.items():
+        for reason in REASONS:
+            out[reason] += (r.get(f"rollout/waste/{reason}") or 0) * per_token.get(key, mean)
+    return out
+
+
+def price(seconds_by_kind: dict[str, float], rates: dict[str, float]) -> float | None:
+    """The money for each kind's device-seconds at `rates` (per device-hour); None when no
+    kind used has a rate (hours only)."""
+    priced = [k for k, s in seconds_by_kind.items() if s and rates.get(k)]
+    if not priced:
+        return None
+    return sum(seconds_by_kind[k] / 3600 * rates[k] for k in priced)
+
+
+def run_cost(slices: list[tuple[int, list[dict]]], rows: list[dict], devices: dict[str, dict],
+             rates: dict[str, float]) -> dict:
+    """The whole account of a run: its lanes, hours per kind, the price (where rates are set),
+    per step / trained token / 1,000 generated tokens / accuracy point gained, the idle share,
+    and the priced waste. `slices`: (step, spans) of its timeline, `rows`: its metrics rows,
+    both in the order written; `rates`: price per device-hour by kind."""
+    lanes = lane_costs([spans for _, spans in slices], devices)
+    by_kind = {k: sum(c.device_s for c in lanes if c.kind == k) for k in KINDS}
+    total_s = sum(by_kind.values())
+    steps = [r for r in rows if "rollout/tokens/generated" in r]
+    trained = sum(r.get("rollout/tokens/trained") or 0 for r in steps)
+    generated = sum(r.get("rollout/tokens/generated") or 0 for r in steps)
+    evals = [r["eval/accuracy"] for r in rows if r.get("eval/accuracy") is not None]
+    gained = 100 * (evals[-1] - evals[0]) if len(evals) > 1 else None
+    waste_s = priced_waste(slices, rows, devices)
+    figures = {"per_step": _per(total_s, len(steps)), "per_trained_token": _per(total_s, trained),
+               "per_1k_generated_tokens": _per(1000 * total_s, generated),
+               "per_accuracy_point": _per(total_s, gained) if gained and gained > 0 else None}
+    money = price(by_kind, rates)
+    # every lane is held for the whole run, so each step has the run's mix of kinds: money per
+    # device-second is one number, and any device-seconds figure converts by it
+    scale = money / total_s if money is not None and total_s else None
+    return {
+        "wall_s": covered_seconds([spans for _, spans in slices]), "steps": len(steps),
+        "lanes": [c.as_dict() for c in lanes], "device_s": total_s,
+        "device_hours": {k: v / 3600 for k, v in by_kind.items() if v},
+        "idle_share": sum(c.idle_s for c in lanes) / total_s if total_s else 0.0,
+        "accuracy_points_gained": gained, "device_s_figures": figures,
+        "rates": {k: v for k, v in rates.items() if v}, "price": money,
+        "price_figures": None if scale is None else {
+            k: None if v is None else v * scale for k, v in figures.items()},
+        "waste_device_s": waste_s,
+        "waste_price": None if scale is None else {k: v * scale for k, v in waste_s.items()},
+        "waste_share": sum(waste_s.values()) / total_s if total_s else 0.0,
+    }
+
+
+def _per(amount: float, n: float | None) -> float | None:
+    return amount / n if n else None
