@@ -307,6 +307,9 @@ RLPILOT_MAX_PENDING_KNOB_CHANGES = env_int("RLPILOT_MAX_PENDING_KNOB_CHANGES", 1
 RLPILOT_KNOB_CHANGES_PER_MINUTE = env_int("RLPILOT_KNOB_CHANGES_PER_MINUTE", 60)
 RLPILOT_MAX_EXPORTS_PER_USER = env_int("RLPILOT_MAX_EXPORTS_PER_USER", 2)
 RLPILOT_MAX_SOCKETS_PER_USER = env_int("RLPILOT_MAX_SOCKETS_PER_USER", 20)
+# What a device-hour costs (docs/cost.md): 0 = no price, the report's cost is in hours only.
+RLPILOT_RATE_GPU_HOUR = env_float("RLPILOT_RATE_GPU_HOUR", 0.0)
+RLPILOT_RATE_CPU_CORE_HOUR = env_float("RLPILOT_RATE_CPU_CORE_HOUR", 0.0)
 # The cache holds the login failure counts: Redis when there is one (shared by every web
 # process; short timeouts, and the throttle lets logins through while it is down), else memory.
 if REDIS_URL:

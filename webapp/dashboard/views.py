@@ -14,7 +14,7 @@ from webapp.dashboard import actions, formatting
 from webapp.dashboard.access import validation
 from webapp.dashboard.api import filter_runs
 from webapp.dashboard.models import ACTIVE, RESUMABLE, Run, RunEvent, Status
-from webapp.dashboard.reports import comparison, exports, summary
+from webapp.dashboard.reports import comparison, cost, exports, summary
 from webapp.dashboard.worker import sweep
 
 FIELD_PREFIX = "cfg:"
@@ -247,6 +247,7 @@ def report_page(request, run_id: int):
     adapter_steps = exports.adapter_steps(run)   # a LoRA run's checkpoints: its adapter's download
     return render(request, "dashboard/report.html", {
         "run": run, "page": page, "rows": summary.summary_rows(summary.summary(run)),
+        "cost": cost.view(cost.account(run)),
         "timeline": summary.knob_timeline(run), "advice": summary.advice_history(run),
         "alert_history": summary.alerts(run),
         "active_alerts": active_alerts(run), "events": summary.event_rows(events),

@@ -23,7 +23,7 @@ from webapp.dashboard import formatting, sample_rows, timeline_rows
 from webapp.dashboard.actions import run_dir
 from webapp.dashboard.live import streams
 from webapp.dashboard.models import HistogramSnapshot, MetricPoint, RolloutSample, Run, RunEvent
-from webapp.dashboard.reports import summary
+from webapp.dashboard.reports import cost, summary
 from webapp.dashboard.reports.spreadsheet_safe import SafeWriter
 
 
@@ -229,6 +229,7 @@ def export_html(run: Run, max_points: int = 2000) -> str:
     snap = streams.metrics_snapshot(run, None, None, max_points, max_histograms=300, max_events=2000)
     return render_to_string("dashboard/report_export.html", {
         "run": run, "rows": summary.summary_rows(summary.summary(run)), "timeline": summary.knob_timeline(run),
+        "cost": cost.view(cost.account(run)),
         "trains": summary.trains(run), "advice": summary.advice_history(run),
         "alerts": summary.alerts(run),
         "events": summary.event_rows(RunEvent.objects.filter(run_id=run.pk).order_by("seq")[:2000]),

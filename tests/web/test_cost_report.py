@@ -1,0 +1,96 @@
+"""A run's cost on its report (webapp/dashboard/reports/cost.py over trainer/observe/cost.py): the
+recorded run of tests/test_cost.py, appended through the actions layer, shows its device-hours,
+idle share, per-unit figures, processes and priced waste, in hours without a rate and priced with
+one, on the report page and in the exported HTML; a real run a worker trained has its account;
+a run recorded before the devices were reported says why it has none."""
+from __future__ import annotations
+
+import re
+
+import pytest
+from test_cost import DEVICES, ROWS, SLICES
+
+from webapp.dashboard import actions
+from webapp.dashboard.actions import Record
+from webapp.dashboard.models import Run
+from webapp.dashboard.reports import exports
+
+pytestmark = pytest.mark.django_db
+
+
+def recorded(make_run, owner) -> Run:
+    run = make_run(owner, "finished", max_steps=2)
+    actions.append(run.pk, [Record("event", 0, "run_started", {"max_steps": 2, "devices": DEVICES})])
+    for row in ROWS:   # one scalar batch per row, as the trainer's sink writes them
+        actions.append(run.pk, [Record("points", row["step"], values={k: v for k, v in row.items() if k != "step"})])
+    for step, spans in SLICES:
+        actions.append(run.pk, [Record("timeline", step, values={"spans": spans})])
+    return run
+
+
+def section(html: str) -> str:
+    return html.split('<section class="card" id="cost">')[1].split("</section>")[0]
+
+
+def cells(html: str, table: str) -> dict[str, list[str]]:
+    """{row key: the text of each cell} of a report table."""
+    body = html.split(f'id="{table}"')[1].split("</table>")[0]
+    return {k: [re.sub(r"<[^>]+>", "", c).strip() for c in re.findall(r"<t[hd][^>]*>(.*?)</t[hd]>", row, re.S)]
+            for k, row in re.findall(r'<tr data-\w+="([^"]+)">(.*?)</tr>', body, re.S)}
+
+
+def test_the_report_shows_the_runs_cost_in_device_hours_without_a_rate(alice, user, make_run, settings):
+    settings.RLPILOT_RATE_GPU_HOUR = settings.RLPILOT_RATE_CPU_CORE_HOUR = 0.0
+    run = recorded(make_run, user)
+    html = section(alice.get(f"/runs/{run.pk}/report/").content.decode())
+    assert "0.008333 cpu device-hours" in html and "no rate set" in html and "price" not in html.split("no rate")[0]
+    assert 'id="cost-idle">30%<' in html and 'id="cost-waste-share">34.0%<' in html
+    figures = cells(html, "cost-figures")
+    assert figures["per_step"] == ["per step", "15 device-s"]
+    assert figures["per_accuracy_point"] == ["per held-out accuracy point gained", "5 device-s"]
+    lanes = cells(html, "cost-lanes")
+    assert lanes == {"rank 0": ["rank 0", "2 cpu", "20", "generating 8, training 8", "4"],
+                     "engine": ["engine", "1 cpu", "10", "generating 5", "5"]}
+    waste = cells(html, "cost-waste")
+    assert waste == {"zero_variance": ["zero_variance", "6 device-s"], "version_span": ["version_span", "3 device-s"],
+                     "stale": ["stale", "1.2 device-s"]}
+
+
+def test_a_rate_prices_the_whole_run_on_the_page_and_in_the_export(alice, user, make_run, settings):
+    settings.RLPILOT_RATE_CPU_CORE_HOUR = 0.36
+    run = recorded(make_run, user)
+    for html in (alice.get(f"/runs/{run.pk}/report/").content.decode(), exports.export_html(run)):
+        part = section(html)
+        assert "<strong>price 0.003</strong>" in part and "× 0.36 = 0.003" in part
+        assert cells(part, "cost-figures")["per_step"][1] == "0.0015"   # 15 device-s at 0.36/h
+        assert cells(part, "cost-waste")["stale"][1] == "0.00012"
+
+
+def test_a_run_without_devices_says_why_it_has_no_account(alice, user, make_run):
+    run = make_run(user, "finished")
+    actions.append(run.pk, [Record("event", 0, "run_started", {"max_steps": 2}),
+                            Record("timeline", 1, values={"spans": SLICES[0][1]})])
+    assert 'id="no-cost"' in section(alice.get(f"/runs/{run.pk}/report/").content.decode())
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.django_db(transaction=True)   # the worker's telemetry threads write committed rows
+def test_a_run_a_worker_trained_has_its_account(alice, user, tiny):
+    """The real path: the trainer's run_started devices, timeline and ledger rows through the
+    database sink, read back as the report's account."""
+    import json
+
+    from webapp.dashboard.worker import tasks
+
+    r = alice.post("/api/runs", json.dumps({"name": "cost", "preset": "demo",
+                                            "overrides": {**tiny, "run.max_steps": 3}}),
+                   content_type="application/json")
+    assert r.status_code == 201, r.content
+    run = Run.objects.get(pk=r.json()["id"])
+    assert tasks.execute(run) == "finished"
+    html = section(alice.get(f"/runs/{run.pk}/report/").content.decode())
+    lanes = cells(html, "cost-lanes")
+    assert list(lanes) == ["rank 0"] and lanes["rank 0"][1] == "1 cpu"   # model.threads = 1
+    assert "training" in lanes["rank 0"][3] and "generating" in lanes["rank 0"][3]
+    assert "cpu device-hours" in html
+    assert cells(html, "cost-figures")["per_trained_token"][1].endswith(" device-s")

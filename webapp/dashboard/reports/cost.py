@@ -1,0 +1,74 @@
+"""A run's cost account on its report (trainer/observe/cost.py over the run's rows): the
+timeline's slices, the ledger's per-step figures and evaluations, the devices its latest start
+recorded, priced at the deployment's rates (RLPILOT_RATE_GPU_HOUR, RLPILOT_RATE_CPU_CORE_HOUR)."""
+from __future__ import annotations
+
+from typing import Any
+
+from django.conf import settings
+
+from trainer.observe import cost
+from trainer.rollout.ledger import REASONS
+from webapp.dashboard import formatting
+from webapp.dashboard.models import MetricPoint, Run, RunEvent, TimelineSlice
+
+KEYS = ["rollout/tokens/generated", "rollout/tokens/trained", "eval/accuracy",
+        *(f"rollout/waste/{r}" for r in REASONS)]
+
+
+def rates() -> dict[str, float]:
+    return {"gpu": settings.RLPILOT_RATE_GPU_HOUR, "cpu": settings.RLPILOT_RATE_CPU_CORE_HOUR}
+
+
+def devices(run: Run) -> dict | None:
+    """What the run's processes held, from its latest run_started / run_resumed (None for a
+    run recorded before the trainer reported it)."""
+    for data in (RunEvent.objects.filter(run_id=run.pk, kind__in=formatting.RUN_STARTS)
+                 .order_by("-seq").values_list("data", flat=True)):
+        if isinstance(data, dict) and isinstance(data.get("devices"), dict):
+            return data["devices"]
+    return None
+
+
+def account(run: Run) -> dict[str, Any] | None:
+    """The run's cost account, or None when it has no devices recorded or no timeline yet."""
+    held = devices(run)
+    if held is None:
+        return None
+    slices = list(TimelineSlice.objects.filter(run_id=run.pk).order_by("seq").values_list("step", "spans"))
+    if not slices:
+        return None
+    rows: dict[int, dict] = {}   # one row per scalar batch (a step, or an evaluation), in order
+    for seq, step, key, value in (MetricPoint.objects.filter(run_id=run.pk, key__in=KEYS)
+                                  .order_by("seq").values_list("seq", "step", "key", "value")):
+        rows.setdefault(seq, {"step": step})[key] = value
+    return cost.run_cost(slices, list(rows.values()), held, rates())
+
+
+def view(a: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The account as the report's table rows: text for a person."""
+    if a is None:
+        return None
+    money = a["price"] is not None
+    figures = a["price_figures"] if money else a["device_s_figures"]
+    labels = {"per_step": "per step", "per_trained_token": "per trained token",
+              "per_1k_generated_tokens": "per 1,000 generated tokens",
+              "per_accuracy_point": "per held-out accuracy point gained"}
+    waste = a["waste_price"] if money else a["waste_device_s"]
+    return {
+        "money": money, "price": formatting.figure(a["price"]) if money else None,
+        "hours": [{"kind": k, "text": f"{h:.4g} {k} device-hours"
+                   + (f" × {a['rates'][k]:g} = {h * a['rates'][k]:.4g}" if a["rates"].get(k) else "")}
+                  for k, h in a["device_hours"].items()],
+        "idle": f"{a['idle_share']:.0%}", "waste_share": f"{a['waste_share']:.1%}",
+        "figures": [{"key": k, "label": labels[k], "text": "—" if v is None else
+                     (formatting.figure(v) if money else f"{formatting.figure(v)} device-s")}
+                    for k, v in figures.items()],
+        "lanes": [{"lane": x["lane"], "held": f"{x['count']} {x['kind']}",
+                   "device_s": formatting.figure(x["device_s"]), "idle_s": formatting.figure(x["idle_s"]),
+                   "busy": ", ".join(f"{p} {formatting.figure(v)}" for p, v in
+                                     sorted(x["busy_s"].items(), key=lambda kv: -kv[1]))}
+                  for x in a["lanes"]],
+        "waste": [{"reason": r, "text": formatting.figure(v) + ("" if money else " device-s")}
+                  for r, v in waste.items() if v],
+    }
