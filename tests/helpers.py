@@ -1,4 +1,6 @@
 """Helpers shared by the test files (imported as `helpers`; pytest puts tests/ on sys.path)."""
+import sys
+
 import pytest
 import torch
 
@@ -8,6 +10,15 @@ from trainer.rollout import ledger
 TINY_RUN = ["rollout.rollout_batch_size=4", "rollout.n_samples_per_prompt=4",
             "rollout.max_response_len=64", "rollout.max_slots=16", "run.eval_every=0",
             "run.checkpoint_every=0", "run.reward_workers=0", "model.threads=1"]
+
+
+def tiny_cli_run(out, *sets: str, preset: str = "demo") -> list[str]:
+    """`python -m trainer run PRESET --out OUT` on a tiny run (responses of at most 48 tokens),
+    `sets` after its settings (a later --set wins)."""
+    cmd = [sys.executable, "-m", "trainer", "run", preset, "--out", str(out)]
+    for s in [*TINY_RUN, "rollout.max_response_len=48", *sets]:
+        cmd += ["--set", s]
+    return cmd
 
 
 def full_forward_logprobs(model, s, temperature: float = 1.0) -> torch.Tensor:

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import tiny_cli_run
 
 from trainer.cli import cost as cost_cli
 from trainer.observe import cost
@@ -119,12 +120,7 @@ def test_a_real_runs_account_reconciles_with_its_clock(tmp_path):
     device-seconds are the steps' wall time x the devices (within 5% of the run's own clock,
     run_started to run_finished), and the CLI prints it."""
     out = tmp_path / "run"
-    sets = ["rollout.rollout_batch_size=4", "rollout.n_samples_per_prompt=4", "rollout.max_response_len=48",
-            "rollout.max_slots=16", "run.eval_every=3", "run.checkpoint_every=0", "run.reward_workers=0",
-            "model.threads=1", "run.max_steps=6", "cluster.gen_procs=1"]
-    cmd = [sys.executable, "-m", "trainer", "run", "demo", "--out", str(out)]
-    for s in sets:
-        cmd += ["--set", s]
+    cmd = tiny_cli_run(out, "run.eval_every=3", "run.max_steps=6", "cluster.gen_procs=1")
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
     shown = subprocess.run([sys.executable, "-m", "trainer", "cost", str(out), "--json", "--rate", "cpu=0.1"],

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from helpers import tiny_cli_run
 
 from trainer.cluster import launch
 
@@ -168,15 +169,22 @@ def test_ranks_die_with_a_sigkilled_torchrun_and_stop_ends_everything(tmp_path, 
     assert not _alive(again.pid) and not any(_alive(p) for p in pids.values()), pids
 
 
-def test_a_failing_rank_gives_a_status_and_its_error(tmp_path, rank_script):
+def _ranks_until_they_end(tmp_path, rank_script, how: str):
+    """torchrun of the rank script with rank 1 ending `how` ("fail", "kill"): (torchrun, its
+    status, the folder of the ranks' pids)."""
     out = tmp_path / "pids"
     out.mkdir()
-    proc = launch.TorchrunProcess(launch.torchrun_argv([str(rank_script), str(out), "fail"], nproc=2),
+    proc = launch.TorchrunProcess(launch.torchrun_argv([str(rank_script), str(out), how], nproc=2),
                                   env=_env(), cwd=str(ROOT)).start()
     try:
         rc = proc.wait(90)
     finally:
         proc.stop(grace_s=5)
+    return proc, rc, out
+
+
+def test_a_failing_rank_gives_a_status_and_its_error(tmp_path, rank_script):
+    proc, rc, out = _ranks_until_they_end(tmp_path, rank_script, "fail")
     assert rc != 0
     assert "rank 1 cannot go on: bad input" in proc.stderr_tail(200), proc.stderr_tail(200)
     # the error message: the rank's own lines, not torchrun's report of which rank exited
@@ -222,14 +230,7 @@ def test_torchruns_report_of_the_first_failure_in_words(host, rank, code, words)
 
 
 def test_a_rank_killed_by_a_signal_is_named_with_the_step_and_where_a_resume_continues(tmp_path, rank_script):
-    out = tmp_path / "pids"
-    out.mkdir()
-    proc = launch.TorchrunProcess(launch.torchrun_argv([str(rank_script), str(out), "kill"], nproc=2),
-                                  env=_env(), cwd=str(ROOT)).start()
-    try:
-        rc = proc.wait(90)
-    finally:
-        proc.stop(grace_s=5)
+    proc, rc, out = _ranks_until_they_end(tmp_path, rank_script, "kill")
     assert rc != 0
     said = proc.failure(last_step=7, checkpoint_step=6)
     assert said == ("training rank 1 was killed by SIGKILL (signal 9) during step 8; "
@@ -255,12 +256,7 @@ def _rank_pids(torchrun_pid: int) -> dict[int, int]:
 @pytest.mark.timeout(300)
 def test_a_training_rank_killed_mid_run_ends_the_cli_run_with_its_cause_and_resume_continues(tmp_path):
     out = tmp_path / "run"
-    sets = ["rollout.rollout_batch_size=4", "rollout.n_samples_per_prompt=4", "rollout.max_response_len=48",
-            "rollout.max_slots=16", "run.eval_every=0", "run.checkpoint_every=1", "run.reward_workers=0",
-            "model.threads=1", "run.max_steps=500", "cluster.train_procs=2"]
-    cmd = [sys.executable, "-m", "trainer", "run", "demo", "--out", str(out)]
-    for s in sets:
-        cmd += ["--set", s]
+    cmd = tiny_cli_run(out, "run.checkpoint_every=1", "run.max_steps=500", "cluster.train_procs=2")
     env = {k: v for k, v in _env().items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
     env["RLPILOT_DIST_TIMEOUT_S"] = "90"
     cli = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -298,12 +294,7 @@ def launch_checkpoint_step(run_dir: Path) -> int:
 
 def test_the_cli_relaunches_itself_under_torchrun(tmp_path):
     out = tmp_path / "run"
-    sets = ["rollout.rollout_batch_size=4", "rollout.n_samples_per_prompt=4", "rollout.max_response_len=48",
-            "rollout.max_slots=16", "run.eval_every=0", "run.checkpoint_every=0", "run.reward_workers=0",
-            "model.threads=1", "run.max_steps=2", "cluster.train_procs=2"]
-    cmd = [sys.executable, "-m", "trainer", "run", "demo", "--out", str(out)]
-    for s in sets:
-        cmd += ["--set", s]
+    cmd = tiny_cli_run(out, "run.max_steps=2", "cluster.train_procs=2")
     env = {k: v for k, v in _env().items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
     proc = subprocess.run(cmd, cwd=ROOT, env=dict(env, RLPILOT_DIST_TIMEOUT_S="90"), capture_output=True,
                           text=True, timeout=150)
