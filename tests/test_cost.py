@@ -11,7 +11,7 @@ import pytest
 from helpers import tiny_cli_run
 
 from trainer.cli import cost as cost_cli
-from trainer.observe import cost
+from trainer.observe import cost, forecast
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -137,6 +137,10 @@ def test_a_real_runs_account_reconciles_with_its_clock(tmp_path):
     assert account["device_s"] == pytest.approx(account["wall_s"] * held)
     assert account["wall_s"] == pytest.approx(clock, rel=0.05)
     assert account["steps"] == 6 and account["price"] == pytest.approx(account["device_s"] / 3600 * 0.1)
+    assert account["forecast"] is None   # it ended: what is left is how the forecast did
+    steps = [r["step"] for r in account["replay"]]   # 25/50/75% of the recorded steps
+    assert len(steps) == 3 and 1 <= steps[0] < steps[1] < steps[2]
+    assert all(r["forecast_s"] > 0 and r["actual_s"] > 0 for r in account["replay"])
     text = subprocess.run([sys.executable, "-m", "trainer", "cost", str(out)], cwd=ROOT,
                           capture_output=True, text=True, timeout=60).stdout
     assert "6 steps over" in text and "engine (1 cpu)" in text and "per trained token" in text
@@ -146,3 +150,37 @@ def test_a_directory_that_is_not_a_run_is_named(tmp_path):
     done = subprocess.run([sys.executable, "-m", "trainer", "cost", str(tmp_path)], cwd=ROOT,
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and f"{tmp_path} has no config.toml" in done.stderr
+
+
+# --- the forecast (trainer/observe/forecast.py) --------------------------------------------------
+
+def test_the_forecast_carries_the_recent_pace_forward_with_its_range_by_hand():
+    f = forecast.time_left([6.0, 4.0], 8)
+    # mean 5 s a step, s = sqrt(2); spread = sqrt(8 * 2 + (8 * sqrt(2))**2 / 2) = sqrt(80)
+    assert f["seconds"] == pytest.approx(40.0) and f["pace_s"] == pytest.approx(5.0)
+    assert f["low_s"] == pytest.approx(40 - 2 * 80 ** 0.5) and f["high_s"] == pytest.approx(40 + 2 * 80 ** 0.5)
+    priced = forecast.with_price(f, DEVICES, {"cpu": 0.36})   # 3 cores held
+    assert priced["device_s"] == {"cpu": pytest.approx(120.0)}
+    assert priced["price"] == pytest.approx(120 / 3600 * 0.36)
+    assert priced["price_low"] < priced["price"] < priced["price_high"]
+    assert forecast.with_price(f, DEVICES, {})["price"] is None   # hours only
+    assert forecast.time_left([], 8) is None
+    assert forecast.time_left([3.0], 0)["seconds"] == 0.0 and forecast.time_left([3.0], 0)["high_s"] == 0.0
+
+
+def test_the_forecast_reads_the_pace_since_the_last_knob_change():
+    walls = [1.0] * 30 + [4.0] * 5
+    assert forecast.window(walls, since_change=5) == [4.0] * 5    # the new pace
+    assert forecast.window(walls, since_change=2) == walls[-20:]   # too few since: the last 20
+    assert forecast.window(walls) == walls[-20:]
+
+
+def test_a_replayed_forecast_says_how_far_off_it_was():
+    walls = [2.0] * 10 + [3.0] * 10   # the run slowed down half way
+    got = forecast.replay(walls)
+    assert [r["step"] for r in got] == [5, 10, 15]
+    assert got[0]["forecast_s"] == pytest.approx(15 * 2.0) and got[0]["actual_s"] == pytest.approx(5 * 2 + 10 * 3)
+    assert got[0]["error"] == pytest.approx(30 / 40 - 1)
+    # at 75%: the last 20 steps of 15 are 10 at 2 s and 5 at 3 s; 5 steps to go at 3 s
+    assert got[2]["error"] == pytest.approx(5 * (35 / 15) / 15 - 1)
+    assert all(isinstance(r["in_range"], bool) for r in got)

@@ -94,3 +94,18 @@ def test_a_run_a_worker_trained_has_its_account(alice, user, tiny):
     assert "training" in lanes["rank 0"][3] and "generating" in lanes["rank 0"][3]
     assert "cpu device-hours" in html
     assert cells(html, "cost-figures")["per_trained_token"][1].endswith(" device-s")
+
+
+def test_the_api_forecasts_a_live_runs_time_and_price_to_its_end(alice, user, make_run, settings):
+    settings.RLPILOT_RATE_CPU_CORE_HOUR = 0.36
+    run = recorded(make_run, user)
+    Run.objects.filter(pk=run.pk).update(status="running", step=2, max_steps=10)
+    f = alice.get(f"/api/runs/{run.pk}").json()["forecast"]
+    # steps of 6 s and 4 s (their timelines' cover): 8 to go at 5 s; 3 cores at 0.36 an hour
+    assert f["steps_left"] == 8 and f["seconds"] == pytest.approx(40.0)
+    assert f["low_s"] == pytest.approx(40 - 2 * 80 ** 0.5) and f["price"] == pytest.approx(120 / 3600 * 0.36)
+    # a knob change at step 1: one step since it is too few to read a pace from, so both are used
+    actions.append(run.pk, [Record("event", 1, "knob_applied", {"changes": {"optim.lr": {"old": 1, "new": 2}}})])
+    assert alice.get(f"/api/runs/{run.pk}").json()["forecast"]["window"] == 2
+    Run.objects.filter(pk=run.pk).update(status="finished")
+    assert alice.get(f"/api/runs/{run.pk}").json()["forecast"] is None   # nothing left to forecast

@@ -1,8 +1,10 @@
 """`python -m trainer cost RUN [--rate gpu=PRICE] [--rate cpu=PRICE] [--json]`: what a CLI run
 cost (trainer/observe/cost.py): device-hours by process and phase, the idle share, the figures
-per step / trained token / 1,000 generated tokens / accuracy point, and what the dropped
-tokens cost by reason. Prices are per device-hour (a CPU device is a core); without a rate the
-account is in hours only. RLPILOT_RATE_GPU_HOUR and RLPILOT_RATE_CPU_CORE_HOUR give defaults."""
+per step / trained token / 1,000 generated tokens / accuracy point, and what the dropped tokens
+cost by reason; for a run still going, the time and price to run.max_steps
+(trainer/observe/forecast.py); for an ended one, how that forecast did at 25/50/75% of it.
+Prices are per device-hour (a CPU device is a core); without a rate the account is in hours
+only. RLPILOT_RATE_GPU_HOUR and RLPILOT_RATE_CPU_CORE_HOUR give defaults."""
 from __future__ import annotations
 
 import json
@@ -10,7 +12,8 @@ import os
 import sys
 from pathlib import Path
 
-from trainer.observe import cost
+from trainer.cli.advise import RunDirError, read_run
+from trainer.observe import cost, forecast
 from trainer.observe.metrics import read_jsonl
 
 RATE_ENV = {"gpu": "RLPILOT_RATE_GPU_HOUR", "cpu": "RLPILOT_RATE_CPU_CORE_HOUR"}
@@ -58,7 +61,23 @@ def read_account(run_dir: str | Path, rates: dict[str, float]) -> dict:
     if devices is None:
         raise CostError(f"{d}/events.jsonl: no run_started event records the run's devices "
                         f"(a run from before the cost account)")
-    return cost.run_cost([(t["step"], t.get("spans") or []) for t in timeline], rows, devices, rates)
+    slices = [(t["step"], t.get("spans") or []) for t in timeline]
+    account = cost.run_cost(slices, rows, devices, rates)
+    try:
+        cfg, _ = read_run(d)   # the config with its knob changes: run.max_steps as it is now
+    except RunDirError as e:
+        raise CostError(str(e)) from None
+    ends = [e["kind"] for e in events if e.get("kind") in ("run_started", "run_resumed", "run_finished",
+                                                           "run_stopped")]
+    ended = bool(ends) and ends[-1] in ("run_finished", "run_stopped")   # a resume goes on
+    walls = cost.step_walls(slices)
+    last = max((s for s, _ in slices), default=0)
+    changed = max((e["step"] for e in events if e.get("kind") == "knob_applied"), default=None)
+    since = None if changed is None else sum(1 for s, _ in slices if s > changed)
+    account["forecast"] = None if ended else forecast.with_price(
+        forecast.time_left(forecast.window(walls, since), cfg.run.max_steps - last), devices, rates)
+    account["replay"] = forecast.replay(walls) if ended and len(walls) >= 4 else None
+    return account
 
 
 def _hours(seconds: float) -> str:
@@ -92,6 +111,16 @@ def text(account: dict) -> str:
     for reason, value in waste.items():
         if value:
             out.append(f"  {reason}: {value:.6g}")
+    f = account.get("forecast")
+    if f is not None:
+        out.append(f"to go: {f['steps_left']} steps, {f['seconds']:.0f} s "
+                   f"({f['low_s']:.0f}-{f['high_s']:.0f} s) at {f['pace_s']:.2f} s a step over the last "
+                   f"{f['window']}" + (f"; price {f['price']:.4g} ({f['price_low']:.4g}-{f['price_high']:.4g})"
+                                       if f["price"] is not None else ""))
+    for r in account.get("replay") or []:
+        out.append(f"forecast replayed at {r['at']:.0%} (step {r['step']}): {r['forecast_s']:.0f} s "
+                   f"for {r['actual_s']:.0f} s actual ({r['error']:+.0%}"
+                   + ("" if r["in_range"] else ", outside its range") + ")")
     return "\n".join(out)
 
 

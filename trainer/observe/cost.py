@@ -83,6 +83,11 @@ def lane_costs(slices: list[list[dict]], devices: dict[str, dict]) -> list[LaneC
     return out
 
 
+def step_walls(slices: list[tuple[int, list[dict]]]) -> list[float]:
+    """Each recorded step's wall seconds (its timeline's cover), in the order written."""
+    return [covered_seconds([spans]) for _, spans in slices]
+
+
 def step_device_seconds(spans: list[dict], devices: dict[str, dict]) -> float:
     """One step's device-seconds: its covered wall time × every lane's devices."""
     return covered_seconds([spans]) * sum(int(d["count"]) for d in devices.values())

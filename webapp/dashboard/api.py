@@ -22,8 +22,8 @@ from trainer.pilot.thresholds import DEFAULT as DEFAULT_THRESHOLDS
 from webapp.dashboard import actions, advice, sample_rows, timeline_rows
 from webapp.dashboard.access import policy, validation
 from webapp.dashboard.live import streams
-from webapp.dashboard.models import ApiToken, KnobChange, Run, Status
-from webapp.dashboard.reports import exports
+from webapp.dashboard.models import ACTIVE, ApiToken, KnobChange, Run, Status
+from webapp.dashboard.reports import cost, exports
 from webapp.dashboard.worker import sweep
 
 log = logging.getLogger(__name__)
@@ -136,7 +136,9 @@ def run_json(run: Run, user, detail: bool = False) -> dict:
                       {"change_id": k.change_id, "knobs": k.knobs, "advice": k.advice}
                       for k in run.knob_changes.filter(status=KnobChange.PENDING)],
                   "forks": list(run.forks.order_by("pk").values_list("pk", flat=True)),
-                  "checkpoints": actions.checkpoint_steps(run)})   # the steps it can be forked from
+                  "checkpoints": actions.checkpoint_steps(run),   # the steps it can be forked from
+                  # time and price to max_steps at the recent pace (docs/cost.md)
+                  "forecast": cost.to_end(run) if run.status in ACTIVE else None})
     return d
 
 

@@ -7,7 +7,7 @@ from typing import Any
 
 from django.conf import settings
 
-from trainer.observe import cost
+from trainer.observe import cost, forecast
 from trainer.rollout.ledger import REASONS
 from webapp.dashboard import formatting
 from webapp.dashboard.models import MetricPoint, Run, RunEvent, TimelineSlice
@@ -43,6 +43,20 @@ def account(run: Run) -> dict[str, Any] | None:
                                   .order_by("seq").values_list("seq", "step", "key", "value")):
         rows.setdefault(seq, {"step": step})[key] = value
     return cost.run_cost(slices, list(rows.values()), held, rates())
+
+
+def to_end(run: Run) -> dict[str, Any] | None:
+    """Time and price to the run's max_steps from its recent pace (trainer/observe/forecast.py),
+    the steps since its last knob change when there are enough; None without devices or steps."""
+    held = devices(run)
+    slices = list(TimelineSlice.objects.filter(run_id=run.pk).order_by("seq").values_list("step", "spans"))
+    if held is None or not slices:
+        return None
+    changed = (RunEvent.objects.filter(run_id=run.pk, kind="knob_applied").order_by("-seq")
+               .values_list("step", flat=True).first())
+    since = None if changed is None else sum(1 for step, _ in slices if step > changed)
+    recent = forecast.window(cost.step_walls(slices), since)
+    return forecast.with_price(forecast.time_left(recent, max(run.max_steps - run.step, 0)), held, rates())
 
 
 def view(a: dict[str, Any] | None) -> dict[str, Any] | None:
