@@ -108,10 +108,12 @@
       for (const k in m.values) addPoint(k, m.step, m.values[k]);
       setStep(m.step);
       advice.schedule();   // new steps: the advice may have changed
+      forecast.schedule();   // ... and the pace
     } else if (m.type === "histogram") {
       addHist(m);
     } else if (m.type === "status") {
       setStatus(m.status, m.cursor, m.allowed_actions);
+      forecast.schedule();   // an ended run has nothing left to forecast
       logEvent(m.step, "status", m.text);
       if (m.message) { const e = document.getElementById("run-error"); e.textContent = m.message; e.hidden = false; }
     } else if (m.type === "event") {
@@ -203,6 +205,8 @@
   // --- the panels: live tuning (static/dashboard/knobs.js), advice and autopilot (advice.js) -------
   const knobs = RLKnobs.create({ page: page, state: state, cookie: cookie, showMessage: showMessage });
   const advice = RLAdvice.create({ page: page, state: state, charts: charts, knobs: knobs, cookie: cookie });
+  const forecast = RLForecast.create(RUN, document.getElementById("run-forecast"));   // forecast.js
+  forecast.load();
   function knobValuesChanged() {   // the tuning panel's current values and the autopilot's checkboxes
     knobs.renderValues();
     advice.renderAutopilot();

@@ -49,7 +49,9 @@ def to_end(run: Run) -> dict[str, Any] | None:
     """Time and price to the run's max_steps from its recent pace (trainer/observe/forecast.py),
     the steps since its last knob change when there are enough; None without devices or steps."""
     held = devices(run)
-    slices = list(TimelineSlice.objects.filter(run_id=run.pk).order_by("seq").values_list("step", "spans"))
+    # the last WINDOW steps are all the pace is read from: a long run's other slices stay unread
+    slices = list(TimelineSlice.objects.filter(run_id=run.pk).order_by("-seq")
+                  .values_list("step", "spans")[:forecast.WINDOW])[::-1]
     if held is None or not slices:
         return None
     changed = (RunEvent.objects.filter(run_id=run.pk, kind="knob_applied").order_by("-seq")

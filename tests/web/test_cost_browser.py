@@ -1,0 +1,70 @@
+"""The cost in headless Chromium: a demo run launched from the form shows its forecast to
+max_steps on the live page while it trains, the line updates as steps arrive and goes once the
+run is stopped; the report's Cost card then holds the run's processes and figures.
+Screenshots: RLPILOT_COST_SCREENSHOT_DIR (default /tmp/cost_shots)."""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow, pytest.mark.embedded_only]
+
+SHOTS = Path(os.environ.get("RLPILOT_COST_SCREENSHOT_DIR", "/tmp/cost_shots"))
+TO_GO = re.compile(r"^To go: (\d+) steps, about [\d.]+ (s|min|h) \([\d.]+ (s|min|h)–[\d.]+ (s|min|h)\) "
+                   r"at [\d.]+ s a step over the last \d+$")
+
+
+def shot(locator, name):
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    locator.screenshot(path=SHOTS / f"{name}.png")
+    print("screenshot:", SHOTS / f"{name}.png")
+
+
+@pytest.mark.timeout(600)
+def test_the_forecast_updates_while_a_run_trains_and_the_report_holds_its_cost(
+        live_asgi, django_user_model, monkeypatch, tiny):
+    from conftest import CHROMIUM, logged_in_page, submit_launch_form
+    from playwright.sync_api import expect
+
+    assert shutil.which(CHROMIUM), f"{CHROMIUM} is missing"
+    django_user_model.objects.create_user("cora", password="cora-pw-123")
+    monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")   # Playwright's loop runs in this thread
+    fields = {k: str(v) for k, v in tiny.items()}
+    with logged_in_page(live_asgi, "cora", "cora-pw-123", viewport={"width": 1400, "height": 1000},
+                        timeout_ms=30_000) as (page, errors):
+        page.fill("#id_name", "cost from the form")
+        page.evaluate("document.querySelectorAll('details.section').forEach(d => d.open = true)")
+        rid = submit_launch_form(page, {**fields, "run.max_steps": "5000"})
+        line = page.locator("#run-forecast")
+        expect(line).to_have_text(TO_GO, timeout=180_000)
+        first = int(TO_GO.match(line.inner_text()).group(1))
+        shot(page.locator(".run-head"), "01-run-forecast")
+        # the line follows the steps: fewer to go a few steps later
+        page.wait_for_function("n => { const m = /To go: (\\d+) steps/.exec("
+                               "document.getElementById('run-forecast').textContent);"
+                               " return m && +m[1] <= n - 3; }", arg=first, timeout=120_000)
+        page.click("#btn-stop")
+        expect(page.locator("#run-status")).to_have_text("stopped", timeout=120_000)
+        expect(line).to_be_hidden(timeout=30_000)   # nothing left to forecast
+
+        page.goto(f"{live_asgi}/runs/{rid}/report/")
+        card = page.locator("#cost")
+        expect(card.locator("#cost-total")).to_contain_text("cpu device-hours")
+        expect(card.locator('#cost-lanes tr[data-lane="rank 0"]')).to_contain_text("training")
+        expect(card.locator('#cost-figures tr[data-key="per_trained_token"]')).to_contain_text("device-s")
+        card.scroll_into_view_if_needed()
+        shot(card, "02-report-cost")
+    assert not errors, errors
+
+
+@pytest.fixture(autouse=True)
+def _no_run_left_behind(django_user_model):
+    """A failure above leaves its run running on the session's worker: killed here."""
+    yield
+    from conftest import kill_active_runs
+
+    kill_active_runs("cora")
