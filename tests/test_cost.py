@@ -184,3 +184,14 @@ def test_a_replayed_forecast_says_how_far_off_it_was():
     # at 75%: the last 20 steps of 15 are 10 at 2 s and 5 at 3 s; 5 steps to go at 3 s
     assert got[2]["error"] == pytest.approx(5 * (35 / 15) / 15 - 1)
     assert all(isinstance(r["in_range"], bool) for r in got)
+
+
+def test_the_runs_own_rate_wins_over_the_environment_and_a_given_rate_over_both():
+    env = {"RLPILOT_RATE_GPU_HOUR": "2.5", "RLPILOT_RATE_CPU_CORE_HOUR": "0.05"}
+    from trainer import config as C
+
+    cfg = C.load("demo", ["cost.cpu_core_hour=0.08"])
+    own = cost.run_rates(cfg.cost.gpu_hour, cfg.cost.cpu_core_hour)
+    assert own == {"cpu": 0.08}   # gpu_hour 0: not set by the run
+    assert cost_cli.rates_from([], env, own) == {"gpu": 2.5, "cpu": 0.08}
+    assert cost_cli.rates_from(["cpu=0.1"], env, own) == {"gpu": 2.5, "cpu": 0.1}

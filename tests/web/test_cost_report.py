@@ -105,7 +105,15 @@ def test_the_api_forecasts_a_live_runs_time_and_price_to_its_end(alice, user, ma
     assert f["steps_left"] == 8 and f["seconds"] == pytest.approx(40.0)
     assert f["low_s"] == pytest.approx(40 - 2 * 80 ** 0.5) and f["price"] == pytest.approx(120 / 3600 * 0.36)
     # a knob change at step 1: one step since it is too few to read a pace from, so both are used
-    actions.append(run.pk, [Record("event", 1, "knob_applied", {"changes": {"optim.lr": {"old": 1, "new": 2}}})])
+    actions.append(run.pk, [Record("event", 1, "knob_applied", {"changes": {"optim.lr": {"old": 2e-4, "new": 1e-4}}})])
     assert alice.get(f"/api/runs/{run.pk}").json()["forecast"]["window"] == 2
     Run.objects.filter(pk=run.pk).update(status="finished")
     assert alice.get(f"/api/runs/{run.pk}").json()["forecast"] is None   # nothing left to forecast
+
+
+def test_the_runs_own_rate_prices_it_and_a_change_reprices_the_whole_run(alice, user, make_run, settings):
+    settings.RLPILOT_RATE_CPU_CORE_HOUR = 0.36
+    run = recorded(make_run, user)
+    Run.objects.filter(pk=run.pk).update(knobs={**run.knobs, "cost.cpu_core_hour": 0.72})   # a knob change
+    part = section(alice.get(f"/runs/{run.pk}/report/").content.decode())
+    assert "<strong>price 0.006</strong>" in part and "× 0.72 = 0.006" in part   # 30 core-s at 0.72/h

@@ -23,9 +23,12 @@ class CostError(ValueError):
     """A run whose cost cannot be read; the message names the file and what is wrong."""
 
 
-def rates_from(pairs: list[str], environ=os.environ) -> dict[str, float]:
-    """Rates per device-hour: the environment's defaults, then each `kind=price` pair."""
+def rates_from(pairs: list[str], environ=os.environ, run: dict[str, float] | None = None) -> dict[str, float]:
+    """Rates per device-hour: the environment's defaults, then the run's own (`run`, from its
+    [cost] section), then each `kind=price` pair."""
     items = [(k, environ[v], v) for k, v in RATE_ENV.items() if environ.get(v)]
+    items += [(k, str(v), f"the run's cost.{'gpu_hour' if k == 'gpu' else 'cpu_core_hour'}")
+              for k, v in (run or {}).items()]
     for pair in pairs:
         kind, sep, value = pair.partition("=")
         items.append((kind.strip(), value, f"--rate {pair}") if sep else ("", "", f"--rate {pair}"))
@@ -43,8 +46,9 @@ def rates_from(pairs: list[str], environ=os.environ) -> dict[str, float]:
     return out
 
 
-def read_account(run_dir: str | Path, rates: dict[str, float]) -> dict:
-    """The cost of run directory `run_dir` (its timeline, metrics and run_started event)."""
+def read_account(run_dir: str | Path, rate_pairs: list[str] = (), environ=os.environ) -> dict:
+    """The cost of run directory `run_dir` (its timeline, metrics and run_started event), priced
+    at `rates_from(rate_pairs, environ, the run's own rates)`."""
     d = Path(run_dir)
     if not (d / "config.toml").is_file():
         raise CostError(f"{d} has no config.toml: not a run directory")
@@ -61,12 +65,13 @@ def read_account(run_dir: str | Path, rates: dict[str, float]) -> dict:
     if devices is None:
         raise CostError(f"{d}/events.jsonl: no run_started event records the run's devices "
                         f"(a run from before the cost account)")
-    slices = [(t["step"], t.get("spans") or []) for t in timeline]
-    account = cost.run_cost(slices, rows, devices, rates)
     try:
-        cfg, _ = read_run(d)   # the config with its knob changes: run.max_steps as it is now
+        cfg, _ = read_run(d)   # the config with its knob changes: run.max_steps, cost.* as they are now
     except RunDirError as e:
         raise CostError(str(e)) from None
+    rates = rates_from(list(rate_pairs), environ, cost.run_rates(cfg.cost.gpu_hour, cfg.cost.cpu_core_hour))
+    slices = [(t["step"], t.get("spans") or []) for t in timeline]
+    account = cost.run_cost(slices, rows, devices, rates)
     ends = [e["kind"] for e in events if e.get("kind") in ("run_started", "run_resumed", "run_finished",
                                                            "run_stopped")]
     ended = bool(ends) and ends[-1] in ("run_finished", "run_stopped")   # a resume goes on
@@ -126,7 +131,7 @@ def text(account: dict) -> str:
 
 def _cmd_cost(args) -> int:
     try:
-        account = read_account(args.run_dir, rates_from(args.rate))
+        account = read_account(args.run_dir, args.rate)
     except CostError as e:
         print(f"cost: {e}", file=sys.stderr)
         return 2

@@ -341,6 +341,17 @@ class PilotConfig:
                                        "more than this over the steps after it")
 
 
+@dataclass
+class CostConfig:
+    gpu_hour: float = param(0.0, min=0.0, max=1e6, tunable=True,
+                            help="price of one GPU-hour in the run's cost account (0 = the "
+                            "deployment's RLPILOT_RATE_GPU_HOUR; none anywhere: hours only). A "
+                            "change prices the whole run again (docs/cost.md)")
+    cpu_core_hour: float = param(0.0, min=0.0, max=1e6, tunable=True,
+                                 help="price of one CPU core-hour in the run's cost account (0 = "
+                                 "the deployment's RLPILOT_RATE_CPU_CORE_HOUR)")
+
+
 SECTIONS: dict[str, type] = {
     "model": ModelConfig,
     "data": DataConfig,
@@ -356,6 +367,7 @@ SECTIONS: dict[str, type] = {
     "run": RunConfig,
     "cluster": ClusterConfig,
     "pilot": PilotConfig,
+    "cost": CostConfig,
 }
 
 # `async` is a Python keyword: the section is [async] in TOML and dotted keys ("async.
@@ -378,6 +390,7 @@ class Config:
     run: RunConfig = field(default_factory=RunConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     pilot: PilotConfig = field(default_factory=PilotConfig)
+    cost: CostConfig = field(default_factory=CostConfig)
     episode: EpisodeConfig = field(default_factory=EpisodeConfig)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:

@@ -130,6 +130,11 @@ def priced_waste(slices: list[tuple[int, list[dict]]], rows: list[dict],
     return out
 
 
+def run_rates(gpu_hour: float, cpu_core_hour: float) -> dict[str, float]:
+    """A run's own rates (its `cost.gpu_hour`, `cost.cpu_core_hour`), the kinds it sets (> 0)."""
+    return {k: float(v) for k, v in (("gpu", gpu_hour), ("cpu", cpu_core_hour)) if v}
+
+
 def price(seconds_by_kind: dict[str, float], rates: dict[str, float]) -> float | None:
     """The money for each kind's device-seconds at `rates` (per device-hour); None when no
     kind used has a rate (hours only)."""

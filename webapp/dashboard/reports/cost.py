@@ -16,8 +16,15 @@ KEYS = ["rollout/tokens/generated", "rollout/tokens/trained", "eval/accuracy",
         *(f"rollout/waste/{r}" for r in REASONS)]
 
 
-def rates() -> dict[str, float]:
-    return {"gpu": settings.RLPILOT_RATE_GPU_HOUR, "cpu": settings.RLPILOT_RATE_CPU_CORE_HOUR}
+def rates(run: Run) -> dict[str, float]:
+    """The deployment's rates, then the run's own (its [cost] knobs as they are now: a change
+    prices the whole run again)."""
+    def knob(name: str) -> float:   # its value now: a knob change, else the launch config's
+        value = (run.knobs or {}).get(f"cost.{name}", ((run.config or {}).get("cost") or {}).get(name))
+        return float(value or 0.0)
+
+    return {"gpu": settings.RLPILOT_RATE_GPU_HOUR, "cpu": settings.RLPILOT_RATE_CPU_CORE_HOUR,
+            **cost.run_rates(knob("gpu_hour"), knob("cpu_core_hour"))}
 
 
 def devices(run: Run) -> dict | None:
@@ -42,7 +49,7 @@ def account(run: Run) -> dict[str, Any] | None:
     for seq, step, key, value in (MetricPoint.objects.filter(run_id=run.pk, key__in=KEYS)
                                   .order_by("seq").values_list("seq", "step", "key", "value")):
         rows.setdefault(seq, {"step": step})[key] = value
-    return cost.run_cost(slices, list(rows.values()), held, rates())
+    return cost.run_cost(slices, list(rows.values()), held, rates(run))
 
 
 def to_end(run: Run) -> dict[str, Any] | None:
@@ -58,7 +65,7 @@ def to_end(run: Run) -> dict[str, Any] | None:
                .values_list("step", flat=True).first())
     since = None if changed is None else sum(1 for step, _ in slices if step > changed)
     recent = forecast.window(cost.step_walls(slices), since)
-    return forecast.with_price(forecast.time_left(recent, max(run.max_steps - run.step, 0)), held, rates())
+    return forecast.with_price(forecast.time_left(recent, max(run.max_steps - run.step, 0)), held, rates(run))
 
 
 def view(a: dict[str, Any] | None) -> dict[str, Any] | None:
