@@ -117,3 +117,15 @@ def test_the_runs_own_rate_prices_it_and_a_change_reprices_the_whole_run(alice, 
     Run.objects.filter(pk=run.pk).update(knobs={**run.knobs, "cost.cpu_core_hour": 0.72})   # a knob change
     part = section(alice.get(f"/runs/{run.pk}/report/").content.decode())
     assert "<strong>price 0.006</strong>" in part and "× 0.72 = 0.006" in part   # 30 core-s at 0.72/h
+
+
+def test_the_summary_and_the_comparison_carry_the_cost(alice, user, make_run, settings):
+    settings.RLPILOT_RATE_CPU_CORE_HOUR = 0.36
+    a, b = recorded(make_run, user), recorded(make_run, user)
+    Run.objects.filter(pk=b.pk).update(knobs={**b.knobs, "cost.cpu_core_hour": 0.72})
+    summary = cells(alice.get(f"/runs/{a.pk}/report/").content.decode(), "summary")
+    assert summary["device_hours"][1] == "0.008333" and summary["cost_price"][1] == "0.003"
+    assert summary["cost_idle_share"][1] == "0.3"
+    page = alice.get(f"/compare/?ids={a.pk},{b.pk}").content.decode()
+    row = page.split('data-key="cost_price"')[1].split("</tr>")[0]
+    assert "0.003" in row and "0.006" in row and "2.00x" in row   # the second run's rate, twice the price

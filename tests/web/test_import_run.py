@@ -114,7 +114,11 @@ def test_an_imported_run_has_the_rows_of_the_same_run_launched_from_the_dashboar
 
     imported, launched_points = series(run.pk), series(live.pk)
     assert sorted(imported) == list(range(1, STEPS + 1))
-    assert {s: sorted(v) for s, v in imported.items()} == {s: sorted(v) for s, v in launched_points.items()}
+    # a process's CPU share needs a window of more than 50 ms since its last reading
+    # (trainer/observe/system.py): on a fast step it may be missing from one run and not the other
+    def keys(points):
+        return {s: sorted(k for k in v if not k.endswith("/cpu_pct")) for s, v in points.items()}
+    assert keys(imported) == keys(launched_points)
     assert training_values(imported) == training_values(launched_points)   # same seed, same training
 
     def hists(rid):

@@ -14,6 +14,7 @@ from trainer.run import checkpoint
 from webapp.dashboard import formatting
 from webapp.dashboard.actions import run_dir
 from webapp.dashboard.models import MetricPoint, Run, RunEvent, Status
+from webapp.dashboard.reports import cost
 
 # (key, label, higher is better) -- the order of the summary table
 SUMMARY = [
@@ -40,6 +41,9 @@ SUMMARY = [
     ("gen_tokens_per_s", "generated tokens/s (mean)", True),
     ("trained_tokens_per_s", "trained tokens/s (mean)", True),
     ("trained_tokens_per_train_s", "trained tokens/s (trained tokens / step time)", True),
+    ("device_hours", "device-hours, every process (GPU-hours + CPU core-hours)", False),
+    ("cost_price", "price (at the run's rates)", False),
+    ("cost_idle_share", "share of the devices' time idle", False),
     ("gpu_util", "GPU utilisation % (mean)", True),
     ("cpu_util", "CPU utilisation % (mean, no GPU)", None),
     ("time_gen_s", "time: generation (s)", None),
@@ -138,6 +142,10 @@ def summary(run: Run) -> dict[str, Any]:
                                          if out["trained_tokens"] is not None and step_s else None)
     out["gpu_util"] = avg("system/gpu_util")
     out["cpu_util"] = avg("system/cpu_util") if out["gpu_util"] is None else None
+    account = cost.account(run)   # what its processes held, priced (docs/cost.md)
+    out["device_hours"] = sum(account["device_hours"].values()) if account else None
+    out["cost_price"] = account["price"] if account else None
+    out["cost_idle_share"] = account["idle_share"] if account else None
     parts = {p: total(f"timing/{p}_s") for p in ("gen", "reward", "train", "weight_sync")}
     whole = sum(v for v in parts.values() if v)
     for p, v in parts.items():
