@@ -26,6 +26,7 @@ SLICES = [
          {"lane": "rank 0", "phase": "training", "start": 112.0, "end": 114.0},
          {"lane": "engine", "phase": "generating", "start": 110.0, "end": 112.0}]),
 ]
+LAID = [(step, spans, DEVICES) for step, spans in SLICES]   # each step with the layout it ran on
 ROWS = [
     {"step": 0, "eval/accuracy": 0.40},
     {"step": 1, "rollout/tokens/generated": 600, "rollout/tokens/trained": 300,
@@ -36,7 +37,7 @@ ROWS = [
 
 
 def test_a_recorded_run_costs_what_its_lanes_held_by_hand():
-    account = cost.run_cost(SLICES, ROWS, DEVICES, {"cpu": 0.36})
+    account = cost.run_cost(LAID, ROWS, {"cpu": 0.36})
     # the steps cover 100-106 and 110-114: 10 s; 3 cores held all that time
     assert account["wall_s"] == pytest.approx(10.0) and account["device_s"] == pytest.approx(30.0)
     lanes = {x["lane"]: x for x in account["lanes"]}
@@ -67,22 +68,44 @@ def test_a_recorded_run_costs_what_its_lanes_held_by_hand():
 
 
 def test_no_rate_means_hours_only_and_a_rate_reprices_the_whole_run():
-    hours = cost.run_cost(SLICES, ROWS, DEVICES, {})
+    hours = cost.run_cost(LAID, ROWS, {})
     assert hours["price"] is None and hours["price_figures"] is None and hours["waste_price"] is None
     assert hours["device_hours"]["cpu"] > 0
-    one, two = (cost.run_cost(SLICES, ROWS, DEVICES, {"cpu": r})["price"] for r in (0.5, 1.0))
+    one, two = (cost.run_cost(LAID, ROWS, {"cpu": r})["price"] for r in (0.5, 1.0))
     assert two == pytest.approx(2 * one)   # the past is priced at the rate given, all of it
     # a rate for a kind the run did not use prices nothing
-    assert cost.run_cost(SLICES, ROWS, DEVICES, {"gpu": 3.0})["price"] is None
+    assert cost.run_cost(LAID, ROWS, {"gpu": 3.0})["price"] is None
 
 
 def test_a_step_recorded_twice_by_a_resume_is_paid_twice():
-    again = SLICES + [(2, [{"lane": "rank 0", "phase": "training", "start": 200.0, "end": 204.0}])]
+    again = LAID + [(2, [{"lane": "rank 0", "phase": "training", "start": 200.0, "end": 204.0}], DEVICES)]
     rows = ROWS + [{"step": 2, "rollout/tokens/generated": 100, "rollout/waste/stale": 10}]
-    account = cost.run_cost(again, rows, DEVICES, {})
+    account = cost.run_cost(again, rows, {})
     assert account["wall_s"] == pytest.approx(14.0) and account["steps"] == 3
     # the second attempt at step 2: 4 s x 3 cores over 100 tokens = 0.12 per token
     assert account["waste_device_s"]["stale"] == pytest.approx(40 * 0.03 + 10 * 0.12)
+
+
+def test_a_run_resumed_on_another_layout_pays_each_part_with_its_own_devices():
+    alone = {"rank 0": {"kind": "cpu", "count": 1}}
+    later = [(3, [{"lane": "rank 0", "phase": "training", "start": 300.0, "end": 305.0}])]
+    starts = [(50.0, DEVICES), (250.0, alone)]   # run_started, then run_resumed on one process
+    laid = cost.with_layouts(SLICES + later, starts)
+    assert [x[2] for x in laid] == [DEVICES, DEVICES, alone]
+    account = cost.run_cost(laid, ROWS, {})
+    lanes = {x["lane"]: x for x in account["lanes"]}
+    assert account["device_s"] == pytest.approx(30 + 5)   # 10 s x 3 cores, then 5 s x 1
+    assert lanes["rank 0"]["device_s"] == pytest.approx(25) and lanes["engine"]["device_s"] == pytest.approx(10)
+    # a part from a start that recorded no devices (before the account) is unknown, not guessed
+    assert cost.with_layouts(SLICES, [(50.0, None)])[0][2] is None
+
+
+def test_a_servers_time_is_held_but_never_idle():
+    servers = {**DEVICES, "server 0": {"kind": "cpu", "count": 1, "recorded": False}}
+    account = cost.run_cost([(s, spans, servers) for s, spans in SLICES], ROWS, {})
+    lanes = {x["lane"]: x for x in account["lanes"]}
+    assert lanes["server 0"]["device_s"] == pytest.approx(10) and lanes["server 0"]["idle_s"] == 0
+    assert account["idle_share"] == pytest.approx(9.0 / 30.0)   # of the time recorded, as without it
 
 
 def test_the_layout_says_what_each_process_holds():
@@ -91,7 +114,9 @@ def test_the_layout_says_what_each_process_holds():
     assert cluster == {"rank 0": {"kind": "gpu", "count": 1}, "rank 1": {"kind": "gpu", "count": 1},
                        "engine 0": {"kind": "gpu", "count": 1}, "engine 1": {"kind": "gpu", "count": 1}}
     servers = cost.layout_devices("cpu", 1, 1, {}, 1, 2)
-    assert servers["server 0"] == servers["server 1"] == {"kind": "cpu", "count": 1}
+    assert servers["server 0"] == servers["server 1"] == {"kind": "cpu", "count": 1, "recorded": False}
+    shared = cost.layout_devices("cuda", 1, 8, {"engine": 11}, 1, 0, engine_own_gpu=False)
+    assert shared["engine"] == {"kind": "gpu", "count": 0}   # on the trainer's GPU: not paid twice
 
 
 @pytest.mark.parametrize("pairs, words", [
@@ -195,3 +220,63 @@ def test_the_runs_own_rate_wins_over_the_environment_and_a_given_rate_over_both(
     assert own == {"cpu": 0.08}   # gpu_hour 0: not set by the run
     assert cost_cli.rates_from([], env, own) == {"gpu": 2.5, "cpu": 0.08}
     assert cost_cli.rates_from(["cpu=0.1"], env, own) == {"gpu": 2.5, "cpu": 0.1}
+
+
+# --- the estimate before a run starts (trainer/cli/estimate.py) ----------------------------------
+
+def _past_run(folder, preset: str, sets: list[str], walls: list[float]):
+    """A run directory as a past run leaves it: its config, its steps' timeline, its start."""
+    from trainer import config as C
+
+    folder.mkdir(parents=True)
+    (folder / "config.toml").write_text(C.to_toml(C.load(preset, sets)))
+    t, lines = 1000.0, []
+    for i, w in enumerate(walls, 1):
+        lines.append(json.dumps({"step": i, "spans": [{"lane": "rank 0", "phase": "training",
+                                                        "start": t, "end": t + w}]}))
+        t += w
+    (folder / "timeline.jsonl").write_text("\n".join(lines) + "\n")
+    (folder / "events.jsonl").write_text(json.dumps(
+        {"step": 0, "time": 999.0, "kind": "run_started", "devices": {"rank 0": {"kind": "cpu", "count": 2}}}) + "\n")
+
+
+def test_the_estimate_reads_past_runs_of_the_same_shape_and_names_them(tmp_path):
+    from trainer.cli import estimate
+
+    _past_run(tmp_path / "runs" / "same", "demo", ["run.max_steps=7"], [2.0, 4.0])
+    _past_run(tmp_path / "runs" / "other", "demo", ["rollout.max_response_len=32"], [100.0, 100.0])
+    e = estimate.estimate("demo", ["run.max_steps=10", "cost.cpu_core_hour=0.36"],
+                          runs_dir=tmp_path / "runs", seconds=5)
+    assert e["source"] == "history" and e["runs"] == [str(tmp_path / "runs" / "same")]
+    # 10 steps at 3 s (steps of 2 and 4 s), 2 cores at 0.36 an hour
+    assert e["seconds"] == pytest.approx(30.0) and e["device_s"] == {"cpu": pytest.approx(60.0)}
+    assert e["price"] == pytest.approx(60 / 3600 * 0.36) and e["low_s"] < 30 < e["high_s"]
+    assert "from 1 past run(s) of the same shape" in estimate.text(e)
+
+
+@pytest.mark.timeout(300)
+def test_the_estimate_calibrates_on_the_run_itself_within_its_time_and_leaves_nothing(tmp_path):
+    import psutil
+
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    t0 = __import__("time").monotonic()
+    done = subprocess.run([sys.executable, "-m", "trainer", "estimate", "demo", "--set", "run.max_steps=500",
+                           "--set", "cluster.gen_procs=1", "--runs", str(tmp_path / "none"),
+                           "--seconds", "8", "--json"], cwd=ROOT, capture_output=True, text=True, timeout=200)
+    took = __import__("time").monotonic() - t0
+    assert done.returncode == 0, done.stderr[-3000:]
+    e = json.loads(done.stdout)
+    assert e["source"] == "calibration" and e["steps_measured"] >= 1 and e["calibration_s"] == 8
+    assert e["max_steps"] == 500 and e["seconds"] > 0 and set(e["devices"]) == {"rank 0", "engine"}
+    assert took < 8 + 60 + 30   # its time, the start's grace, Python's own start
+    leftover = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+    assert not leftover, leftover
+    assert not [p for p in Path(__import__("tempfile").gettempdir()).glob("rlpilot-estimate-*")]
+
+
+def test_a_bad_estimate_request_is_refused_by_name(tmp_path):
+    for args, words in ((["--seconds", "0"], "--seconds"), (["--set", "run.max_steps=-3"], "run.max_steps"),
+                        (["--rate", "tpu=1"], "KIND one of gpu, cpu")):
+        done = subprocess.run([sys.executable, "-m", "trainer", "estimate", "demo", "--runs", str(tmp_path),
+                               *args], cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 2 and words in done.stderr, (args, done.stderr)

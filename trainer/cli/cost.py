@@ -60,25 +60,26 @@ def read_account(run_dir: str | Path, rate_pairs: list[str] = (), environ=os.env
         raise CostError(f"{d}: no {Path(e.filename).name}: the run has not reported a step yet") from None
     except ValueError as e:
         raise CostError(str(e)) from None
-    starts = [e for e in events if e.get("kind") in ("run_started", "run_resumed")]
-    devices = next((e["devices"] for e in reversed(starts) if isinstance(e.get("devices"), dict)), None)
-    if devices is None:
-        raise CostError(f"{d}/events.jsonl: no run_started event records the run's devices "
-                        f"(a run from before the cost account)")
+    starts = [(e.get("time", 0.0), e.get("devices") if isinstance(e.get("devices"), dict) else None)
+              for e in events if e.get("kind") in ("run_started", "run_resumed")]
+    slices = cost.with_layouts([(t["step"], t.get("spans") or []) for t in timeline], starts)
+    if not slices or any(x[2] is None for x in slices):
+        raise CostError(f"{d}/events.jsonl: the run's start does not record its devices "
+                        f"(steps from before the cost account)")
+    devices = slices[-1][2]   # the layout it runs on now: the forecast's
     try:
         cfg, _ = read_run(d)   # the config with its knob changes: run.max_steps, cost.* as they are now
     except RunDirError as e:
         raise CostError(str(e)) from None
     rates = rates_from(list(rate_pairs), environ, cost.run_rates(cfg.cost.gpu_hour, cfg.cost.cpu_core_hour))
-    slices = [(t["step"], t.get("spans") or []) for t in timeline]
-    account = cost.run_cost(slices, rows, devices, rates)
+    account = cost.run_cost(slices, rows, rates)
     ends = [e["kind"] for e in events if e.get("kind") in ("run_started", "run_resumed", "run_finished",
                                                            "run_stopped")]
     ended = bool(ends) and ends[-1] in ("run_finished", "run_stopped")   # a resume goes on
     walls = cost.step_walls(slices)
-    last = max((s for s, _ in slices), default=0)
+    last = slices[-1][0]   # the step it reached last (a resume records steps again)
     changed = max((e["step"] for e in events if e.get("kind") == "knob_applied"), default=None)
-    since = None if changed is None else sum(1 for s, _ in slices if s > changed)
+    since = None if changed is None else sum(1 for x in slices if x[0] > changed)
     account["forecast"] = None if ended else forecast.with_price(
         forecast.time_left(forecast.window(walls, since), cfg.run.max_steps - last), devices, rates)
     account["replay"] = forecast.replay(walls) if ended and len(walls) >= 4 else None

@@ -109,14 +109,17 @@ def _relaunch_under_torchrun(args) -> int | None:
         return 130
     if rc != 0:   # which rank, how, in which step, and where a resume continues
         run_dir = Path(args.resume or args.out)
-        why = proc.failure(last_step=_last_step(run_dir), checkpoint_step=checkpoint.latest_step(run_dir))
-        again = f"\n(python -m trainer run --resume {run_dir})" if run_dir.is_dir() else ""
+        saved = checkpoint.latest_step(run_dir) if run_dir.is_dir() else None
+        why = proc.failure(last_step=_last_step(run_dir), checkpoint_step=saved,
+                           without_checkpoint="no checkpoint was written: run it again from the start")
+        again = f"\n(python -m trainer run --resume {run_dir})" if saved is not None else ""
         print(f"run failed: {why}{again}", file=sys.stderr, flush=True)
     return rc
 
 
 def _last_step(run_dir: Path) -> int | None:
-    """The last step a run directory's metrics.jsonl records (None before the first)."""
+    """The step of the last row a run directory's metrics.jsonl holds (None before the first;
+    after a resume, the rows of the steps trained again come last)."""
     try:
         with open(run_dir / "metrics.jsonl", "rb") as f:   # its end is enough
             f.seek(max(f.seek(0, 2) - 65536, 0))
@@ -129,7 +132,7 @@ def _last_step(run_dir: Path) -> int | None:
             steps.append(json.loads(line).get("step"))
         except (ValueError, AttributeError):   # a line cut by the seek or by the kill
             continue
-    return max((s for s in steps if isinstance(s, int)), default=None)
+    return next((s for s in reversed(steps) if isinstance(s, int)), None)
 
 
 def _run(args) -> int:
@@ -296,7 +299,7 @@ def build_parser() -> argparse.ArgumentParser:
     w.set_defaults(func=_cmd_warmup)
 
     from trainer import bench
-    from trainer.cli import advise, cost, docs, export, reward, samples
+    from trainer.cli import advise, cost, docs, estimate, export, reward, samples
     from trainer.engine.sglang import server as sglang_server
     from trainer.models import gguf_import
     gguf_import.add_parser(sub)
@@ -306,6 +309,7 @@ def build_parser() -> argparse.ArgumentParser:
     docs.add_parser(sub)
     advise.add_parser(sub)
     cost.add_parser(sub)
+    estimate.add_parser(sub)
     export.add_parser(sub)
     sglang_server.add_parser(sub)
     return p

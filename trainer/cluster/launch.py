@@ -233,6 +233,7 @@ class TorchrunProcess:
         return report, ranks
 
     def failure(self, *, last_step: int | None = None, checkpoint_step: int | None = None,
+                without_checkpoint: str = "no checkpoint was written: a resume starts over",
                 lines: int = 20) -> str:
         """Why the run's processes failed, for a person: the first failed rank in words
         (failure_cause), the step it was in (after `last_step`), where a resume continues
@@ -241,7 +242,7 @@ class TorchrunProcess:
         cause = failure_cause(list(self.tail)) or "the training processes failed"
         during = f" during step {last_step + 1}" if last_step is not None else ""
         resume = (f"resume continues from the checkpoint at step {checkpoint_step}"
-                  if checkpoint_step is not None else "no checkpoint was written: a resume starts over")
+                  if checkpoint_step is not None else without_checkpoint)
         report, ranks = self._rank_lines()
         said = "\n".join(ranks[-lines:]) if report is not None else self.stderr_tail(lines)
         head = f"{cause}{during}; {resume}"

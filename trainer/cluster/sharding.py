@@ -72,6 +72,7 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return get_model_state_dict(model, options=_options(full_state_dict=True, cpu_offload=True))
 
 
+@torch.no_grad()
 def full_parameters(model: torch.nn.Module, keep) -> dict[str, torch.Tensor]:
     """The parameters whose names `keep` accepts, whole on rank 0's CPU ({} on the other
     ranks). A collective: every rank gathers the same parameters in the same order."""

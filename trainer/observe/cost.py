@@ -16,10 +16,14 @@ whether it computes or waits; the run pays for them all that time:
 servers hold their own (a server: one device of the run's kind, for the whole run; its own
 timeline is not recorded). Priced waste: a step's cost per generated token is that step's
 device-seconds (its covered wall × every lane's count) over the tokens it generated; the
-tokens the ledger dropped in that step (trainer/rollout/ledger.py) cost that much each.
+tokens the ledger dropped in that step (trainer/rollout/ledger.py) cost that much each. A
+server's time is held but not recorded: it is never counted idle.
 
-Pure functions over what a run writes (timeline slices, metrics rows, the `devices` of its
-run_started event); `python -m trainer cost RUN` prints them (trainer/cli/cost.py).
+A run resumed on another layout is paid for each part with the devices its start recorded
+(`with_layouts`). Priced waste scales the steps' device-seconds to add up to the run's:
+asynchronous steps overlap in time. Pure functions over what a run writes (timeline slices,
+metrics rows, the `devices` of its run_started / run_resumed events); `python -m trainer cost
+RUN` prints them (trainer/cli/cost.py), the report's Cost card shows them.
 """
 from __future__ import annotations
 
@@ -33,20 +37,22 @@ IDLE_PHASES = ("waiting", "paused")   # a device held, not used
 
 
 def layout_devices(device_type: str, world_size: int, threads: int, engine_lanes: dict[str, int],
-                   engine_threads: int, servers: int) -> dict[str, dict]:
-    """{lane: {"kind", "count"}} of a run's processes: `world_size` training ranks with
-    `threads` torch threads each (a GPU each on CUDA), the engine's own processes
-    (`engine_lanes`, from its lane_pids) with `engine_threads`, and `servers` SGLang servers."""
+                   engine_threads: int, servers: int, engine_own_gpu: bool = True) -> dict[str, dict]:
+    """{lane: {"kind", "count"[, "recorded"]}} of a run's processes: `world_size` training ranks
+    with `threads` torch threads each (a GPU each on CUDA), the engine's own processes
+    (`engine_lanes`, from its lane_pids) with `engine_threads` (on CUDA a GPU each, none when
+    they share the trainer's: `engine_own_gpu` False), and `servers` SGLang servers (their
+    time is held but not recorded: never counted idle)."""
     kind = "gpu" if device_type == "cuda" else "cpu"
 
-    def count(cpu_threads: int) -> int:
-        return 1 if kind == "gpu" else max(int(cpu_threads), 1)
+    def count(cpu_threads: int, gpu: int = 1) -> int:
+        return gpu if kind == "gpu" else max(int(cpu_threads), 1)
 
     out = {rank_lane(r): {"kind": kind, "count": count(threads)} for r in range(world_size)}
     for lane in engine_lanes:
-        out[lane] = {"kind": kind, "count": count(engine_threads)}
+        out[lane] = {"kind": kind, "count": count(engine_threads, int(engine_own_gpu))}
     for i in range(servers):
-        out[f"server {i}"] = {"kind": kind, "count": 1}
+        out[f"server {i}"] = {"kind": kind, "count": 1, "recorded": False}
     return out
 
 
@@ -55,37 +61,71 @@ class LaneCost:
     lane: str
     kind: str
     count: int
-    device_s: float
+    device_s: float = 0.0
     busy_s: dict[str, float] = field(default_factory=dict)   # phase -> device-seconds
     idle_s: float = 0.0
+    recorded: bool = True   # False: a server whose time the run does not see (never idle)
 
     def as_dict(self) -> dict:
-        return {"lane": self.lane, "kind": self.kind, "count": self.count,
+        return {"lane": self.lane, "kind": self.kind, "count": self.count, "recorded": self.recorded,
                 "device_s": round(self.device_s, 3), "idle_s": round(self.idle_s, 3),
                 "busy_s": {p: round(s, 3) for p, s in self.busy_s.items()}}
 
 
-def lane_costs(slices: list[list[dict]], devices: dict[str, dict]) -> list[LaneCost]:
-    """Each device-holding lane's device-seconds over the run's steps (`slices`: each step's
-    span dicts), busy by phase and idle."""
-    wall = covered_seconds(slices)
-    phases: dict[str, dict[str, float]] = {}
-    for spans in slices:
-        for s in spans:
-            lane = phases.setdefault(s["lane"], {})
-            lane[s["phase"]] = lane.get(s["phase"], 0.0) + s["end"] - s["start"]
-    out = []
-    for lane, d in devices.items():
-        n = int(d["count"])
-        busy = {p: sec * n for p, sec in phases.get(lane, {}).items() if p not in IDLE_PHASES}
-        held = wall * n
-        out.append(LaneCost(lane, d["kind"], n, held, busy, max(held - sum(busy.values()), 0.0)))
+def with_layouts(slices: list[tuple[int, list[dict]]], starts: list[tuple[float, dict | None]]
+                 ) -> list[tuple[int, list[dict], dict | None]]:
+    """Each (step, spans) with the devices of the start (run_started / run_resumed: (time,
+    devices)) it ran after: the latest one before its first span. None where that start did
+    not record them (a run from before the account)."""
+    starts = sorted(starts, key=lambda x: x[0])
+    out, held = [], starts[0][1] if starts else None
+    for step, spans in slices:
+        t0 = min((sp["start"] for sp in spans), default=None)
+        if t0 is not None:
+            held = next((d for t, d in reversed(starts) if t <= t0), starts[0][1] if starts else None)
+        out.append((step, spans, held))
     return out
 
 
-def step_walls(slices: list[tuple[int, list[dict]]]) -> list[float]:
+def segments(slices: list[tuple[int, list[dict], dict]]) -> list[tuple[dict, list[list[dict]]]]:
+    """Consecutive steps that ran on one layout (`slices`: (step, spans, devices)), grouped: a
+    run resumed on other processes is paid for each part on its own."""
+    out: list[tuple[dict, list[list[dict]]]] = []
+    for _, spans, devices in slices:
+        if out and out[-1][0] == devices:
+            out[-1][1].append(spans)
+        else:
+            out.append((devices, [spans]))
+    return out
+
+
+def lane_costs(slices: list[tuple[int, list[dict], dict]]) -> list[LaneCost]:
+    """Each device-holding lane's device-seconds over the run's steps, busy by phase and idle
+    (idle clamped at 0: spans a step's bound merged may cover a little more than the wall)."""
+    lanes: dict[str, LaneCost] = {}
+    for devices, part in segments(slices):
+        wall = covered_seconds(part)
+        phases: dict[str, dict[str, float]] = {}
+        for spans in part:
+            for sp in spans:
+                lane = phases.setdefault(sp["lane"], {})
+                lane[sp["phase"]] = lane.get(sp["phase"], 0.0) + sp["end"] - sp["start"]
+        for name, d in devices.items():
+            n = int(d["count"])
+            c = lanes.setdefault(name, LaneCost(name, d["kind"], n, recorded=d.get("recorded", True)))
+            c.count = max(c.count, n)
+            busy = {ph: sec * n for ph, sec in phases.get(name, {}).items() if ph not in IDLE_PHASES}
+            for ph, sec in busy.items():
+                c.busy_s[ph] = c.busy_s.get(ph, 0.0) + sec
+            c.device_s += wall * n
+            if c.recorded:
+                c.idle_s += max(wall * n - sum(busy.values()), 0.0)
+    return list(lanes.values())
+
+
+def step_walls(slices) -> list[float]:
     """Each recorded step's wall seconds (its timeline's cover), in the order written."""
-    return [covered_seconds([spans]) for _, spans in slices]
+    return [covered_seconds([x[1]]) for x in slices]
 
 
 def step_device_seconds(spans: list[dict], devices: dict[str, dict]) -> float:
@@ -105,23 +145,25 @@ def _keyed(items, step_of) -> dict[tuple[int, int], object]:
     return out
 
 
-def priced_waste(slices: list[tuple[int, list[dict]]], rows: list[dict],
-                 devices: dict[str, dict]) -> dict[str, float]:
+def priced_waste(slices: list[tuple[int, list[dict], dict]], rows: list[dict], total_s: float) -> dict[str, float]:
     """Device-seconds the ledger's drops cost, per reason: each step's dropped tokens
-    (rollout/waste/<reason>) × that step's device-seconds per generated token. A step that
-    generated nothing (or has no timeline) prices its drops at the run's mean."""
+    (rollout/waste/<reason>) × that step's device-seconds per generated token. A step's
+    device-seconds are its cover × the devices, scaled so that the steps add up to the run's
+    `total_s` (asynchronous steps overlap in time); a step that generated nothing (or has no
+    timeline) prices its drops at the run's mean."""
     spans_of = _keyed(slices, lambda x: x[0])
     steps = _keyed([r for r in rows if "rollout/tokens/generated" in r], lambda r: r["step"])
+    raw = {key: step_device_seconds(x[1], x[2]) for key, x in spans_of.items()}
+    scale = total_s / sum(raw.values()) if sum(raw.values()) else 0.0
     per_token: dict[tuple[int, int], float] = {}
     spent = generated = 0.0
     for key, r in steps.items():
         made = r.get("rollout/tokens/generated") or 0
-        if key not in spans_of:
+        if key not in raw:
             continue
-        cost = step_device_seconds(spans_of[key][1], devices)
-        spent, generated = spent + cost, generated + made
+        spent, generated = spent + raw[key] * scale, generated + made
         if made:
-            per_token[key] = cost / made
+            per_token[key] = raw[key] * scale / made
     mean = spent / generated if generated else 0.0
     out = dict.fromkeys(REASONS, 0.0)
     for key, r in steps.items():
@@ -144,33 +186,34 @@ def price(seconds_by_kind: dict[str, float], rates: dict[str, float]) -> float |
     return sum(seconds_by_kind[k] / 3600 * rates[k] for k in priced)
 
 
-def run_cost(slices: list[tuple[int, list[dict]]], rows: list[dict], devices: dict[str, dict],
-             rates: dict[str, float]) -> dict:
+def run_cost(slices: list[tuple[int, list[dict], dict]], rows: list[dict], rates: dict[str, float]) -> dict:
     """The whole account of a run: its lanes, hours per kind, the price (where rates are set),
-    per step / trained token / 1,000 generated tokens / accuracy point gained, the idle share,
-    and the priced waste. `slices`: (step, spans) of its timeline, `rows`: its metrics rows,
-    both in the order written; `rates`: price per device-hour by kind."""
-    lanes = lane_costs([spans for _, spans in slices], devices)
+    per step / trained token / 1,000 generated tokens / accuracy point gained, the idle share
+    (of the time recorded), and the priced waste. `slices`: (step, spans, the devices of the
+    layout it ran on) of its timeline and `rows` its metrics rows, both in the order written;
+    `rates`: price per device-hour by kind."""
+    lanes = lane_costs(slices)
     by_kind = {k: sum(c.device_s for c in lanes if c.kind == k) for k in KINDS}
     total_s = sum(by_kind.values())
+    seen_s = sum(c.device_s for c in lanes if c.recorded)
     steps = [r for r in rows if "rollout/tokens/generated" in r]
     trained = sum(r.get("rollout/tokens/trained") or 0 for r in steps)
     generated = sum(r.get("rollout/tokens/generated") or 0 for r in steps)
     evals = [r["eval/accuracy"] for r in rows if r.get("eval/accuracy") is not None]
     gained = 100 * (evals[-1] - evals[0]) if len(evals) > 1 else None
-    waste_s = priced_waste(slices, rows, devices)
+    waste_s = priced_waste(slices, rows, total_s)
     figures = {"per_step": _per(total_s, len(steps)), "per_trained_token": _per(total_s, trained),
                "per_1k_generated_tokens": _per(1000 * total_s, generated),
                "per_accuracy_point": _per(total_s, gained) if gained and gained > 0 else None}
     money = price(by_kind, rates)
-    # every lane is held for the whole run, so each step has the run's mix of kinds: money per
-    # device-second is one number, and any device-seconds figure converts by it
+    # money per device-second: one number for the run's mix of kinds (a figure's device-seconds
+    # are shares of the run's, in its mix)
     scale = money / total_s if money is not None and total_s else None
     return {
-        "wall_s": covered_seconds([spans for _, spans in slices]), "steps": len(steps),
+        "wall_s": covered_seconds([x[1] for x in slices]), "steps": len(steps),
         "lanes": [c.as_dict() for c in lanes], "device_s": total_s,
         "device_hours": {k: v / 3600 for k, v in by_kind.items() if v},
-        "idle_share": sum(c.idle_s for c in lanes) / total_s if total_s else 0.0,
+        "idle_share": sum(c.idle_s for c in lanes) / seen_s if seen_s else 0.0,
         "accuracy_points_gained": gained, "device_s_figures": figures,
         "rates": {k: v for k, v in rates.items() if v}, "price": money,
         "price_figures": None if scale is None else {

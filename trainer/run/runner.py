@@ -27,7 +27,7 @@ from trainer import config as config_mod
 from trainer.algo import objective
 from trainer.algo.learner import TrainSequence
 from trainer.cluster import distributed, training_ranks
-from trainer.engine import rollout_precision
+from trainer.engine import generation_device, rollout_precision
 from trainer.episode.engine import apply_limits
 from trainer.episode.environments import offered_tools
 from trainer.models import lora
@@ -112,10 +112,7 @@ class Runner:
                          # what trains: every parameter, or LoRA's adapters (their file's bytes)
                          **lora.sizes(self.model),
                          # what each process holds, for the cost account (trainer/observe/cost.py)
-                         "devices": cost.layout_devices(
-                             self.device.type, self.dist.size, torch.get_num_threads(),
-                             getattr(self.engine, "lane_pids", dict)(), self.cfg.async_.worker_threads,
-                             len(getattr(self.engine, "servers", ())))})
+                         "devices": self._devices()})
         status = FINISHED
         try:
             if self.step == 0 and self.cfg.run.eval_every:
@@ -375,6 +372,15 @@ class Runner:
         return {"steps": self.step, "policy_version": self.version, **{
             f"{k}_total": v for k, v in self.totals.items()},
             "eval_accuracy_last": self.last_eval, "eval_accuracy_best": self.best_eval}
+
+    def _devices(self) -> dict:
+        """What each process holds, for the cost account (trainer/observe/cost.py)."""
+        lanes = getattr(self.engine, "lane_pids", dict)()
+        # generation processes on CUDA share the trainer's GPU when the machine has too few
+        own_gpu = self.device.type != "cuda" or generation_device(self.device, 0, max(len(lanes), 1)) != self.device
+        return cost.layout_devices(self.device.type, self.dist.size, torch.get_num_threads(), lanes,
+                                   self.cfg.async_.worker_threads, len(getattr(self.engine, "servers", ())),
+                                   engine_own_gpu=own_gpu)
 
     # --- checkpoints --------------------------------------------------------------------------------
     def save_checkpoint(self) -> Path:

@@ -38,18 +38,21 @@ def devices(run: Run) -> dict | None:
 
 
 def account(run: Run) -> dict[str, Any] | None:
-    """The run's cost account, or None when it has no devices recorded or no timeline yet."""
-    held = devices(run)
-    if held is None:
-        return None
-    slices = list(TimelineSlice.objects.filter(run_id=run.pk).order_by("seq").values_list("step", "spans"))
-    if not slices:
+    """The run's cost account, or None when it has no timeline yet or a part of it ran from a
+    start that did not record its devices (before the account)."""
+    starts = [(t.timestamp(), d.get("devices") if isinstance(d, dict) and isinstance(d.get("devices"), dict)
+               else None)
+              for t, d in RunEvent.objects.filter(run_id=run.pk, kind__in=formatting.RUN_STARTS)
+              .order_by("seq").values_list("time", "data")]
+    slices = cost.with_layouts(list(TimelineSlice.objects.filter(run_id=run.pk).order_by("seq")
+                                    .values_list("step", "spans")), starts)
+    if not slices or any(x[2] is None for x in slices):
         return None
     rows: dict[int, dict] = {}   # one row per scalar batch (a step, or an evaluation), in order
     for seq, step, key, value in (MetricPoint.objects.filter(run_id=run.pk, key__in=KEYS)
                                   .order_by("seq").values_list("seq", "step", "key", "value")):
         rows.setdefault(seq, {"step": step})[key] = value
-    return cost.run_cost(slices, list(rows.values()), held, rates(run))
+    return cost.run_cost(slices, list(rows.values()), rates(run))
 
 
 def to_end(run: Run) -> dict[str, Any] | None:
