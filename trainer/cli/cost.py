@@ -140,10 +140,15 @@ def _cmd_cost(args) -> int:
     return 0
 
 
+def add_rate_arguments(s) -> None:
+    """--rate and --json, as `cost` and `estimate` take them."""
+    s.add_argument("--rate", action="append", default=[], metavar="KIND=PRICE",
+                   help="price per device-hour of a kind (gpu, cpu: per core); repeatable")
+    s.add_argument("--json", action="store_true", help="print the result as JSON")
+
+
 def add_parser(sub) -> None:
     s = sub.add_parser("cost", help="what a run cost: device-hours by process and phase, priced")
     s.add_argument("run_dir", metavar="RUN", help="a run directory")
-    s.add_argument("--rate", action="append", default=[], metavar="KIND=PRICE",
-                   help="price per device-hour of a kind (gpu, cpu: per core); repeatable")
-    s.add_argument("--json", action="store_true", help="print the account as JSON")
+    add_rate_arguments(s)
     s.set_defaults(func=_cmd_cost)

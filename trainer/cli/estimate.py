@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 
 from trainer import config as config_mod
-from trainer.cli.cost import CostError, rates_from
+from trainer.cli.cost import CostError, add_rate_arguments, rates_from
 from trainer.observe import cost, forecast
 from trainer.observe.metrics import read_jsonl
 
@@ -145,7 +145,5 @@ def add_parser(sub) -> None:
     s.add_argument("--runs", default="runs", help="where past runs are (default runs/)")
     s.add_argument("--seconds", type=float, default=30.0,
                    help="a calibration's time limit when no past run has the same shape (default 30)")
-    s.add_argument("--rate", action="append", default=[], metavar="KIND=PRICE",
-                   help="price per device-hour of a kind (gpu, cpu: per core); repeatable")
-    s.add_argument("--json", action="store_true")
+    add_rate_arguments(s)
     s.set_defaults(func=_cmd_estimate)
