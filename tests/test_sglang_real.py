@@ -605,8 +605,11 @@ def test_multi_turn_episodes_generate_each_turn_on_the_server(model_dir, server,
 
     modes = {"sync": [], "all": ["april.enabled=true", "april.segment_max_tokens=8", "greso.enabled=true",
                      "async.enabled=true", "async.worker=thread"]}
-    # short answers that end their turn (a wrong one gets feedback and a second turn)
+    # short answers that end their turn (a wrong one gets feedback and a second turn); 16
+    # episodes: with 4, every one ended after its first turn in one CI run (right, or cut at the
+    # response limit without ending its turn)
     cfg = run_config(model_dir, server.url, "run.max_steps=1", "episode.max_turns=2",
+                     "rollout.rollout_batch_size=4", "rollout.n_samples_per_prompt=4", "rollout.max_slots=16",
                      "episode.feedback=true", "episode.tools=calculator", "rollout.max_response_len=64",
                      "data.system_prompt=Reply with one short sentence.", *modes[mode])
     sink = MemorySink()

@@ -291,7 +291,8 @@ def test_timeline_live_and_in_the_report(live_asgi, django_user_model, monkeypat
             page.wait_for_selector("#timeline[data-loaded] #timeline-chart .barlayer .point path")
             report = page.evaluate(DRAWN)
             steps = TimelineSlice.objects.filter(run_id=rid).values_list("step", flat=True)
-            assert report["steps"] == len(steps) and report["lanes"] == ["rank 0", "engine"], report
+            # every step, or the whole run thinned to the report's 150 (a fast run gets past them)
+            assert report["steps"] == min(len(steps), 150) and report["lanes"] == ["rank 0", "engine"], report
             assert "checkpointing" in report["legend"], report   # the stop's checkpoint
             assert page.evaluate(TOTALS) >= 4                     # both lanes' shares drawn
             page.locator("#timeline").scroll_into_view_if_needed()
