@@ -630,8 +630,11 @@ def test_a_lora_run_sends_the_server_its_merged_weights(model_dir, server, tmp_p
     from trainer.models import lora
     from trainer.run.runner import Runner
 
+    # 4 prompts x 4 answers: with 2 x 2, every group of one CI run had equal rewards (no
+    # advantage, no gradient), and the adapters never moved
     cfg = run_config(model_dir, server.url, "run.max_steps=2", "lora.rank=8", "lora.alpha=64",
-                     "optim.lr=5e-3", "algo.track_kl=true")
+                     "optim.lr=5e-3", "algo.track_kl=true", "rollout.rollout_batch_size=4",
+                     "rollout.n_samples_per_prompt=4", "rollout.max_slots=16")
     sink = MemorySink()
     with Runner(cfg, tmp_path, sink=sink, system_telemetry=False) as r:
         assert r.run() == "finished" and r.step == 2
@@ -640,6 +643,7 @@ def test_a_lora_run_sends_the_server_its_merged_weights(model_dir, server, tmp_p
         whole = sum(t.numel() * t.element_size() for name, t in lora.merged_weights(r.model).items()
                     if name != "lm_head.weight")
     assert sum(sink.series("rollout/trained_tokens")) > 0, "nothing trained: the test proves nothing"
+    assert max(sink.series("actor/grad_norm")) > 0, "no gradient reached the adapters: nothing to serve"
     assert set(sink.series("perf/weight_sync_bytes")) == {whole}
     _, tok = policy
     eng = engines(server.url)
