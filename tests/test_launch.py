@@ -188,7 +188,7 @@ def test_a_failing_rank_gives_a_status_and_its_error(tmp_path, rank_script):
     assert rc != 0
     assert "rank 1 cannot go on: bad input" in proc.stderr_tail(200), proc.stderr_tail(200)
     # the error message: the rank's own lines, not torchrun's report of which rank exited
-    error = proc.error_tail(5)
+    error = proc.failure(lines=5)
     assert error.endswith("RuntimeError: rank 1 cannot go on: bad input"), error
     assert "ChildFailedError" not in error and "ChildFailedError" in proc.stderr_tail(200)
     assert not any(_alive(p) for p in _pids(out).values())

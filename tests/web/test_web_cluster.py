@@ -5,6 +5,7 @@ ended, the step and where a resume continues, with the ranks' last error lines.
 The whole story in a browser is tests/web/test_web_multiprocess.py."""
 import json
 import re
+import shutil
 
 import pytest
 
@@ -77,7 +78,10 @@ def test_a_training_rank_killed_mid_run_is_named_with_its_step_and_checkpoint(us
     ckpt.mkdir(parents=True)
     (ckpt / "state.json").write_text("{}")
     monkeypatch.setattr(tasks.actions, "set_status", _running_at_step(7))
-    assert tasks.execute(Run.objects.get(pk=run.pk)) == Status.FAILED
+    try:
+        assert tasks.execute(Run.objects.get(pk=run.pk)) == Status.FAILED
+    finally:   # run ids are reused by the next tests: their folders must start empty
+        shutil.rmtree(run_dir(run.pk), ignore_errors=True)
     run.refresh_from_db()
     assert run.error == ("training rank 1 was killed by SIGKILL (signal 9) during step 8; "
                          "resume continues from the checkpoint at step 6"), run.error

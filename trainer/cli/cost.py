@@ -46,6 +46,21 @@ def rates_from(pairs: list[str], environ=os.environ, run: dict[str, float] | Non
     return out
 
 
+def read_slices(run_dir: Path) -> tuple[list[tuple[int, list[dict], dict | None]], list[dict]]:
+    """A run directory's timeline as (step, spans, the devices of the start it ran after;
+    None where that start recorded none: trainer/observe/cost.py `with_layouts`), and its events."""
+    try:
+        timeline = read_jsonl(run_dir / "timeline.jsonl")
+        events = read_jsonl(run_dir / "events.jsonl")
+    except FileNotFoundError as e:
+        raise CostError(f"{run_dir}: no {Path(e.filename).name}: the run has not reported a step yet") from None
+    except ValueError as e:
+        raise CostError(str(e)) from None
+    starts = [(e.get("time", 0.0), e.get("devices") if isinstance(e.get("devices"), dict) else None)
+              for e in events if e.get("kind") in ("run_started", "run_resumed")]
+    return cost.with_layouts([(t["step"], t.get("spans") or []) for t in timeline], starts), events
+
+
 def read_account(run_dir: str | Path, rate_pairs: list[str] = (), environ=os.environ) -> dict:
     """The cost of run directory `run_dir` (its timeline, metrics and run_started event), priced
     at `rates_from(rate_pairs, environ, the run's own rates)`."""
@@ -53,24 +68,14 @@ def read_account(run_dir: str | Path, rate_pairs: list[str] = (), environ=os.env
     if not (d / "config.toml").is_file():
         raise CostError(f"{d} has no config.toml: not a run directory")
     try:
-        rows = read_jsonl(d / "metrics.jsonl")
-        timeline = read_jsonl(d / "timeline.jsonl")
-        events = read_jsonl(d / "events.jsonl")
-    except FileNotFoundError as e:
-        raise CostError(f"{d}: no {Path(e.filename).name}: the run has not reported a step yet") from None
-    except ValueError as e:
+        cfg, rows = read_run(d)   # the config with its knob changes: run.max_steps, cost.* as they are now
+    except RunDirError as e:
         raise CostError(str(e)) from None
-    starts = [(e.get("time", 0.0), e.get("devices") if isinstance(e.get("devices"), dict) else None)
-              for e in events if e.get("kind") in ("run_started", "run_resumed")]
-    slices = cost.with_layouts([(t["step"], t.get("spans") or []) for t in timeline], starts)
+    slices, events = read_slices(d)
     if not slices or any(x[2] is None for x in slices):
         raise CostError(f"{d}/events.jsonl: the run's start does not record its devices "
                         f"(steps from before the cost account)")
     devices = slices[-1][2]   # the layout it runs on now: the forecast's
-    try:
-        cfg, _ = read_run(d)   # the config with its knob changes: run.max_steps, cost.* as they are now
-    except RunDirError as e:
-        raise CostError(str(e)) from None
     rates = rates_from(list(rate_pairs), environ, cost.run_rates(cfg.cost.gpu_hour, cfg.cost.cpu_core_hour))
     account = cost.run_cost(slices, rows, rates)
     ends = [e["kind"] for e in events if e.get("kind") in ("run_started", "run_resumed", "run_finished",

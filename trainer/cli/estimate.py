@@ -20,9 +20,8 @@ import tempfile
 from pathlib import Path
 
 from trainer import config as config_mod
-from trainer.cli.cost import CostError, add_rate_arguments, rates_from
+from trainer.cli.cost import CostError, add_rate_arguments, rates_from, read_slices
 from trainer.observe import cost, forecast
-from trainer.observe.metrics import read_jsonl
 
 # what makes two runs' steps comparable
 SHAPE = ("model.path", "model.device", "rollout.engine", "rollout.rollout_batch_size",
@@ -39,10 +38,9 @@ def shape(cfg: config_mod.Config) -> dict:
 
 
 def _account_inputs(run_dir: Path) -> tuple[list[float], dict | None]:
-    """A run directory's step wall times and the devices its latest start recorded."""
-    walls = cost.step_walls([(t["step"], t.get("spans") or []) for t in read_jsonl(run_dir / "timeline.jsonl")])
-    starts = [e for e in read_jsonl(run_dir / "events.jsonl") if isinstance(e.get("devices"), dict)]
-    return walls, starts[-1]["devices"] if starts else None
+    """A run directory's step wall times and the devices of the layout it ran on last."""
+    slices, _ = read_slices(run_dir)
+    return cost.step_walls(slices), slices[-1][2] if slices else None
 
 
 def history(cfg: config_mod.Config, runs_dir: Path) -> list[tuple[Path, list[float], dict]]:

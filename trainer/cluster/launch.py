@@ -1,7 +1,7 @@
 """Start a run's training processes under `torchrun`, as a child that cannot outlive its parent.
 
     proc = TorchrunProcess(torchrun_argv(["-m", "trainer", "run", "demo"], nproc=2)).start()
-    rc = proc.wait()           # torchrun's exit status; proc.stderr_tail() for the error message
+    rc = proc.wait()           # torchrun's exit status; proc.failure() for the error message
     proc.stop()                # SIGTERM, then SIGKILL, to torchrun's process group
 
 One machine: `python -m torch.distributed.run --standalone --nproc_per_node K <target...>`
@@ -214,17 +214,10 @@ class TorchrunProcess:
     def stderr_tail(self, lines: int = 20) -> str:
         return "\n".join(list(self.tail)[-lines:])
 
-    def error_tail(self, lines: int = 20) -> str:
-        """The last lines the ranks wrote before torchrun's failure report (its log lines, its
-        ChildFailedError traceback and table say only which rank exited), else stderr_tail()."""
-        report, ranks = self._rank_lines()
-        if report is None:
-            return self.stderr_tail(lines)
-        return "\n".join((ranks or list(self.tail)[report:report + 1])[-lines:])
-
     def _rank_lines(self) -> tuple[int | None, list[str]]:
         """(where torchrun's failure report starts in the tail, or None; the lines the ranks
-        wrote before it, without torchrun's own log lines and banner)."""
+        wrote before it, without torchrun's own log lines (its ChildFailedError traceback and
+        table say only which rank exited) and banner)."""
         tail = list(self.tail)
         report = next((i for i, line in enumerate(tail)
                        if TORCHRUN_LOG.match(line) and "failed (exitcode" in line), None)
@@ -237,8 +230,8 @@ class TorchrunProcess:
                 lines: int = 20) -> str:
         """Why the run's processes failed, for a person: the first failed rank in words
         (failure_cause), the step it was in (after `last_step`), where a resume continues
-        (`checkpoint_step`), then what the ranks last wrote (error_tail, without torchrun's
-        banner), if anything."""
+        (`checkpoint_step`), then what the ranks last wrote before torchrun's report (without
+        its banner; without a report, stderr's tail), if anything."""
         cause = failure_cause(list(self.tail)) or "the training processes failed"
         during = f" during step {last_step + 1}" if last_step is not None else ""
         resume = (f"resume continues from the checkpoint at step {checkpoint_step}"

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from trainer.observe.timeline import covered_seconds, rank_lane
+from trainer.observe.timeline import covered_seconds, phase_seconds, rank_lane
 from trainer.rollout.ledger import REASONS
 
 KINDS = ("gpu", "cpu")
@@ -104,12 +104,7 @@ def lane_costs(slices: list[tuple[int, list[dict], dict]]) -> list[LaneCost]:
     (idle clamped at 0: spans a step's bound merged may cover a little more than the wall)."""
     lanes: dict[str, LaneCost] = {}
     for devices, part in segments(slices):
-        wall = covered_seconds(part)
-        phases: dict[str, dict[str, float]] = {}
-        for spans in part:
-            for sp in spans:
-                lane = phases.setdefault(sp["lane"], {})
-                lane[sp["phase"]] = lane.get(sp["phase"], 0.0) + sp["end"] - sp["start"]
+        wall, phases = covered_seconds(part), phase_seconds(part)
         for name, d in devices.items():
             n = int(d["count"])
             c = lanes.setdefault(name, LaneCost(name, d["kind"], n, recorded=d.get("recorded", True)))

@@ -245,9 +245,10 @@ def report_page(request, run_id: int):
     events.reverse()
     page = {"id": run.pk, "config": run.config, "knobs": run.knobs}
     adapter_steps = exports.adapter_steps(run)   # a LoRA run's checkpoints: its adapter's download
+    account = cost.account(run)   # read once: the summary's figures and the Cost card
     return render(request, "dashboard/report.html", {
-        "run": run, "page": page, "rows": summary.summary_rows(summary.summary(run)),
-        "cost": cost.view(cost.account(run)),
+        "run": run, "page": page, "rows": summary.summary_rows(summary.summary(run, account)),
+        "cost": cost.view(account),
         "timeline": summary.knob_timeline(run), "advice": summary.advice_history(run),
         "alert_history": summary.alerts(run),
         "active_alerts": active_alerts(run), "events": summary.event_rows(events),

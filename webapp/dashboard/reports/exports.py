@@ -227,9 +227,10 @@ def export_html(run: Run, max_points: int = 2000) -> str:
     """One HTML file: Plotly, the chart code, the data and the tables inlined; no network."""
     static = settings.BASE_DIR / "static"
     snap = streams.metrics_snapshot(run, None, None, max_points, max_histograms=300, max_events=2000)
+    account = cost.account(run)   # read once: the summary's figures and the Cost card
     return render_to_string("dashboard/report_export.html", {
-        "run": run, "rows": summary.summary_rows(summary.summary(run)), "timeline": summary.knob_timeline(run),
-        "cost": cost.view(cost.account(run)),
+        "run": run, "rows": summary.summary_rows(summary.summary(run, account)),
+        "timeline": summary.knob_timeline(run), "cost": cost.view(account),
         "trains": summary.trains(run), "advice": summary.advice_history(run),
         "alerts": summary.alerts(run),
         "events": summary.event_rows(RunEvent.objects.filter(run_id=run.pk).order_by("seq")[:2000]),

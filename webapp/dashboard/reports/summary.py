@@ -91,8 +91,12 @@ def running_seconds(run: Run) -> float | None:
     return round(total, 3)
 
 
-def summary(run: Run) -> dict[str, Any]:
-    """The report's key figures, computed from the run's rows (None where a metric is missing)."""
+_READ = object()   # summary(): read the run's cost account itself
+
+
+def summary(run: Run, account: dict[str, Any] | None | object = _READ) -> dict[str, Any]:
+    """The report's key figures, computed from the run's rows (None where a metric is missing).
+    `account`: the run's cost account when the caller has already read it (reports/cost.py)."""
     agg = {r["key"]: r for r in (MetricPoint.objects.filter(run_id=run.pk, key__in=_KEYS)
                                  .values("key").annotate(n=Count("value"), avg=Avg("value"),
                                                          mx=Max("value"), sm=Sum("value")))}
@@ -142,7 +146,8 @@ def summary(run: Run) -> dict[str, Any]:
                                          if out["trained_tokens"] is not None and step_s else None)
     out["gpu_util"] = avg("system/gpu_util")
     out["cpu_util"] = avg("system/cpu_util") if out["gpu_util"] is None else None
-    account = cost.account(run)   # what its processes held, priced (docs/cost.md)
+    if account is _READ:   # what its processes held, priced (docs/cost.md)
+        account = cost.account(run)
     out["device_hours"] = sum(account["device_hours"].values()) if account else None
     out["cost_price"] = account["price"] if account else None
     out["cost_idle_share"] = account["idle_share"] if account else None
