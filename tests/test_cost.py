@@ -211,6 +211,38 @@ def test_a_replayed_forecast_says_how_far_off_it_was():
     assert all(isinstance(r["in_range"], bool) for r in got)
 
 
+def test_the_target_accuracy_is_forecast_from_the_evaluations_trend_by_hand():
+    # slope 0.01 a step; the line at step 20 is 0.41667; residuals -1/60, 1/30, -1/60:
+    # se = sqrt((1/360 + 1/900 + 1/3600 ... = 1/600) / (3 - 2) / 200) = 0.0028868
+    evals = [(0, 0.2), (10, 0.35), (20, 0.4)]
+    t = forecast.steps_to_target(evals, 0.5)
+    assert t["trend_per_100_steps"] == pytest.approx(1.0) and t["evals"] == 3
+    assert (t["steps"], t["steps_low"], t["steps_high"]) == (9, 6, 20)   # 8.33, 5.28, 19.7 rounded up
+    timed = forecast.with_price_range(forecast.to_target(t, [2.0, 4.0]), {"rank 0": {"kind": "gpu", "count": 2}},
+                                      {"gpu": 3.6})
+    assert (timed["seconds"], timed["low_s"], timed["high_s"]) == (27.0, 18.0, 60.0)   # at 3 s a step
+    assert timed["price"] == pytest.approx(27 * 2 / 3600 * 3.6) and timed["device_s"] == {"gpu": 54.0}
+    # exact points: no spread; two points: no range at all; the slope too flat to be sure: no late end
+    assert forecast.steps_to_target([(0, 0.2), (10, 0.3), (20, 0.4)], 0.5)["steps_high"] == 10
+    two = forecast.steps_to_target([(0, 0.2), (10, 0.3)], 0.5)
+    assert (two["steps"], two["steps_low"], two["steps_high"]) == (20, None, None)
+    assert forecast.steps_to_target([(0, 0.2), (10, 0.4), (20, 0.25)], 0.5)["steps_high"] is None
+
+
+def test_a_reached_target_a_falling_trend_and_too_few_evaluations_say_so():
+    assert forecast.steps_to_target([(0, 0.2), (10, 0.6)], 0.5) == {
+        "reached": True, "target": 0.5, "accuracy": 0.6, "at_step": 10}
+    falling = forecast.steps_to_target([(0, 0.4), (10, 0.3)], 0.5)
+    assert falling["steps"] is None and falling["trend_per_100_steps"] == pytest.approx(-1.0)
+    assert forecast.to_target(falling, [1.0]) is falling   # no time to a target not in reach
+    assert forecast.steps_to_target([(0, 0.2)], 0.5) is None
+    assert forecast.steps_to_target([(5, 0.2), (5, 0.3)], 0.5) is None   # one step: no trend
+    # only the latest TREND_EVALS evaluations: an old plateau does not flatten a new climb
+    old = [(s, 0.1) for s in range(0, 100, 10)]
+    new = [(100 + 10 * i, 0.1 + 0.02 * (i + 1)) for i in range(forecast.TREND_EVALS)]
+    assert forecast.steps_to_target(old + new, 0.5)["trend_per_100_steps"] == pytest.approx(0.2)
+
+
 def test_the_runs_own_rate_wins_over_the_environment_and_a_given_rate_over_both():
     env = {"RLPILOT_RATE_GPU_HOUR": "2.5", "RLPILOT_RATE_CPU_CORE_HOUR": "0.05"}
     from trainer import config as C

@@ -310,6 +310,10 @@ RLPILOT_MAX_SOCKETS_PER_USER = env_int("RLPILOT_MAX_SOCKETS_PER_USER", 20)
 # What a device-hour costs (docs/cost.md): 0 = no price, the report's cost is in hours only.
 RLPILOT_RATE_GPU_HOUR = env_float("RLPILOT_RATE_GPU_HOUR", 0.0)
 RLPILOT_RATE_CPU_CORE_HOUR = env_float("RLPILOT_RATE_CPU_CORE_HOUR", 0.0)
+# An estimate with no past run of the same shape calibrates the run on a worker for this long.
+RLPILOT_ESTIMATE_SECONDS = env_float("RLPILOT_ESTIMATE_SECONDS", 30.0)
+if not 0 < RLPILOT_ESTIMATE_SECONDS <= 3600:
+    raise ValueError(f"RLPILOT_ESTIMATE_SECONDS={RLPILOT_ESTIMATE_SECONDS:g}: expected seconds in (0, 3600]")
 # The cache holds the login failure counts: Redis when there is one (shared by every web
 # process; short timeouts, and the throttle lets logins through while it is down), else memory.
 if REDIS_URL:

@@ -1,7 +1,8 @@
-// The run page's forecast line (#run-forecast): time and price to max_steps at the recent pace,
-// from GET /api/runs/<id> ("forecast", trainer/observe/forecast.py; docs/cost.md), read on load
-// and again when new steps arrive (at most every FORECAST_EVERY_MS). Hidden when the run is not
-// active or has no pace yet. Every text is inserted as text.
+// The run page's cost line (#run-forecast): what the run has cost so far ("cost_so_far"), and
+// time and price to max_steps at the recent pace and to its target accuracy ("forecast",
+// trainer/observe/forecast.py; docs/cost.md), from GET /api/runs/<id>, read on load and again when
+// new steps arrive (at most every FORECAST_EVERY_MS). The forecast part only while the run is
+// active. Every text is inserted as text.
 //
 // RLForecast.create(runId, element) -> {load, schedule}, from run.js.
 (function () {
@@ -15,12 +16,45 @@
   }
   function money(v) { return Number(v.toPrecision(3)).toString(); }
 
-  function text(f) {
-    let t = "To go: " + f.steps_left + " steps, about " + duration(f.seconds) + " (" +
+  function range(lo, hi, fmt) {   // "(a–b)", "(a or later)" when the late end is unbounded
+    if (lo === null || lo === undefined) return "";
+    return hi === null || hi === undefined ? " (" + fmt(lo) + " or later)" : " (" + fmt(lo) + "–" + fmt(hi) + ")";
+  }
+
+  function soFar(c) {
+    const hours = Object.keys(c.device_hours).map(k => c.device_hours[k].toPrecision(3) + " " + k + " device-hours");
+    let t = "So far: " + (hours.length ? hours.join(", ") : "no device time yet");
+    if (c.price !== null && c.price !== undefined) t += ", price " + money(c.price);
+    t += "; idle " + Math.round(100 * c.idle_share) + "%";
+    if (c.waste_share > 0)
+      t += "; " + (100 * c.waste_share).toFixed(1) + "% of it" +
+        (c.waste_price !== null && c.waste_price !== undefined ? " (" + money(c.waste_price) + ")" : "") +
+        " spent on tokens later dropped";
+    return t + ".";
+  }
+
+  function target(g) {
+    const goal = "Target accuracy " + g.target;
+    if (g.reached) return goal + ": reached (" + g.accuracy.toFixed(3) + " at step " + g.at_step + ").";
+    if (g.steps === null || g.steps === undefined)
+      return goal + ": not at the present trend (" + g.trend_per_100_steps.toFixed(3) +
+        " per 100 steps over the last " + g.evals + " evaluations).";
+    let t = goal + ": about " + g.steps + " steps" + range(g.steps_low, g.steps_high, String) +
+      ", " + duration(g.seconds) + range(g.low_s, g.high_s, duration);
+    if (g.price !== null && g.price !== undefined) t += ", price about " + money(g.price);
+    return t + " (" + g.trend_per_100_steps.toFixed(3) + " per 100 steps over the last " + g.evals + " evaluations).";
+  }
+
+  function text(f, c) {
+    let t = c ? soFar(c) + " " : "";
+    if (!f) return t.trim();
+    t += "To go: " + f.steps_left + " steps, about " + duration(f.seconds) + " (" +
       duration(f.low_s) + "–" + duration(f.high_s) + ") at " + f.pace_s.toFixed(2) +
       " s a step over the last " + f.window;
     if (f.price !== null && f.price !== undefined)
       t += "; price about " + money(f.price) + " (" + money(f.price_low) + "–" + money(f.price_high) + ")";
+    t += ".";
+    if (f.target) t += " " + target(f.target);
     return t;
   }
 
@@ -34,8 +68,9 @@
         .then(r => (r.ok ? r.json() : null))
         .then(function (d) {
           const f = d && d.forecast;
-          node.hidden = !f;
-          if (f) node.textContent = text(f);
+          const c = d && d.cost_so_far;
+          node.hidden = !f && !c;
+          if (f || c) node.textContent = text(f, c);
         })
         .catch(function () { /* the next step asks again */ })
         .finally(function () {

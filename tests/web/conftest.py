@@ -202,6 +202,7 @@ def celery_worker(django_db_setup, django_db_blocker):
     from webapp.dashboard.management.commands.serve import worker_command
 
     env = _test_db_env()
+    env["RLPILOT_ESTIMATE_SECONDS"] = "8"   # the launch form's calibrations, short
     proc = Proc("celery worker", worker_command(concurrency=1), env, _TMP / "worker.log")
     try:
         proc.wait_for(lambda: " ready." in proc.text(), 90, "'ready' line")
@@ -327,13 +328,18 @@ def browser_login(page, base_url: str, username: str, password: str) -> None:
     page.wait_for_selector("#launch-form")
 
 
+def fill_launch_fields(page, fields: dict[str, str]) -> None:
+    """Type the launch form's config fields (dotted keys)."""
+    for key, value in fields.items():
+        page.fill("#f-" + key.replace(".", "\\."), value)
+
+
 def submit_launch_form(page, fields: dict[str, str]) -> int:
     """Fill the launch form's config fields (dotted keys), submit it and wait for the new run's
     page; returns the run's id (a refused form fails with the form's own field errors)."""
     import re
 
-    for key, value in fields.items():
-        page.fill("#f-" + key.replace(".", "\\."), value)
+    fill_launch_fields(page, fields)
     page.click("#launch-submit")
     try:
         page.wait_for_url(re.compile(r"/runs/\d+/$"), timeout=60_000)

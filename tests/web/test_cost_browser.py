@@ -1,6 +1,6 @@
-"""The cost in headless Chromium: a demo run launched from the form shows its forecast to
-max_steps on the live page while it trains, the line updates as steps arrive and goes once the
-run is stopped; the report's Cost card then holds the run's processes and figures.
+"""The cost in headless Chromium: a demo run launched from the form shows what it cost so far and
+its forecast to max_steps on the live page while it trains, the line updates as steps arrive and
+keeps only the cost so far once the run is stopped; the report's Cost card then holds the run's processes and figures.
 Screenshots: RLPILOT_COST_SCREENSHOT_DIR (default /tmp/cost_shots)."""
 from __future__ import annotations
 
@@ -14,8 +14,12 @@ import pytest
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow, pytest.mark.embedded_only]
 
 SHOTS = Path(os.environ.get("RLPILOT_COST_SCREENSHOT_DIR", "/tmp/cost_shots"))
-TO_GO = re.compile(r"^To go: (\d+) steps, about [\d.]+ (s|min|h) \([\d.]+ (s|min|h)–[\d.]+ (s|min|h)\) "
-                   r"at [\d.]+ s a step over the last \d+$")
+ESTIMATE = re.compile(r"^Estimate: 5000 steps, about [\d.]+ (s|min|h) \([\d.]+ (s|min|h)–[\d.]+ (s|min|h)\) "
+                      r"at [\d.]+ s a step; [\d.e-]+ cpu device-hours\. From (a calibration: \d+ steps of the run "
+                      r"itself in 8 s|\d+ past runs? of the same shape: .+)\.$")
+SO_FAR = r"So far: [\d.e-]+ cpu device-hours; idle \d+%(; [\d.]+% of it spent on tokens later dropped)?\."
+TO_GO = re.compile(r"^" + SO_FAR + r" To go: (\d+) steps, about [\d.]+ (s|min|h) \([\d.]+ (s|min|h)–[\d.]+ (s|min|h)\) "
+                   r"at [\d.]+ s a step over the last \d+\.$")
 
 
 def shot(locator, name):
@@ -27,7 +31,7 @@ def shot(locator, name):
 @pytest.mark.timeout(600)
 def test_the_forecast_updates_while_a_run_trains_and_the_report_holds_its_cost(
         live_asgi, django_user_model, monkeypatch, tiny):
-    from conftest import CHROMIUM, logged_in_page, submit_launch_form
+    from conftest import CHROMIUM, fill_launch_fields, logged_in_page, submit_launch_form
     from playwright.sync_api import expect
 
     assert shutil.which(CHROMIUM), f"{CHROMIUM} is missing"
@@ -38,10 +42,18 @@ def test_the_forecast_updates_while_a_run_trains_and_the_report_holds_its_cost(
                         timeout_ms=30_000) as (page, errors):
         page.fill("#id_name", "cost from the form")
         page.evaluate("document.querySelectorAll('details.section').forEach(d => d.open = true)")
+        # the estimate before the launch: a calibration on the worker, or a recorded run of this shape
+        fill_launch_fields(page, {**fields, "run.max_steps": "5000"})
+        estimate = page.locator("#launch-estimate")
+        page.click("#estimate-submit")
+        expect(estimate).to_have_text(ESTIMATE, timeout=120_000)
+        box = page.locator("#launch-form").bounding_box()   # the form's head: the buttons and the estimate
+        SHOTS.mkdir(parents=True, exist_ok=True)
+        page.screenshot(path=SHOTS / "00-launch-estimate.png", clip={**box, "height": 160})
         rid = submit_launch_form(page, {**fields, "run.max_steps": "5000"})
         line = page.locator("#run-forecast")
         expect(line).to_have_text(TO_GO, timeout=180_000)
-        first = int(TO_GO.match(line.inner_text()).group(1))
+        first = int(re.search(r"To go: (\d+)", line.inner_text()).group(1))
         shot(page.locator(".run-head"), "01-run-forecast")
         # the line follows the steps: fewer to go a few steps later
         page.wait_for_function("n => { const m = /To go: (\\d+) steps/.exec("
@@ -49,7 +61,16 @@ def test_the_forecast_updates_while_a_run_trains_and_the_report_holds_its_cost(
                                " return m && +m[1] <= n - 3; }", arg=first, timeout=120_000)
         page.click("#btn-stop")
         expect(page.locator("#run-status")).to_have_text("stopped", timeout=120_000)
-        expect(line).to_be_hidden(timeout=30_000)   # nothing left to forecast
+        expect(line).to_have_text(re.compile("^" + SO_FAR + "$"), timeout=30_000)   # nothing left to forecast
+        shot(page.locator(".run-head"), "01b-run-cost-so-far")
+
+        # the same form again: the stopped run is this shape's history now, and is named
+        page.goto(f"{live_asgi}/")
+        page.evaluate("document.querySelectorAll('details.section').forEach(d => d.open = true)")
+        fill_launch_fields(page, {**fields, "run.max_steps": "5000"})
+        page.click("#estimate-submit")
+        expect(page.locator("#launch-estimate")).to_contain_text(f"#{rid} cost from the form", timeout=30_000)
+        expect(page.locator("#launch-estimate")).to_have_text(ESTIMATE)
 
         page.goto(f"{live_asgi}/runs/{rid}/report/")
         card = page.locator("#cost")

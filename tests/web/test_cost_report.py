@@ -111,6 +111,31 @@ def test_the_api_forecasts_a_live_runs_time_and_price_to_its_end(alice, user, ma
     assert alice.get(f"/api/runs/{run.pk}").json()["forecast"] is None   # nothing left to forecast
 
 
+def test_the_api_says_what_a_run_cost_so_far_and_how_far_its_target_accuracy_is(alice, user, make_run, settings):
+    settings.RLPILOT_RATE_CPU_CORE_HOUR = 0.36
+    run = recorded(make_run, user)
+    so_far = alice.get(f"/api/runs/{run.pk}").json()["cost_so_far"]   # a finished run too
+    assert so_far["device_hours"] == {"cpu": pytest.approx(30 / 3600)} and so_far["idle_share"] == pytest.approx(0.3)
+    assert so_far["price"] == pytest.approx(30 / 3600 * 0.36) and so_far["steps"] == 2
+    assert so_far["waste_price"] == pytest.approx(10.2 / 3600 * 0.36)   # 6 + 3 + 1.2 device-s dropped
+    Run.objects.filter(pk=run.pk).update(status="running", step=2, max_steps=10,
+                                         knobs={**run.knobs, "run.target_accuracy": 0.6})
+    # the recorded evaluations, 0.40 at step 0 and 0.46 at step 2: 0.03 a step, 0.14 to go
+    target = alice.get(f"/api/runs/{run.pk}").json()["forecast"]["target"]
+    assert (target["steps"], target["steps_low"], target["low_s"]) == (5, None, None)   # two points: no range
+    for step, acc in ((3, 0.49), (4, 0.52)):   # two more on the same line
+        actions.append(run.pk, [Record("points", step, values={"eval/accuracy": acc})])
+    target = alice.get(f"/api/runs/{run.pk}").json()["forecast"]["target"]
+    assert target["reached"] is False and target["evals"] == 4
+    assert target["trend_per_100_steps"] == pytest.approx(3.0)
+    assert (target["steps"], target["steps_low"], target["steps_high"]) == (3, 3, 3)   # 0.08 / 0.03
+    assert target["seconds"] == pytest.approx(15.0)   # 3 steps at 5 s
+    assert target["price"] == pytest.approx(15 * 3 / 3600 * 0.36)   # 3 cores
+    # a person lowers the target below the latest accuracy mid-run: reached
+    Run.objects.filter(pk=run.pk).update(knobs={**run.knobs, "run.target_accuracy": 0.5})
+    assert alice.get(f"/api/runs/{run.pk}").json()["forecast"]["target"]["reached"] is True
+
+
 def test_the_runs_own_rate_prices_it_and_a_change_reprices_the_whole_run(alice, user, make_run, settings):
     settings.RLPILOT_RATE_CPU_CORE_HOUR = 0.36
     run = recorded(make_run, user)

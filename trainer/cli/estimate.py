@@ -33,8 +33,12 @@ GRACE_S = 60.0       # a calibration's time past --seconds (model loading, the f
 
 
 def shape(cfg: config_mod.Config) -> dict:
-    d = cfg.to_dict()
-    return {key: d[key.split(".")[0]][key.split(".")[1]] for key in SHAPE}
+    return shape_of(cfg.to_dict())
+
+
+def shape_of(d: dict) -> dict:
+    """The SHAPE keys of a config as nested {section: {key: value}} (a key it lacks: None)."""
+    return {key: (d.get(key.split(".")[0]) or {}).get(key.split(".")[1]) for key in SHAPE}
 
 
 def _account_inputs(run_dir: Path) -> tuple[list[float], dict | None]:
@@ -84,8 +88,9 @@ def calibrate(source: str, sets: list[str], seconds: float) -> tuple[list[float]
         except (OSError, ValueError):
             walls, devices = [], None
         if len(walls) < 2 or devices is None:
-            raise CostError(f"the calibration run trained {len(walls)} step(s) in {seconds:g} s "
-                            f"(raise --seconds){': ' + err.strip()[-600:] if err and err.strip() else ''}")
+            raise CostError(f"the calibration run trained {len(walls)} step(s) in {seconds:g} s, too few "
+                            f"to estimate from (give it longer: --seconds, or RLPILOT_ESTIMATE_SECONDS "
+                            f"on a worker){': ' + err.strip()[-600:] if err and err.strip() else ''}")
         return walls[1:], devices   # the first step warms the engine up
 
 
@@ -100,14 +105,20 @@ def estimate(source: str, sets: list[str], *, runs_dir: Path, seconds: float,
     past = history(cfg, runs_dir) if runs_dir.is_dir() else []
     if past:
         walls = [w for _, ws, _ in past for w in ws]
-        devices = past[-1][2]
-        origin = {"source": "history", "runs": [str(d) for d, _, _ in past]}
-    else:
-        walls, devices = calibrate(source, sets, seconds)
-        origin = {"source": "calibration", "steps_measured": len(walls), "calibration_s": seconds}
-    # the pooled steps' mean and spread, every one of them: no knob change to read past
-    f = forecast.with_price(forecast.time_left(walls, cfg.run.max_steps), devices, rates)
-    return {**origin, "max_steps": cfg.run.max_steps, "devices": devices, **f}
+        return from_steps(walls, past[-1][2], cfg.run.max_steps, rates,
+                          {"source": "history", "runs": [str(d) for d, _, _ in past]})
+    walls, devices = calibrate(source, sets, seconds)
+    return from_steps(walls, devices, cfg.run.max_steps, rates,
+                      {"source": "calibration", "steps_measured": len(walls), "calibration_s": seconds})
+
+
+def from_steps(walls: list[float], devices: dict, max_steps: int, rates: dict[str, float],
+               origin: dict) -> dict:
+    """The estimate for `max_steps` from measured step times (history's or a calibration's,
+    named in `origin`): their pooled mean and spread, every one of them (no knob change to read
+    past), on `devices`, priced at `rates`."""
+    f = forecast.with_price(forecast.time_left(walls, max_steps), devices, rates)
+    return {**origin, "max_steps": max_steps, "devices": devices, **f}
 
 
 def text(e: dict) -> str:

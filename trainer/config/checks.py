@@ -72,6 +72,9 @@ def check(cfg: Config) -> None:
             target_modules(cfg.lora.target_modules)
         except ValueError as e:
             errors["lora.target_modules"] = str(e)
+    if cfg.run.target_accuracy and not cfg.run.eval_every:
+        errors["run.target_accuracy"] = ("is forecast from evaluations: set run.eval_every > 0 "
+                                         "(or leave the target at 0)")
     mm = cfg.mismatch
     if mm.correction in ("mask", "band") and mm.lower >= mm.upper:
         errors["mismatch.upper"] = (f"the band [{mm.lower:g}, {mm.upper:g}] holds only a ratio of "

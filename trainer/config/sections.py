@@ -284,6 +284,10 @@ class RunConfig:
     eval_temperature: float = param(1.0, min=0.0, max=2.0,
                                     help="sampling temperature of evaluations (0 = greedy)")
     time_budget_s: float = param(0.0, min=0.0, max=1e9, help="stop after this many seconds (0 = no limit)")
+    target_accuracy: float = param(0.0, min=0.0, max=1.0, tunable=True,
+                                   help="a held-out accuracy the forecast counts the steps, time and "
+                                   "price to, from the evaluations' trend (0 = none; needs "
+                                   "run.eval_every); the run does not stop at it")
     reward_workers: int = param(1, min=0, max=64,
                                 help="reward processes (0 = score in the trainer process)")
     reward_timeout_s: float = param(10.0, min=0.1, max=3600.0, help="time limit for one reward batch")

@@ -10,6 +10,12 @@ evaluation, checkpoints), mean m and standard deviation s, and R steps left:
 The steps since the last knob change are the window when there are at least MIN_WINDOW of them:
 a change that moved the pace (η, N′, a segment limit) is forecast from the new pace. The price
 follows: time × every process's devices × their rate (trainer/observe/cost.py).
+
+To a target accuracy (`steps_to_target`): a straight line through the last TREND_EVALS
+evaluations (step t_i, accuracy a_i), least squares: slope b, its standard error se (n ≥ 3),
+and the line's value â at the latest evaluation's step. Steps to go = (target − â) / b, the
+range from the slopes b + 2·se (sooner) and b − 2·se (later; none when that slope is not above
+0: the target may never be reached at this trend). A slope not above 0: no forecast, said so.
 """
 from __future__ import annotations
 
@@ -18,6 +24,7 @@ import statistics
 
 WINDOW = 20        # recent steps the pace is taken from
 MIN_WINDOW = 3     # fewer steps than this since a knob change: the window before it is used
+TREND_EVALS = 5    # the latest evaluations the accuracy trend is drawn through
 
 
 def window(step_seconds: list[float], since_change: int | None = None) -> list[float]:
@@ -41,19 +48,35 @@ def time_left(recent: list[float], steps_left: int) -> dict | None:
             "low_s": max(est - 2 * spread, 0.0), "high_s": est + 2 * spread, "window": len(recent)}
 
 
+def _per_second(devices: dict[str, dict], rates: dict[str, float]) -> tuple[dict[str, int], float | None]:
+    """Devices held per kind, and money per wall second for all of them (None: no rate applies)."""
+    held: dict[str, int] = {}
+    for d in devices.values():
+        held[d["kind"]] = held.get(d["kind"], 0) + int(d["count"])
+    priced = any(rates.get(k) for k in held)
+    return held, (sum(n / 3600 * rates[k] for k, n in held.items() if rates.get(k)) if priced else None)
+
+
 def with_price(f: dict | None, devices: dict[str, dict], rates: dict[str, float]) -> dict | None:
     """The forecast's device-seconds per kind and, where rates are set, its price and range."""
     if f is None:
         return None
-    held = {}
-    for d in devices.values():
-        held[d["kind"]] = held.get(d["kind"], 0) + int(d["count"])
-    per_s = sum(n / 3600 * rates[k] for k, n in held.items() if rates.get(k))
-    priced = any(rates.get(k) for k in held)
+    return with_price_range(f, devices, rates)
+
+
+def with_price_range(f: dict, devices: dict[str, dict], rates: dict[str, float]) -> dict:
+    """`f`'s seconds (and its low/high ends, where known) as device-seconds and price; a
+    forecast without seconds (reached, or a flat trend) is returned as it is."""
+    if f.get("seconds") is None:
+        return f
+    held, per_s = _per_second(devices, rates)
+
+    def money(s):
+        return None if per_s is None or s is None else s * per_s
+
     return {**f, "device_s": {k: n * f["seconds"] for k, n in held.items()},
-            "price": f["seconds"] * per_s if priced else None,
-            "price_low": f["low_s"] * per_s if priced else None,
-            "price_high": f["high_s"] * per_s if priced else None}
+            "price": money(f["seconds"]), "price_low": money(f.get("low_s")),
+            "price_high": money(f.get("high_s"))}
 
 
 def replay(step_seconds: list[float], at=(0.25, 0.5, 0.75)) -> list[dict]:
@@ -69,3 +92,49 @@ def replay(step_seconds: list[float], at=(0.25, 0.5, 0.75)) -> list[dict]:
                     "error": f["seconds"] / actual - 1 if actual else None,
                     "in_range": f["low_s"] <= actual <= f["high_s"]})
     return out
+
+
+def steps_to_target(evals: list[tuple[int, float]], target: float) -> dict | None:
+    """Steps until the accuracy trend of `evals` ((step, accuracy), in order) reaches `target`
+    (see the module docstring). None with fewer than 2 evaluations at distinct steps.
+    {"reached": True} when the latest evaluation is at or above it; {"steps": None, ...} when
+    the trend is flat or falling."""
+    pts = evals[-TREND_EVALS:]
+    if pts and pts[-1][1] >= target:
+        return {"reached": True, "target": target, "accuracy": pts[-1][1], "at_step": pts[-1][0]}
+    n = len(pts)
+    if n < 2:
+        return None
+    mt, ma = statistics.fmean(t for t, _ in pts), statistics.fmean(a for _, a in pts)
+    sxx = sum((t - mt) ** 2 for t, _ in pts)
+    if sxx == 0:
+        return None
+    b = sum((t - mt) * (a - ma) for t, a in pts) / sxx
+    last = pts[-1][0]
+    fit = ma + b * (last - mt)
+    se = (math.sqrt(sum((a - (ma + b * (t - mt))) ** 2 for t, a in pts) / (n - 2) / sxx)
+          if n > 2 else None)
+    out = {"reached": False, "target": target, "accuracy": pts[-1][1], "at_step": last,
+           "trend_per_100_steps": 100 * b, "evals": n, "steps": None, "steps_low": None, "steps_high": None}
+    if b <= 0:
+        return out
+    gap = max(target - fit, 0.0)
+    fast, slow = (b + 2 * se, b - 2 * se) if se is not None else (None, None)
+    return {**out, "steps": _whole_steps(gap / b),
+            "steps_low": _whole_steps(gap / fast) if fast else None,
+            "steps_high": _whole_steps(gap / slow) if slow and slow > 0 else None}
+
+
+def _whole_steps(x: float) -> int:
+    return math.ceil(x - 1e-9)   # 10.000000001 steps from float error is 10
+
+
+def to_target(trend: dict | None, recent: list[float]) -> dict | None:
+    """The target's steps as time at the pace of `recent` step times (its range: the steps'
+    range at the mean pace; an unbounded end stays None)."""
+    if trend is None or trend["reached"] or trend["steps"] is None or not recent:
+        return trend
+    m = statistics.fmean(recent)
+    return {**trend, "seconds": trend["steps"] * m,
+            "low_s": None if trend["steps_low"] is None else trend["steps_low"] * m,
+            "high_s": None if trend["steps_high"] is None else trend["steps_high"] * m}

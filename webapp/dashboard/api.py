@@ -22,8 +22,8 @@ from trainer.pilot.thresholds import DEFAULT as DEFAULT_THRESHOLDS
 from webapp.dashboard import actions, advice, sample_rows, timeline_rows
 from webapp.dashboard.access import policy, validation
 from webapp.dashboard.live import streams
-from webapp.dashboard.models import ACTIVE, ApiToken, KnobChange, Run, Status
-from webapp.dashboard.reports import cost, exports
+from webapp.dashboard.models import ACTIVE, ApiToken, Estimate, KnobChange, Run, Status
+from webapp.dashboard.reports import cost, estimate, exports
 from webapp.dashboard.worker import sweep
 
 log = logging.getLogger(__name__)
@@ -138,7 +138,8 @@ def run_json(run: Run, user, detail: bool = False) -> dict:
                   "forks": list(run.forks.order_by("pk").values_list("pk", flat=True)),
                   "checkpoints": actions.checkpoint_steps(run),   # the steps it can be forked from
                   # time and price to max_steps at the recent pace (docs/cost.md)
-                  "forecast": cost.to_end(run) if run.status in ACTIVE else None})
+                  "forecast": cost.to_end(run) if run.status in ACTIVE else None,
+                  "cost_so_far": cost.so_far(cost.account(run))})
     return d
 
 
@@ -176,6 +177,28 @@ def runs(request, body):
     except ValueError:
         return error(400, "bad limit", {"limit": "expected an integer"})
     return JsonResponse({"runs": [run_json(r, request.user) for r in qs[:limit]]})
+
+
+@api("POST")
+def estimates(request, body):
+    """What a run would take: done at once from past runs of its shape (200), else a worker
+    calibrates it (202: GET its url until done or failed)."""
+    unknown = set(body) - {"preset", "overrides", "toml", "queue"}
+    if unknown:
+        return error(400, "unknown fields", {k: "unknown field; expected preset, overrides, toml, queue"
+                                             for k in sorted(unknown)})
+    cfg, queue = actions.estimate_config(request.user, body.get("preset"), body.get("overrides"),
+                                         body.get("toml"), body.get("queue"))
+    row = actions.record_estimate(request.user, cfg, queue, estimate.from_history(cfg))
+    return JsonResponse(estimate.estimate_json(row), status=200 if row.status == row.DONE else 202)
+
+
+@api("GET")
+def estimate_detail(request, body, estimate_id: int):
+    row = Estimate.objects.filter(pk=estimate_id).first()
+    if row is None or not (row.owner_id == request.user.pk or request.user.is_staff):
+        raise NotFound(f"no estimate {estimate_id}", {"id": "not found"})
+    return JsonResponse(estimate.estimate_json(row))
 
 
 def filter_runs(qs, params):

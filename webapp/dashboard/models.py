@@ -228,3 +228,21 @@ class ApiToken(models.Model):
     user = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="api_tokens")
     created_at = models.DateTimeField(auto_now_add=True)
     last_used_at = models.DateTimeField(null=True, blank=True)
+
+
+class Estimate(models.Model):
+    """A run's time and price asked for before it is launched (the launch form's Estimate, POST
+    /api/estimates): from past runs of the same shape at once, else from a calibration a worker
+    runs (webapp/dashboard/worker/tasks.py); docs/cost.md."""
+    PENDING, RUNNING, DONE, FAILED = "pending", "running", "done", "failed"
+    owner = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="estimates")
+    created_at = models.DateTimeField(auto_now_add=True)
+    config = models.JSONField()                 # the validated config it estimates
+    queue = models.CharField(max_length=100)    # where its calibration runs (the run's queue)
+    status = models.CharField(max_length=10, default=PENDING,
+                              choices=[(s, s) for s in (PENDING, RUNNING, DONE, FAILED)])
+    result = models.JSONField(null=True, blank=True)
+    error = models.TextField(blank=True)
+
+    class Meta:
+        ordering = ["-id"]

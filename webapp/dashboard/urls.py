@@ -30,6 +30,8 @@ urlpatterns = [
     path("api/knobs", api.knobs),
     path("api/presets", api.presets),
     path("api/runs", api.runs),
+    path("api/estimates", api.estimates),
+    path("api/estimates/<id:estimate_id>", api.estimate_detail),
     path("api/runs/<id:run_id>", api.run_detail),
     path("api/runs/<id:run_id>/metrics", api.run_metrics),
     path("api/runs/<id:run_id>/timeline", api.run_timeline),

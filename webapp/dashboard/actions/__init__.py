@@ -14,6 +14,7 @@ stale-run sweep and the management commands all go through these functions, by n
   pilot.py        the marker of a change made from the pilot's advice; dismissing advice
   alert_state.py  a run's active alerts; a run whose worker was lost
   imports.py      a run directory the CLI wrote, imported as a run (read by files/run_files.py)
+  estimate.py     a run's time and price asked for before its launch, and its calibration
 
 The package sits low in the import graph: it imports the models, lifecycle.py, errors.py,
 access/validation.py and access/policy.py (which never import it), sample_rows.py,
@@ -22,6 +23,7 @@ it; worker/alerts.py and worker/sweep.py hand it what it needs as arguments.
 Callers use `from webapp.dashboard import actions; actions.launch_run(...)`.
 """
 from webapp.dashboard.actions.alert_state import change_alerts, clear_alert, interrupt_lost_run
+from webapp.dashboard.actions.estimate import ESTIMATE_TASK, estimate_config, finish_estimate, record_estimate
 from webapp.dashboard.actions.fork import checkpoint_steps, fork_run
 from webapp.dashboard.actions.imports import Imported, import_archive, import_run_dir
 from webapp.dashboard.actions.knobs import request_knobs, validate_knobs
@@ -49,8 +51,9 @@ from webapp.dashboard.doorbell import group_name
 from webapp.dashboard.errors import ActionError, Conflict, Forbidden, Invalid
 
 __all__ = [
-    "ActionError", "Conflict", "Forbidden", "Imported", "Invalid", "KEY_FIGURES", "Record",
-    "TRAIN_TASK", "advice_marker", "annotate_run", "append", "build_config", "change_alerts",
+    "ActionError", "Conflict", "ESTIMATE_TASK", "Forbidden", "Imported", "Invalid", "KEY_FIGURES", "Record",
+    "TRAIN_TASK", "estimate_config", "finish_estimate", "record_estimate",
+    "advice_marker", "annotate_run", "append", "build_config", "change_alerts",
     "checkpoint_steps", "clean_json", "clear_alert", "control", "delete_run", "dismiss_advice",
     "dismissed_keys", "end_run", "event", "fork_run", "group_name", "heartbeat", "import_archive",
     "import_run_dir", "interrupt_lost_run", "launch_run", "request_knobs", "rewind", "ring",

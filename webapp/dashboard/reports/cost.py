@@ -16,15 +16,26 @@ KEYS = ["rollout/tokens/generated", "rollout/tokens/trained", "eval/accuracy",
         *(f"rollout/waste/{r}" for r in REASONS)]
 
 
+def _knob(run: Run, section: str, name: str) -> float:
+    return knob_value(run.config, run.knobs, section, name)
+
+
+def knob_value(config: dict | None, knobs: dict | None, section: str, name: str) -> float:
+    """A float knob's value now: its latest change, else the launch config's (0 when unset)."""
+    value = (knobs or {}).get(f"{section}.{name}", ((config or {}).get(section) or {}).get(name))
+    return float(value or 0.0)
+
+
 def rates(run: Run) -> dict[str, float]:
+    return rates_of(run.config, run.knobs)
+
+
+def rates_of(config: dict | None, knobs: dict | None = None) -> dict[str, float]:
     """The deployment's rates, then the run's own (its [cost] knobs as they are now: a change
     prices the whole run again)."""
-    def knob(name: str) -> float:   # its value now: a knob change, else the launch config's
-        value = (run.knobs or {}).get(f"cost.{name}", ((run.config or {}).get("cost") or {}).get(name))
-        return float(value or 0.0)
-
     return {"gpu": settings.RLPILOT_RATE_GPU_HOUR, "cpu": settings.RLPILOT_RATE_CPU_CORE_HOUR,
-            **cost.run_rates(knob("gpu_hour"), knob("cpu_core_hour"))}
+            **cost.run_rates(knob_value(config, knobs, "cost", "gpu_hour"),
+                             knob_value(config, knobs, "cost", "cpu_core_hour"))}
 
 
 def devices(run: Run) -> dict | None:
@@ -57,7 +68,8 @@ def account(run: Run) -> dict[str, Any] | None:
 
 def to_end(run: Run) -> dict[str, Any] | None:
     """Time and price to the run's max_steps from its recent pace (trainer/observe/forecast.py),
-    the steps since its last knob change when there are enough; None without devices or steps."""
+    the steps since its last knob change when there are enough, and to its target accuracy
+    (run.target_accuracy) from its evaluations' trend ("target"); None without devices or steps."""
     held = devices(run)
     # the last WINDOW steps are all the pace is read from: a long run's other slices stay unread
     slices = list(TimelineSlice.objects.filter(run_id=run.pk).order_by("-seq")
@@ -68,7 +80,25 @@ def to_end(run: Run) -> dict[str, Any] | None:
                .values_list("step", flat=True).first())
     since = None if changed is None else sum(1 for step, _ in slices if step > changed)
     recent = forecast.window(cost.step_walls(slices), since)
-    return forecast.with_price(forecast.time_left(recent, max(run.max_steps - run.step, 0)), held, rates(run))
+    out = forecast.with_price(forecast.time_left(recent, max(run.max_steps - run.step, 0)), held, rates(run))
+    target = _knob(run, "run", "target_accuracy")
+    if out is not None and target:
+        evals = list(MetricPoint.objects.filter(run_id=run.pk, key="eval/accuracy").order_by("-seq")
+                     .values_list("step", "value")[:forecast.TREND_EVALS])[::-1]
+        trend = forecast.to_target(forecast.steps_to_target(evals, target), recent)
+        out["target"] = trend and forecast.with_price_range(trend, held, rates(run))
+    return out
+
+
+def so_far(a: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The account's headline for the live page: device-hours by kind, the price, the idle
+    share and what the dropped tokens cost."""
+    if a is None:
+        return None
+    return {"device_hours": a["device_hours"], "price": a["price"], "idle_share": a["idle_share"],
+            "waste_share": a["waste_share"], "steps": a["steps"],
+            "waste_price": None if a["waste_price"] is None else sum(a["waste_price"].values()),
+            "waste_device_s": sum(a["waste_device_s"].values())}
 
 
 def view(a: dict[str, Any] | None) -> dict[str, Any] | None:

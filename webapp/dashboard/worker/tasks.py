@@ -1,7 +1,9 @@
 """The Celery tasks: `train` trains one run (its run's queue, e.g. `training`; one run per worker
-process: in that process, or under torchrun when the run asks for several training processes)
-and `sweep_stale_runs` is Celery beat's periodic stale-run sweep (RLPILOT_SWEEP_QUEUE,
-consumed by a small worker on the web machine, never by a training worker).
+process: in that process, or under torchrun when the run asks for several training processes),
+`estimate` calibrates a run not yet launched on the worker that would train it (a bounded
+`python -m trainer run` of its config, trainer/cli/estimate.py) and `sweep_stale_runs` is Celery
+beat's periodic stale-run sweep (RLPILOT_SWEEP_QUEUE, consumed by a small worker on the web
+machine, never by a training worker).
 
 Every write goes through the actions layer, which sends `train` by name (TRAIN_TASK) and never
 imports this module. The task names are stable (a queued task carries its name): they keep the
@@ -14,6 +16,8 @@ import os
 import shutil
 import socket
 import subprocess
+import tempfile
+from pathlib import Path
 
 from celery import shared_task
 from django.conf import settings
@@ -166,3 +170,42 @@ def sweep_stale_runs() -> int:
     whose worker stopped heartbeating become `interrupted`, with nobody watching. Returns how
     many."""
     return sweep.mark_stale_runs(force=True)
+
+
+@shared_task(name=actions.ESTIMATE_TASK, ignore_result=True)
+def estimate(estimate_id: int) -> str:
+    close_old_connections()
+    return calibrate_estimate(estimate_id)
+
+
+def calibrate_estimate(estimate_id: int) -> str:
+    """Calibrate the estimate's run on this worker for at most RLPILOT_ESTIMATE_SECONDS (its
+    process group killed past that and a grace, its directory removed) and record the estimate,
+    or why there is none (the `estimate` task's body; tests call it). Returns its status."""
+    from trainer.cli import estimate as estimate_rule
+    from trainer.cli.cost import CostError
+    from webapp.dashboard.models import Estimate
+    from webapp.dashboard.reports.cost import rates_of
+
+    row = Estimate.objects.filter(pk=estimate_id, status=Estimate.PENDING).first()
+    if row is None:
+        return "skipped"
+    Estimate.objects.filter(pk=row.pk).update(status=Estimate.RUNNING)
+    seconds = settings.RLPILOT_ESTIMATE_SECONDS
+    try:
+        cfg = config_mod.from_dict(row.config)
+        with tempfile.TemporaryDirectory(prefix="rlpilot-estimate-config-") as tmp:
+            toml = Path(tmp) / "config.toml"
+            toml.write_text(config_mod.to_toml(cfg))
+            walls, held = estimate_rule.calibrate(str(toml), [], seconds)
+        result = estimate_rule.from_steps(walls, held, cfg.run.max_steps, rates_of(row.config), {
+            "source": "calibration", "steps_measured": len(walls), "calibration_s": seconds})
+    except (CostError, config_mod.ConfigError) as e:
+        actions.finish_estimate(row.pk, error=validation.clip(str(e), 2000))
+        return Estimate.FAILED
+    except Exception as e:   # the worker goes on; the person reads why
+        log.exception("estimate %s failed", row.pk)
+        actions.finish_estimate(row.pk, error=validation.clip(f"the calibration failed: {e!r}", 2000))
+        return Estimate.FAILED
+    actions.finish_estimate(row.pk, result=result)
+    return Estimate.DONE
