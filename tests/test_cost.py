@@ -145,13 +145,19 @@ def test_a_real_runs_account_reconciles_with_its_clock(tmp_path):
     device-seconds are the steps' wall time x the devices (within 5% of the run's own clock,
     run_started to run_finished), and the CLI prints it."""
     out = tmp_path / "run"
-    cmd = tiny_cli_run(out, "run.eval_every=3", "run.max_steps=6", "cluster.gen_procs=1")
+    cmd = tiny_cli_run(out, "run.eval_every=3", "run.max_steps=6", "cluster.gen_procs=1", "cost.cpu_core_hour=0.1")
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
-    shown = subprocess.run([sys.executable, "-m", "trainer", "cost", str(out), "--json", "--rate", "cpu=0.1"],
+    shown = subprocess.run([sys.executable, "-m", "trainer", "cost", str(out), "--json"],
                            cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert shown.returncode == 0, shown.stderr
     account = json.loads(shown.stdout)
+    # the run's own cost/* metrics (what its trackers mirror) say what the account says
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    hours = [r["cost/cpu_core_hours"] for r in rows if "cost/cpu_core_hours" in r]
+    assert hours == sorted(hours) and len(hours) >= 6 and all(r.get("cost/gpu_hours") in (None, 0.0) for r in rows)
+    assert hours[-1] == pytest.approx(account["device_hours"]["cpu"], rel=1e-6)
+    assert [r["cost/price"] for r in rows if "cost/price" in r][-1] == pytest.approx(hours[-1] * 0.1)
     lanes = {x["lane"]: x for x in account["lanes"]}
     assert set(lanes) == {"rank 0", "engine"} and lanes["engine"]["count"] == 1
     assert lanes["engine"]["busy_s"]["generating"] > 0 and lanes["rank 0"]["busy_s"]["training"] > 0
@@ -169,6 +175,27 @@ def test_a_real_runs_account_reconciles_with_its_clock(tmp_path):
     text = subprocess.run([sys.executable, "-m", "trainer", "cost", str(out)], cwd=ROOT,
                           capture_output=True, text=True, timeout=60).stdout
     assert "6 steps over" in text and "engine (1 cpu)" in text and "per trained token" in text
+
+
+@pytest.mark.timeout(300)
+def test_the_device_hours_metric_carries_over_a_resume(tmp_path):
+    out = tmp_path / "run"
+    done = subprocess.run(tiny_cli_run(out, "run.max_steps=2", "run.checkpoint_every=2"), cwd=ROOT,
+                          capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    from trainer.run import checkpoint
+
+    before = (out / "metrics.jsonl").read_text().splitlines()
+    saved, _ = checkpoint.load(checkpoint.list_checkpoints(out)[-1])
+    at_checkpoint = saved["device_s"]["cpu"] / 3600   # its own time and step 2's are recorded after it
+    first_run = [json.loads(x)["cost/cpu_core_hours"] for x in before if "cost/cpu_core_hours" in x]
+    assert 0 < at_checkpoint < first_run[-1]
+    again = subprocess.run([sys.executable, "-m", "trainer", "run", "--resume", str(out), "--set", "run.max_steps=4"],
+                           cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert again.returncode == 0, again.stderr[-3000:]
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    after = [r["cost/cpu_core_hours"] for r in rows[len(before):] if "cost/cpu_core_hours" in r]
+    assert after and after[0] > at_checkpoint and after == sorted(after)   # counted on from the checkpoint's total
 
 
 def test_a_directory_that_is_not_a_run_is_named(tmp_path):

@@ -68,6 +68,32 @@
       div.setAttribute("data-npoints", String(n));
     });
   }
+  // one point per run: its best held-out accuracy (its best training accuracy when a run has no
+  // evaluation) against its price (device-hours when a run has no price); the axes say which
+  function drawCost() {
+    const div = document.getElementById("compare-cost");
+    const note = document.getElementById("compare-cost-note");
+    const c = page.runs.map(r => r.cost || {});
+    const paid = c.filter(x => typeof x.device_hours === "number");   // the runs with an account decide the axes
+    const priced = paid.length > 0 && paid.every(x => typeof x.cost_price === "number");
+    const held = paid.length > 0 && paid.every(x => typeof x.eval_accuracy_best === "number");
+    const xKey = priced ? "cost_price" : "device_hours", yKey = held ? "eval_accuracy_best" : "accuracy_best";
+    const shown = page.runs.map((r, i) => ({ r: r, x: c[i][xKey], y: c[i][yKey] }))
+      .filter(p => typeof p.x === "number" && typeof p.y === "number");
+    const left = page.runs.length - shown.length;
+    note.textContent = (left ? left + " run" + (left > 1 ? "s" : "") + " without a cost account or an accuracy left out. " : "") +
+      (priced ? "" : "Device-hours: not every run has a rate. ") + (held ? "" : "Training accuracy: not every run was evaluated.");
+    Plotly.react(div, [{ type: "scatter", mode: "markers+text", x: shown.map(p => p.x), y: shown.map(p => p.y),
+                         text: shown.map(p => RLCharts.plotlyText("#" + p.r.id + " " + p.r.name)), textposition: "top center",
+                         marker: { size: 10 } }],
+      { margin: { l: 56, r: 20, t: 12, b: 44 }, height: 320,
+        xaxis: { title: { text: priced ? "price" : "device-hours (GPU-hours + CPU core-hours)" }, rangemode: "tozero" },
+        yaxis: { title: { text: held ? "best held-out accuracy" : "best training accuracy" }, range: [0, 1.05] } },
+      { displaylogo: false, responsive: true });
+    div.setAttribute("data-npoints", String(shown.length));
+  }
+  drawCost();
+
   Promise.all(page.runs.map(r => fetch("/api/runs/" + r.id + "/metrics", { credentials: "same-origin" }).then(x => x.json())))
     .then(function (snaps) {
       snaps.forEach(s => data.push(s.points || {}));

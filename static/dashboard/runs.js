@@ -23,7 +23,7 @@
   placeholders();
 })();
 
-// The runs list: refresh status, progress and key figures every few seconds.
+// The runs list: refresh status, progress, key figures and cost every few seconds.
 (function () {
   "use strict";
   const table = document.getElementById("runs-table");
@@ -46,6 +46,9 @@
         prog.lastChild.textContent = " " + run.step + "/" + run.max_steps;
         const latest = (run.summary && run.summary.latest) || {};
         FIG.forEach(function (k, i) { cells[5 + i].textContent = fmt(latest[k]); });
+        const paid = run.cost || {};   // device-hours so far and their price at the run's rates
+        cells[5 + FIG.length].textContent = fmt(paid.device_hours);
+        cells[6 + FIG.length].textContent = fmt(paid.price);
       });
     }).catch(function () {});
   }

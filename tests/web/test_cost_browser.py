@@ -89,3 +89,46 @@ def _no_run_left_behind(django_user_model):
     from conftest import kill_active_runs
 
     kill_active_runs("cora")
+
+
+@pytest.mark.timeout(300)
+def test_the_comparison_draws_accuracy_against_cost(live_asgi, django_user_model, monkeypatch, make_run, settings):
+    from conftest import CHROMIUM, logged_in_page
+    from playwright.sync_api import expect
+    from test_cost_report import recorded
+
+    assert shutil.which(CHROMIUM), f"{CHROMIUM} is missing"
+    cora = django_user_model.objects.create_user("cora", password="cora-pw-123")
+    monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
+    cheap, dear = recorded(make_run, cora), recorded(make_run, cora)   # the same account twice ...
+    dear.knobs = {**dear.knobs, "cost.cpu_core_hour": 0.72}            # ... one at twice the rate
+    dear.save()
+    cheap.knobs = {**cheap.knobs, "cost.cpu_core_hour": 0.36}
+    cheap.save()
+    lone = make_run(cora, "finished", name="no account")
+    with logged_in_page(live_asgi, "cora", "cora-pw-123", viewport={"width": 1400, "height": 1000},
+                        timeout_ms=30_000) as (page, errors):
+        page.goto(f"{live_asgi}/compare/?ids={cheap.pk},{dear.pk},{lone.pk}")
+        chart = page.locator("#compare-cost")
+        expect(chart).to_have_attribute("data-npoints", "2")
+        expect(chart.locator(".scatterlayer .points path")).to_have_count(2)   # what Plotly drew
+        expect(chart.locator(".xtitle")).to_have_text("price")
+        expect(chart.locator(".ytitle")).to_have_text("best held-out accuracy")
+        note = page.locator("#compare-cost-note")
+        expect(note).to_have_text("1 run without a cost account or an accuracy left out. ")
+        labels = chart.locator(".scatterlayer .textpoint text").all_text_contents()
+        assert sorted(labels) == sorted([f"#{cheap.pk} r", f"#{dear.pk} r"]), labels
+        page.locator("#compare-cost-card").scroll_into_view_if_needed()
+        shot(page.locator("#compare-cost-card"), "03-compare-cost")
+        xs = page.evaluate("document.getElementById('compare-cost').data[0].x")
+        assert xs[1] == pytest.approx(2 * xs[0])   # the dear run twice as far out
+        # one of them without a rate: device-hours for both, where they are the same
+        settings.RLPILOT_RATE_CPU_CORE_HOUR = 0.0
+        cheap.knobs = {**cheap.knobs, "cost.cpu_core_hour": 0.0}
+        cheap.save()
+        page.goto(f"{live_asgi}/compare/?ids={cheap.pk},{dear.pk}")
+        expect(chart.locator(".xtitle")).to_have_text("device-hours (GPU-hours + CPU core-hours)")
+        expect(page.locator("#compare-cost-note")).to_have_text("Device-hours: not every run has a rate. ")
+        xs = page.evaluate("document.getElementById('compare-cost').data[0].x")
+        assert xs[0] == xs[1] == pytest.approx(30 / 3600)
+    assert not errors, errors

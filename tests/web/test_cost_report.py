@@ -154,3 +154,22 @@ def test_the_summary_and_the_comparison_carry_the_cost(alice, user, make_run, se
     page = alice.get(f"/compare/?ids={a.pk},{b.pk}").content.decode()
     row = page.split('data-key="cost_price"')[1].split("</tr>")[0]
     assert "0.003" in row and "0.006" in row and "2.00x" in row   # the second run's rate, twice the price
+
+
+def test_the_runs_list_has_each_runs_device_hours_and_price(alice, user, make_run, settings):
+    settings.RLPILOT_RATE_CPU_CORE_HOUR = 0.36
+    run = make_run(user, "running", name="costly")
+    for step, hours in ((1, 0.25), (2, 0.5)):   # the trainer's cost/* figures, as its sink writes them
+        actions.append(run.pk, [Record("points", step, values={"cost/gpu_hours": 0.0, "cost/cpu_core_hours": hours})])
+    unpriced = make_run(user, "finished", name="before the account")   # no cost/* figures
+    html = alice.get("/").content.decode()
+    head = re.findall(r"<th[^>]*>(.*?)</th>", html.split('id="runs-table"')[1].split("</thead>")[0])
+    row = html.split(f'data-run="{run.pk}"')[1].split("</tr>")[0]
+    cells_ = [re.sub(r"<[^>]+>", "", c).strip() for c in re.findall(r"<td[^>]*>(.*?)</td>", row, re.S)]
+    assert cells_[head.index("Device-h")] == "0.5" and cells_[head.index("Price")] == "0.18"
+    listed = {r["id"]: r for r in alice.get("/api/runs").json()["runs"]}
+    assert listed[run.pk]["cost"] == {"device_hours": 0.5, "price": pytest.approx(0.18)}
+    assert listed[unpriced.pk]["cost"] is None
+    settings.RLPILOT_RATE_CPU_CORE_HOUR = 0.0   # no rate: hours, and no price
+    listed = {r["id"]: r for r in alice.get("/api/runs").json()["runs"]}
+    assert listed[run.pk]["cost"] == {"device_hours": 0.5, "price": None}

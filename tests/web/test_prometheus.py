@@ -136,7 +136,8 @@ def test_every_run_figure_is_a_declared_trainer_metric():
 
 
 @pytest.mark.django_db
-def test_metrics_hold_the_latest_figures_of_live_runs(client, metrics_on, user, other_user, make_run):
+def test_metrics_hold_the_latest_figures_of_live_runs(client, metrics_on, user, other_user, make_run, settings):
+    settings.RLPILOT_RATE_GPU_HOUR, settings.RLPILOT_RATE_CPU_CORE_HOUR = 2.0, 0.36
     now = timezone.now()
     run = make_run(user, status="running", name='grpo "α" run', max_steps=50,
                    worker_host="gpu-h200@host7:4242", heartbeat_at=now - timedelta(seconds=3))
@@ -154,6 +155,10 @@ def test_metrics_hold_the_latest_figures_of_live_runs(client, metrics_on, user, 
     actions.append(run.pk, [Record("points", 4, "", {"actor/kl": float("nan")})], {"step": 4})
     actions.append(paused.pk, [Record("points", 1, "", {"reward/mean": -1.0, "system/cpu_util": 37.5,
                                                          "system/ram_gb": 2.0})], {"step": 1})
+    # device-hours so far, priced at the run's own rate (a knob) or the deployment's
+    actions.append(run.pk, [Record("points", 4, "", {"cost/gpu_hours": 1.5, "cost/cpu_core_hours": 0.0})])
+    Run.objects.filter(pk=run.pk).update(knobs={**run.knobs, "cost.gpu_hour": 3.0})
+    actions.append(paused.pk, [Record("points", 1, "", {"cost/gpu_hours": 0.0, "cost/cpu_core_hours": 0.5})])
     actions.append(ended.pk, [Record("points", 1, "", {"reward/mean": 9.0})], {"step": 1})
 
     samples, _ = scrape(client)
@@ -177,6 +182,9 @@ def test_metrics_hold_the_latest_figures_of_live_runs(client, metrics_on, user, 
     assert samples[("rlpilot_run_cpu_utilization_percent", labels2)] == 37.5
     assert samples[("rlpilot_run_memory_rss_bytes", labels2)] == 2.0 * 2 ** 30
     assert samples[("rlpilot_run_status", labels2 + (("status", "paused"),))] == 1
+    assert samples[("rlpilot_run_gpu_hours", labels)] == 1.5 and samples[("rlpilot_run_price", labels)] == 4.5
+    assert samples[("rlpilot_run_cpu_core_hours", labels2)] == 0.5
+    assert samples[("rlpilot_run_price", labels2)] == pytest.approx(0.18)   # 0.5 core-hours at 0.36
     # an ended run is counted, not shown
     assert not [k for k in samples if dict(k[1]).get("run_id") == str(ended.pk)]
     counts = {dict(k[1])["status"]: v for k, v in samples.items() if k[0] == "rlpilot_runs"}

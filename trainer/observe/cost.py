@@ -123,6 +123,15 @@ def step_walls(slices) -> list[float]:
     return [covered_seconds([x[1]]) for x in slices]
 
 
+def device_seconds_by_kind(spans: list[dict], devices: dict[str, dict]) -> dict[str, float]:
+    """One step's device-seconds per kind: its covered wall time × the devices of each kind."""
+    wall = covered_seconds([spans])
+    out = dict.fromkeys(KINDS, 0.0)
+    for d in devices.values():
+        out[d["kind"]] += wall * int(d["count"])
+    return out
+
+
 def step_device_seconds(spans: list[dict], devices: dict[str, dict]) -> float:
     """One step's device-seconds: its covered wall time × every lane's devices."""
     return covered_seconds([spans]) * sum(int(d["count"]) for d in devices.values())

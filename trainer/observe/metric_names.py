@@ -84,6 +84,11 @@ SCALARS: dict[str, str] = {
                                          "(rollout/waste/mismatch)",
     "mismatch/correction_truncated_ratio": "share of tokens whose weight was truncated at upper",
     # throughput and time
+    # what the run's processes held so far (trainer/observe/cost.py; docs/cost.md): device-hours by
+    # kind, and their price at the run's own [cost] rates (only when it sets one)
+    "cost/gpu_hours": "GPU-hours held by the run's processes so far",
+    "cost/cpu_core_hours": "CPU core-hours held by the run's processes so far (runs without a GPU)",
+    "cost/price": "the run's price so far at its own cost.gpu_hour / cost.cpu_core_hour",
     "perf/gen_tokens_per_s": "generated tokens per second of generation",
     "perf/trained_tokens_per_s": "trained tokens per second of step",
     "perf/rollout_trained_tokens_per_s": "trained tokens per second of rollout",

@@ -65,6 +65,8 @@ class Runner:
         self.totals = {"samples": 0, "gen_tokens": 0, "trained_tokens": 0, "reward_errors": 0,
                        "reward_timeouts": 0}
         self.best_eval: float | None = None
+        self.device_s: dict[str, float] = {}   # device-seconds held so far, by kind (cost/*)
+        self._held: dict | None = None
         self.last_eval: float | None = None
         self.last_eval_result: dict | None = None   # the last evaluation's figures (benches)
         # what the run is doing between two steps ("evaluating", "saving a checkpoint"), else
@@ -112,7 +114,7 @@ class Runner:
                          # what trains: every parameter, or LoRA's adapters (their file's bytes)
                          **lora.sizes(self.model),
                          # what each process holds, for the cost account (trainer/observe/cost.py)
-                         "devices": self._devices()})
+                         "devices": self._held_devices()})
         status = FINISHED
         try:
             if self.step == 0 and self.cfg.run.eval_every:
@@ -344,6 +346,20 @@ class Runner:
         spans = self.timeline.take()
         if spans:
             self.sink.timeline(self.step, spans)
+            self._count_device_seconds(spans)
+
+    def _count_device_seconds(self, spans: list[dict]) -> None:
+        """The run's device-hours so far by kind (cost/gpu_hours, cost/cpu_core_hours: what its
+        processes held while these spans went by), and their price at the run's own rates
+        (cost/price, only when its [cost] section sets one). Carried by checkpoints."""
+        for kind, s in cost.device_seconds_by_kind(spans, self._held_devices()).items():
+            self.device_s[kind] = self.device_s.get(kind, 0.0) + s
+        m = {"cost/gpu_hours": self.device_s.get("gpu", 0.0) / 3600,
+             "cost/cpu_core_hours": self.device_s.get("cpu", 0.0) / 3600}
+        money = cost.price(self.device_s, cost.run_rates(self.cfg.cost.gpu_hour, self.cfg.cost.cpu_core_hour))
+        if money is not None:
+            m["cost/price"] = money
+        self.sink.scalars(self.step, m)
 
     # --- evaluation ---------------------------------------------------------------------------------
     def evaluate(self) -> float:
@@ -372,6 +388,12 @@ class Runner:
         return {"steps": self.step, "policy_version": self.version, **{
             f"{k}_total": v for k, v in self.totals.items()},
             "eval_accuracy_last": self.last_eval, "eval_accuracy_best": self.best_eval}
+
+    def _held_devices(self) -> dict:
+        """What each process holds in this start of the run (read once: the layout is fixed)."""
+        if self._held is None:
+            self._held = self._devices()
+        return self._held
 
     def _devices(self) -> dict:
         """What each process holds, for the cost account (trainer/observe/cost.py)."""

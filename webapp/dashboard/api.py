@@ -126,6 +126,7 @@ def run_json(run: Run, user, detail: bool = False) -> dict:
         "can_control": run.can_control(user), "queue": run.queue, "tags": run.tags,
         "archived": run.archived, "active_alerts": sorted(((run.alerts or {}).get("active") or {})),
         "parent": run.parent_id, "fork_step": run.fork_step,
+        "cost": cost.headline(run),   # device-hours so far and their price (docs/cost.md)
     }
     if detail:
         d.update({"config": run.config, "knobs": run.knobs, "desired": run.desired,

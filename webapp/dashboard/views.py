@@ -93,6 +93,9 @@ def runs_page(request):
         latest = (r.summary or {}).get("latest", {})
         r.figures = [formatting.number(v, digits=3) if isinstance(v := latest.get(k), (int, float)) else ""
                      for k in ("reward/accuracy", "reward/mean", "rollout/response_len/mean", "perf/gen_tokens_per_s")]
+        paid = cost.headline(r) or {}
+        r.figures += [formatting.number(v, digits=3) if v is not None else ""
+                      for v in (paid.get("device_hours"), paid.get("price"))]
     known = set(p.name for p in config_mod.schema()) | {"name", "preset", "toml", "queue"}
     presets = {name: actions.shipped_preset(name) for name in config_mod.preset_names()}   # the model.path it will use
     ctx = {
@@ -356,8 +359,12 @@ def compare_page(request):
     # are drawn at x = step, so they overlay from the fork step, marked on every chart
     # each run's mismatch band (current knob values, else its config's; absent before the section
     # existed): compare.js draws its ends on the chart of the |Δ log p| a band chart shows
+    # each run's cost and accuracy: compare.js draws accuracy against cost, one point per run
     page = {"runs": [{"id": r.pk, "name": r.name, "status": r.status, "parent": r.parent_id,
-                      "fork_step": r.fork_step, "mismatch": _band(r)} for r in runs]}
+                      "fork_step": r.fork_step, "mismatch": _band(r),
+                      "cost": {k: s.get(k) for k in ("device_hours", "cost_price", "eval_accuracy_best",
+                                                      "accuracy_best")}}
+                     for r, s in zip(runs, summaries)]}
     return render(request, "dashboard/compare.html", {
         "runs": runs, "rows": comparison.compare_rows(runs, summaries), "diff": comparison.config_diff(runs),
         "headlines": comparison.headlines(runs, summaries), "page": page,

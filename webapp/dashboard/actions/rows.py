@@ -31,7 +31,8 @@ from webapp.dashboard.models import (
 
 # Latest values kept on the run row for the runs list ("key figures").
 KEY_FIGURES = ("reward/accuracy", "reward/mean", "rollout/response_len/mean", "actor/kl",
-               "perf/gen_tokens_per_s", "timing/step_s", "eval/accuracy")
+               "perf/gen_tokens_per_s", "timing/step_s", "eval/accuracy",
+               "cost/gpu_hours", "cost/cpu_core_hours")   # the runs list's cost columns
 
 
 def clean_json(v: Any) -> Any:

@@ -19,9 +19,11 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import choose_encoder
 
+from trainer.observe import cost
 from webapp.dashboard import lifecycle
 from webapp.dashboard.models import MetricPoint, Run
 from webapp.dashboard.monitoring import broker, sockets
+from webapp.dashboard.reports.cost import rates
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +54,12 @@ RUN_FIGURES: tuple[tuple[str, str, str, float], ...] = (
     ("rlpilot_run_cpu_utilization_percent", "system/cpu_util", "CPU utilisation (% of all cores; runs without a GPU)",
      1),
     ("rlpilot_run_memory_rss_bytes", "system/ram_gb", "Trainer resident memory (runs without a GPU)", GIB),
+    ("rlpilot_run_gpu_hours", "cost/gpu_hours", "GPU-hours the run's processes have held so far", 1),
+    ("rlpilot_run_cpu_core_hours", "cost/cpu_core_hours",
+     "CPU core-hours the run's processes have held so far (runs without a GPU)", 1),
 )
+# the price gauge: the hours above at the run's rates (its [cost] knobs, else RLPILOT_RATE_*)
+HOURS_BY_KIND = {"gpu": "cost/gpu_hours", "cpu": "cost/cpu_core_hours"}
 RUN_LABELS = ("run_id", "name", "preset", "owner")
 
 
@@ -65,6 +72,7 @@ class LiveRun:
     heartbeat_age_s: float | None
     worker: str                          # the Celery node (worker_host without its pid)
     figures: dict[str, float] = field(default_factory=dict)   # trainer metric -> latest value
+    price: float | None = None           # so far, at the run's rates; None: no rate, or no hours yet
 
 
 @dataclass
@@ -101,9 +109,11 @@ def read_live_runs(now: datetime) -> list[LiveRun]:
                 value = values.get(pid)
                 figures[key] = math.nan if value is None else value
         age = (now - r.heartbeat_at).total_seconds() if r.heartbeat_at else None
+        hours = {kind: figures[key] for kind, key in HOURS_BY_KIND.items() if key in figures}
         out.append(LiveRun(labels=(str(r.pk), r.name, r.preset, r.owner.get_username()), status=r.status,
                            step=r.step, max_steps=r.max_steps, heartbeat_age_s=age,
-                           worker=worker_node(r.worker_host), figures=figures))
+                           worker=worker_node(r.worker_host), figures=figures,
+                           price=cost.price({k: 3600 * h for k, h in hours.items()}, rates(r)) if hours else None))
     return out
 
 
@@ -189,8 +199,14 @@ class DashboardCollector:
                 heartbeat.add_metric(run.labels, run.heartbeat_age_s)
             for key, value in run.figures.items():
                 figures[key].add_metric(run.labels, value * factors[key])
+        price = GaugeMetricFamily("rlpilot_run_price", "A live run's price so far: its device-hours at its "
+                                  "rates (cost.gpu_hour / cost.cpu_core_hour, else RLPILOT_RATE_*)", labels=labels)
+        for run in self.snapshot.live_runs:
+            if run.price is not None:
+                price.add_metric(run.labels, run.price)
         yield from (step, max_steps, heartbeat, status)
         yield from figures.values()
+        yield price
 
 
 def render(snapshot: Snapshot, accept: str | None) -> tuple[bytes, str]:

@@ -101,6 +101,18 @@ def so_far(a: dict[str, Any] | None) -> dict[str, Any] | None:
             "waste_device_s": sum(a["waste_device_s"].values())}
 
 
+def headline(run: Run) -> dict[str, Any] | None:
+    """The runs list's cost of a run: its device-hours so far (the trainer's cost/* figures, kept
+    in its summary as they arrive) and their price at its rates; None before any."""
+    latest = (run.summary or {}).get("latest") or {}
+    hours = {kind: latest[key] for kind, key in (("gpu", "cost/gpu_hours"), ("cpu", "cost/cpu_core_hours"))
+             if isinstance(latest.get(key), (int, float))}
+    if not hours:
+        return None
+    return {"device_hours": sum(hours.values()),
+            "price": cost.price({k: 3600 * h for k, h in hours.items()}, rates(run))}
+
+
 def view(a: dict[str, Any] | None) -> dict[str, Any] | None:
     """The account as the report's table rows: text for a person."""
     if a is None:
