@@ -67,6 +67,16 @@ def test_a_recorded_run_costs_what_its_lanes_held_by_hand():
     assert account["waste_share"] == pytest.approx((6 + 3 + 1.2) / 30)
 
 
+def test_what_an_advices_drops_cost_per_100_steps_by_hand():
+    # step 1: 18 device-s for 600 tokens, step 2: 12 for 400: 0.03 device-s a token each
+    per_step = {1: 18.0, 2: 12.0}
+    assert cost.drops_per_100_steps(ROWS, per_step, ("version_span", "surplus")) == pytest.approx(150.0)
+    assert cost.drops_per_100_steps(ROWS, per_step, ("zero_variance",)) == pytest.approx(300.0)   # 6 in 2 steps
+    assert cost.drops_per_100_steps(ROWS, per_step, ("stale",)) == pytest.approx(60.0)
+    assert cost.drops_per_100_steps(ROWS, {1: 18.0}, ("stale",)) == 0.0   # step 2's time unknown: not counted
+    assert cost.drops_per_100_steps(ROWS, {}, ("stale",)) is None
+
+
 def test_no_rate_means_hours_only_and_a_rate_reprices_the_whole_run():
     hours = cost.run_cost(LAID, ROWS, {})
     assert hours["price"] is None and hours["price_figures"] is None and hours["waste_price"] is None

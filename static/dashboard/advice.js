@@ -152,6 +152,10 @@
       li.appendChild(el("div", { class: "advice-move" }, a.knob ? a.knob + ": " + fmt(a.current) + " → " + fmt(a.proposed)
                                                                  : "no knob: " + words(a.reason)));
       if (a.expected) li.appendChild(el("div", { class: "advice-expected" }, "expected: " + a.expected));
+      const c = a.cost_per_100_steps;   // what the drops it is about cost now (docs/cost.md)
+      if (c) li.appendChild(el("div", { class: "advice-cost" }, "at stake: the " + c.reasons.join(", ") +
+        " drops cost " + (c.device_s / 3600).toPrecision(3) + " device-hours per 100 steps at the present pace" +
+        (c.price !== null && c.price !== undefined ? " (price " + Number(c.price.toPrecision(3)) + ")" : "")));
       const ev = el("ul", { class: "evidence" });
       (a.evidence || []).forEach(function (f, i) {
         const b = el("button", { type: "button", class: "figure", "data-metric": f.name, "data-first": f.first_step,

@@ -58,6 +58,24 @@
     return t;
   }
 
+  // what each reason's dropped tokens cost, under the "Where the generated tokens went" chart
+  function wasteCaption(c) {
+    const chart = document.getElementById("chart-tokens");
+    if (!chart) return;
+    let p = document.getElementById("tokens-cost");
+    if (!p) {
+      p = document.createElement("p");
+      p.id = "tokens-cost";
+      p.className = "muted chart-caption";
+      chart.insertAdjacentElement("afterend", p);
+    }
+    const reasons = Object.keys(c.waste_by_reason || {}).sort((a, b) => c.waste_by_reason[b].device_s - c.waste_by_reason[a].device_s);
+    p.textContent = reasons.length ? "What the dropped tokens cost so far: " + reasons.map(function (r) {
+      const w = c.waste_by_reason[r];
+      return r + " " + (w.price !== null && w.price !== undefined ? money(w.price) : money(w.device_s) + " device-s");
+    }).join(", ") + " (" + (100 * c.waste_share).toFixed(1) + "% of the run's device time)." : "No generated token dropped so far.";
+  }
+
   function create(runId, node) {
     const st = { timer: null, fetching: false, again: false, last: 0 };
     function load() {
@@ -71,6 +89,7 @@
           const c = d && d.cost_so_far;
           node.hidden = !f && !c;
           if (f || c) node.textContent = text(f, c);
+          if (c) wasteCaption(c);
         })
         .catch(function () { /* the next step asks again */ })
         .finally(function () {

@@ -173,3 +173,17 @@ def test_the_runs_list_has_each_runs_device_hours_and_price(alice, user, make_ru
     settings.RLPILOT_RATE_CPU_CORE_HOUR = 0.0   # no rate: hours, and no price
     listed = {r["id"]: r for r in alice.get("/api/runs").json()["runs"]}
     assert listed[run.pk]["cost"] == {"device_hours": 0.5, "price": None}
+
+
+def test_an_advices_drops_are_priced_per_100_steps(user, make_run, settings):
+    from webapp.dashboard import advice
+
+    settings.RLPILOT_RATE_CPU_CORE_HOUR = 0.36
+    run = recorded(make_run, user)
+    costs = advice._drop_costs(run, advice.latest_rows(run.pk, 20), {"april", "greso", "staleness", "mismatch"})
+    # 0.03 device-s a generated token (tests/test_cost.py): 100 version_span tokens, 200 zero_variance,
+    # 40 stale over 2 steps; no mismatch drop: nothing at stake
+    assert costs["april"] == {"reasons": ["version_span", "surplus", "aborted"], "device_s": pytest.approx(150.0),
+                              "price": pytest.approx(150 / 3600 * 0.36)}
+    assert costs["greso"]["device_s"] == pytest.approx(300.0) and costs["staleness"]["device_s"] == pytest.approx(60.0)
+    assert "mismatch" not in costs

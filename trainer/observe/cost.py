@@ -176,6 +176,21 @@ def priced_waste(slices: list[tuple[int, list[dict], dict]], rows: list[dict], t
     return out
 
 
+def drops_per_100_steps(rows: list[dict], step_device_s: dict[int, float], reasons) -> float | None:
+    """Device-seconds the drops for `reasons` cost per 100 steps over the steps of `rows`: each
+    step's drops × its device-seconds per generated token, summed, / the steps × 100. None
+    without a step whose device-seconds are known."""
+    spent, steps = 0.0, 0
+    for r in rows:
+        made, held = r.get("rollout/tokens/generated"), step_device_s.get(r["step"])
+        if made is None or held is None:
+            continue
+        steps += 1
+        if made:
+            spent += sum(r.get(f"rollout/waste/{x}") or 0 for x in reasons) * held / made
+    return 100 * spent / steps if steps else None
+
+
 def run_rates(gpu_hour: float, cpu_core_hour: float) -> dict[str, float]:
     """A run's own rates (its `cost.gpu_hour`, `cost.cpu_core_hour`), the kinds it sets (> 0)."""
     return {k: float(v) for k, v in (("gpu", gpu_hour), ("cpu", cpu_core_hour)) if v}

@@ -47,6 +47,10 @@ class Advice:
         return d
 
 
+# the ledger's drop reasons (trainer/rollout/ledger.py) each rule's advice is about: what the
+# condition it advises on costs is what those drops cost (docs/cost.md, "Priced waste")
+WASTE_ADDRESSED = {"april": ("version_span", "surplus", "aborted"), "staleness": ("stale",),
+                   "greso": ("zero_variance",), "mismatch": ("mismatch",)}
 CONFIDENCES = ("low", "medium", "high")
 # every value of Advice.rule: one per rule module ("length" is april.py's truncation note)
 RULE_FAMILIES = ("staleness", "april", "length", "greso", "health", "mismatch")

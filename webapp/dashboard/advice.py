@@ -7,9 +7,12 @@ from __future__ import annotations
 from django.db.models import Max
 
 from trainer import config as config_mod
+from trainer.observe import cost
 from trainer.pilot import rules
+from trainer.pilot.advice import WASTE_ADDRESSED
 from webapp.dashboard.actions import dismissed_keys
-from webapp.dashboard.models import MetricPoint, Run
+from webapp.dashboard.models import MetricPoint, Run, TimelineSlice
+from webapp.dashboard.reports.cost import devices, rates
 
 
 def latest_rows(run_id: int, steps: int) -> list[dict]:
@@ -32,9 +35,35 @@ def for_run(run: Run, window: int) -> dict:
     cfg = config_mod.apply_overrides(config_mod.from_dict(run.config), run.knobs or {})
     rows = latest_rows(run.pk, window)
     advice = [a.as_json() for a in rules.advise(rows, cfg, window=window)] if rows else []
+    priced = {a["rule"] for a in advice if a["rule"] in WASTE_ADDRESSED}
+    costs = _drop_costs(run, rows, priced) if priced else {}
+    for a in advice:
+        a["cost_per_100_steps"] = costs.get(a["rule"])
     if advice:
         dismissed = dismissed_keys(run.pk)
         for a in advice:   # dismissed until the rule's evidence_key changes
             a["dismissed"] = (a["rule"], a["evidence_key"]) in dismissed
     return {"window": window, "steps": [rows[0]["step"], rows[-1]["step"]] if rows else None,
             "cursor": run.last_seq, "advice": advice}
+
+
+def _drop_costs(run: Run, rows: list[dict], rules_: set[str]) -> dict[str, dict]:
+    """For each rule, what the drops its advice is about (WASTE_ADDRESSED) cost per 100 steps
+    at the window's cost per generated token: device-seconds, and price at the run's rates."""
+    held = devices(run)
+    if held is None or not rows:
+        return {}
+    per_step = {step: cost.step_device_seconds(spans, held) for step, spans in
+                TimelineSlice.objects.filter(run_id=run.pk, step__gte=rows[0]["step"], step__lte=rows[-1]["step"])
+                .values_list("step", "spans")}
+    by_kind = {k: sum(int(d["count"]) for d in held.values() if d["kind"] == k) for k in cost.KINDS}
+    all_devices = sum(by_kind.values())
+    out = {}
+    for rule in rules_:
+        device_s = cost.drops_per_100_steps(rows, per_step, WASTE_ADDRESSED[rule])
+        if not device_s:
+            continue
+        # the run's mix of kinds: each kind's share of the device-seconds is its share of the devices
+        out[rule] = {"reasons": list(WASTE_ADDRESSED[rule]), "device_s": device_s,
+                     "price": cost.price({k: device_s * n / all_devices for k, n in by_kind.items()}, rates(run))}
+    return out

@@ -98,7 +98,10 @@ def so_far(a: dict[str, Any] | None) -> dict[str, Any] | None:
     return {"device_hours": a["device_hours"], "price": a["price"], "idle_share": a["idle_share"],
             "waste_share": a["waste_share"], "steps": a["steps"],
             "waste_price": None if a["waste_price"] is None else sum(a["waste_price"].values()),
-            "waste_device_s": sum(a["waste_device_s"].values())}
+            "waste_device_s": sum(a["waste_device_s"].values()),
+            # each reason's dropped tokens, priced where a rate is set (beside the tokens chart)
+            "waste_by_reason": {r: {"device_s": v, "price": None if a["waste_price"] is None else a["waste_price"][r]}
+                                for r, v in a["waste_device_s"].items() if v}}
 
 
 def headline(run: Run) -> dict[str, Any] | None:
