@@ -11,6 +11,7 @@ import pytest
 from helpers import tiny_cli_run
 
 from trainer.cli import cost as cost_cli
+from trainer.cli.cost import read_slices
 from trainer.observe import cost, forecast
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -165,9 +166,17 @@ def test_a_real_runs_account_reconciles_with_its_clock(tmp_path):
     # the run's own cost/* metrics (what its trackers mirror) say what the account says
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     hours = [r["cost/cpu_core_hours"] for r in rows if "cost/cpu_core_hours" in r]
-    assert hours == sorted(hours) and len(hours) >= 6 and all(r.get("cost/gpu_hours") in (None, 0.0) for r in rows)
-    assert hours[-1] == pytest.approx(account["device_hours"]["cpu"], rel=1e-6)
-    assert [r["cost/price"] for r in rows if "cost/price" in r][-1] == pytest.approx(hours[-1] * 0.1)
+    assert len(hours) == 6 and hours == sorted(hours) and all(r.get("cost/gpu_hours") in (None, 0.0) for r in rows)
+    assert [r["cost/price"] for r in rows if "cost/price" in r] == pytest.approx([h * 0.1 for h in hours])
+    # each step's row: the steps recorded before it and its own so far (its evaluation and the
+    # run's end come after it): the last one is the account but for the last step's evaluation
+    last = [x for x in read_slices(out)[0] if x[0] == 6]   # step 6's timeline, and the run's end
+    last_wall = sum(cost.step_walls(last))
+    evaluating = sum(x["end"] - x["start"] for _, spans, _ in last for x in spans if x["phase"] == "evaluating")
+    assert evaluating > 0   # the guard: step 6 evaluated after its row
+    total = account["device_hours"]["cpu"]
+    devices = sum(x["count"] for x in account["lanes"])
+    assert total - last_wall * devices / 3600 < hours[-1] < total
     lanes = {x["lane"]: x for x in account["lanes"]}
     assert set(lanes) == {"rank 0", "engine"} and lanes["engine"]["count"] == 1
     assert lanes["engine"]["busy_s"]["generating"] > 0 and lanes["rank 0"]["busy_s"]["training"] > 0
@@ -189,17 +198,17 @@ def test_a_real_runs_account_reconciles_with_its_clock(tmp_path):
 
 @pytest.mark.timeout(300)
 def test_the_device_hours_metric_carries_over_a_resume(tmp_path):
+    from trainer.run import checkpoint
+
     out = tmp_path / "run"
     done = subprocess.run(tiny_cli_run(out, "run.max_steps=2", "run.checkpoint_every=2"), cwd=ROOT,
                           capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
-    from trainer.run import checkpoint
-
     before = (out / "metrics.jsonl").read_text().splitlines()
     saved, _ = checkpoint.load(checkpoint.list_checkpoints(out)[-1])
-    at_checkpoint = saved["device_s"]["cpu"] / 3600   # its own time and step 2's are recorded after it
+    at_checkpoint = saved["device_s"]["cpu"] / 3600
     first_run = [json.loads(x)["cost/cpu_core_hours"] for x in before if "cost/cpu_core_hours" in x]
-    assert 0 < at_checkpoint < first_run[-1]
+    assert len(first_run) == 2 and at_checkpoint >= first_run[-1] > 0   # saved at the end, after step 2's row
     again = subprocess.run([sys.executable, "-m", "trainer", "run", "--resume", str(out), "--set", "run.max_steps=4"],
                            cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert again.returncode == 0, again.stderr[-3000:]

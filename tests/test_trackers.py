@@ -22,7 +22,7 @@ from trainer.run.controls import SET_KNOBS, Command, ControlSource
 from trainer.run.runner import Runner
 
 # metrics that depend on the clock or the machine, not on the seed
-UNSEEDED = ("timing/", "perf/", "system/", "proc/", "time")
+UNSEEDED = ("timing/", "perf/", "system/", "proc/", "time", "cost/")
 
 
 def needs(package: str):

@@ -164,6 +164,12 @@ class Timeline:
         self.add(lane, phase, start, end)
         self._last_end[lane] = end
 
+    def pending_seconds(self) -> float:
+        """The seconds the spans not yet taken cover (their union), left where they are."""
+        with self._lock:
+            spans = [s.as_dict() for s in self._spans]
+        return covered_seconds([spans])
+
     def take(self) -> list[dict]:
         """The spans since the last call, bounded (`bound`), as JSON-ready dicts."""
         with self._lock:

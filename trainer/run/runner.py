@@ -235,6 +235,7 @@ class Runner:
             train_s=train_s, samples_s=samples_s, sync_s=sync_s, step_s=step_s,
             histograms=histograms))
         self._retune(train_metrics)
+        m.update(self._cost_figures())
         self.sink.scalars(self.step, m)
         self._pilot_after_step(m)
         return m
@@ -346,20 +347,22 @@ class Runner:
         spans = self.timeline.take()
         if spans:
             self.sink.timeline(self.step, spans)
-            self._count_device_seconds(spans)
+            for kind, s in cost.device_seconds_by_kind(spans, self._held_devices()).items():
+                self.device_s[kind] = self.device_s.get(kind, 0.0) + s
 
-    def _count_device_seconds(self, spans: list[dict]) -> None:
-        """The run's device-hours so far by kind (cost/gpu_hours, cost/cpu_core_hours: what its
-        processes held while these spans went by), and their price at the run's own rates
+    def _cost_figures(self) -> dict[str, float]:
+        """The step row's device-hours so far by kind (cost/gpu_hours, cost/cpu_core_hours: what
+        the processes held over the timelines recorded, and this step's so far: its evaluation
+        and checkpoint count in the next step's row), and their price at the run's own rates
         (cost/price, only when its [cost] section sets one). Carried by checkpoints."""
-        for kind, s in cost.device_seconds_by_kind(spans, self._held_devices()).items():
-            self.device_s[kind] = self.device_s.get(kind, 0.0) + s
-        m = {"cost/gpu_hours": self.device_s.get("gpu", 0.0) / 3600,
-             "cost/cpu_core_hours": self.device_s.get("cpu", 0.0) / 3600}
-        money = cost.price(self.device_s, cost.run_rates(self.cfg.cost.gpu_hour, self.cfg.cost.cpu_core_hour))
+        now = self.timeline.pending_seconds()
+        held = {k: self.device_s.get(k, 0.0) + now * sum(int(d["count"]) for d in self._held_devices().values()
+                                                          if d["kind"] == k) for k in cost.KINDS}
+        m = {"cost/gpu_hours": held["gpu"] / 3600, "cost/cpu_core_hours": held["cpu"] / 3600}
+        money = cost.price(held, cost.run_rates(self.cfg.cost.gpu_hour, self.cfg.cost.cpu_core_hour))
         if money is not None:
             m["cost/price"] = money
-        self.sink.scalars(self.step, m)
+        return m
 
     # --- evaluation ---------------------------------------------------------------------------------
     def evaluate(self) -> float:

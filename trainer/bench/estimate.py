@@ -1,0 +1,77 @@
+"""bench estimate: how far off the estimate before a run is, per preset, at 50 and 200 steps.
+
+For each preset (`--presets`, default every shipped preset that runs without setup), in turn:
+the estimate as `python -m trainer estimate` makes it with no history (a calibration of the run
+itself for `--seconds`, trainer/cli/estimate.py), then the run itself, `python -m trainer run`
+for the largest of `--steps` steps with evaluations and checkpoints off (what the estimate
+covers: steps, not loading or evaluating). Each step count's actual time is the sum of that
+many steps' wall times (their timeline's cover, as the estimate counts them); the estimate for
+it is made from the same calibration. Reported per preset and step count: the estimate and its
+range, the actual time, the error (estimate / actual − 1) and whether the actual fell inside
+the range. `--set` applies to every preset (e.g. a smaller batch for a quick look).
+
+The machine's load while the calibration and the run go changes both: run it on a quiet
+machine, and read one run's error as one draw, not a property of the preset.
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from trainer import config as config_mod
+from trainer.cli.cost import read_slices
+from trainer.cli.estimate import calibrate, from_steps
+from trainer.observe import cost
+
+NAME = "estimate"
+HELP = "the estimate before a run against the run, per preset (50 and 200 steps)"
+DEFAULT_PRESETS = ("demo", "april", "greso", "async", "all", "agent")
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--presets", nargs="+", default=list(DEFAULT_PRESETS),
+                   help=f"presets to measure (default: {' '.join(DEFAULT_PRESETS)})")
+    p.add_argument("--steps", nargs="+", type=int, default=[50, 200],
+                   help="step counts the estimate is checked at (default 50 200)")
+    p.add_argument("--seconds", type=float, default=30.0, help="each calibration's time (default 30)")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="an override for every preset")
+
+
+def measure(preset: str, sets: list[str], steps: list[int], seconds: float, log=print) -> dict:
+    walls, devices = calibrate(preset, sets, seconds)
+    log(f"{preset}: calibrated on {len(walls)} steps in {seconds:g} s; running {max(steps)} steps")
+    with tempfile.TemporaryDirectory(prefix="rlpilot-bench-estimate-") as tmp:
+        out = Path(tmp) / "run"
+        cmd = [sys.executable, "-m", "trainer", "run", preset, "--out", str(out)]
+        for s in [*sets, f"run.max_steps={max(steps)}", "run.eval_every=0", "run.checkpoint_every=0",
+                  "run.report_to=[]"]:
+            cmd += ["--set", s]
+        done = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        if done.returncode:
+            raise RuntimeError(f"{preset}: the run failed: {done.stderr[-2000:]}")
+        actual = cost.step_walls(read_slices(out)[0])
+    rows = []
+    for n in steps:
+        e = from_steps(walls, devices, n, {}, {})
+        real = sum(actual[:n])
+        rows.append({"steps": n, "estimate_s": e["seconds"], "low_s": e["low_s"], "high_s": e["high_s"],
+                     "actual_s": real, "error": e["seconds"] / real - 1 if real else None,
+                     "in_range": e["low_s"] <= real <= e["high_s"], "steps_run": len(actual)})
+        outside = "" if rows[-1]["in_range"] else ", outside the range"
+        log(f"  {n:>4} steps: estimate {e['seconds']:7.1f} s ({e['low_s']:.1f}-{e['high_s']:.1f}), "
+            f"actual {real:7.1f} s, error {rows[-1]['error']:+.0%}{outside}")
+    return {"preset": preset, "calibration_steps": len(walls), "rows": rows}
+
+
+def run(args, log=print) -> dict:
+    for preset in args.presets:
+        if preset not in config_mod.preset_names():
+            raise SystemExit(f"bench estimate: unknown preset {preset!r}; presets: "
+                             f"{', '.join(config_mod.preset_names())}")
+    if not args.steps or min(args.steps) < 1:
+        raise SystemExit("bench estimate: --steps: step counts of at least 1")
+    return {"bench": NAME, "seconds": args.seconds, "set": args.set,
+            "presets": [measure(p, args.set, sorted(args.steps), args.seconds, log) for p in args.presets]}
