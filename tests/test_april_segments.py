@@ -1,4 +1,4 @@
-"""APRIL at short segment limits (issue 37, item 4): every step trains, and no token is generated
+"""APRIL at short segment limits: every step trains, and no token is generated
 only to be dropped for its version span. The engine here is scripted: each answer has a length
 fixed by its prompt and index (8 to 63 tokens), so what a segment limit of 1, 4 or 16 tokens does
 to it is known in advance, and the runs are exact and fast."""

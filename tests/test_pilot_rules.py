@@ -199,7 +199,7 @@ def test_truncated_responses_ask_for_a_longer_limit_which_is_no_knob():
     assert only(series(rollout__truncated_ratio=0.049), cfg_of(), april.truncated) is None
 
 
-# the issue-37 shape: the `april` preset at a segment limit of 4 (reach 4 x 8 rounds x (5 + 1) =
+# a short segment limit: the `april` preset at a segment limit of 4 (reach 4 x 8 rounds x (5 + 1) =
 # 192 tokens < max_response_len 256), 1,000 tokens generated a step, answers up to 202 tokens
 SHORT_SEGMENT = dict(rollout__tokens__generated=1000, rollout__response_len__max=[100, 202] * 10)
 
@@ -222,8 +222,13 @@ def test_the_segment_limit_is_named_with_the_tokens_it_costs():
     assert only(series(**SHORT_SEGMENT, rollout__waste__version_span=49), cfg,
                 april.segment_limit_costs) is None
     # a segment limit that lets every answer finish within the span (8 x 8 x 6 = 384) is no cause
-    assert only(series(**SHORT_SEGMENT, rollout__waste__version_span=80),
-                cfg_of("april", april__segment_max_tokens=8), april.segment_limit_costs) is None
+    longer = cfg_of("april", april__segment_max_tokens=8)
+    assert only(series(**SHORT_SEGMENT, rollout__waste__version_span=80), longer,
+                april.segment_limit_costs) is None
+    # ... unless steps end after 2 rounds on average: 8 x 2 x 6 = 96; span 256 / 16 - 1 = 15
+    a = only(series(**SHORT_SEGMENT, rollout__waste__version_span=80, rollout__rounds=[1, 3] * 10),
+             longer, april.segment_limit_costs)
+    assert "8 x 2 x 6 = 96 tokens" in a.message and "april.max_version_span 5 -> 15" in a.message
 
 
 def test_groups_at_their_last_chance_also_name_the_segment_limit():

@@ -76,7 +76,9 @@ def _tokens(w: Window, name: str) -> int:
 def segment_limit_costs(w: Window, cfg, th: Thresholds) -> Advice | None:
     """The segment limit, with max_version_span, is the cause. At s tokens a segment and R
     rounds a step an answer gets at most s R tokens a step, so within the span only answers of
-    up to reach = s R (max_version_span + 1) tokens can finish; longer ones are dropped for their
+    up to reach = s R (max_version_span + 1) tokens can finish; R is the window's mean
+    rollout/rounds (a step that completes N groups in its first round gives each answer one
+    segment), max_sampling_rounds where not reported. Longer answers are dropped for their
     span (or, at their last chance, generated to their end unsegmented, the step waiting). The
     longest answers seen understate the need (the dropped ones never finished), so the rule
     compares reach with max_response_len. Fires when reach is shorter and the window shows the
@@ -85,9 +87,9 @@ def segment_limit_costs(w: Window, cfg, th: Thresholds) -> Advice | None:
     of the longest response (the rule of thumb), or the span that lets max_response_len finish."""
     if not _on(w, cfg, th):
         return None
-    seg, rounds, span = segment(cfg), cfg.rollout.max_sampling_rounds, cfg.april.max_version_span
-    limit = cfg.rollout.max_response_len
-    reach = seg * rounds * (span + 1)
+    seg, span, limit = segment(cfg), cfg.april.max_version_span, cfg.rollout.max_response_len
+    rounds = w.mean("rollout/rounds") or cfg.rollout.max_sampling_rounds
+    reach = int(seg * rounds * (span + 1))
     if reach >= limit:
         return None   # every answer can finish within the span: the segment limit is no cause
     generated = _tokens(w, "rollout/tokens/generated")
@@ -113,10 +115,11 @@ def segment_limit_costs(w: Window, cfg, th: Thresholds) -> Advice | None:
     evidence.append(derived("rollout/response_len/max", "max", longest, w, "rollout/response_len/max"))
     new = min(limit, max(seg + 1, half(longest)))
     span_needed = math.ceil(limit / (seg * rounds)) - 1
+    evidence.append(figure(w, "rollout/rounds"))
     return knob_advice(
         "april", "segment_limit_too_short", cfg, SEGMENT, new,
-        message=f"the segment limit is the cause: at {SEGMENT} = {seg}, {rounds} rounds a step "
-        f"and {SPAN} = {span}, only answers of up to {seg} x {rounds} x {span + 1} = {reach} "
+        message=f"the segment limit is the cause: at {SEGMENT} = {seg}, {rounds:.3g} rounds a step "
+        f"and {SPAN} = {span}, only answers of up to {seg} x {rounds:.3g} x {span + 1} = {reach} "
         f"tokens can finish within the span (max_response_len = {limit}); "
         f"{'; '.join(costs)}. Raise the segment limit {seg} -> {new}, or {SPAN} {span} -> "
         f"{span_needed}. {rules_of_thumb(w, cfg)}",

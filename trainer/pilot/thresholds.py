@@ -75,8 +75,9 @@ class Thresholds:
     span_waste_high: float = threshold(0.05, help="share of generated tokens dropped for their "
                                        "version span (rollout/waste/version_span) over the window "
                                        "above which the segment limit costs too much",
-                                       source="judgement: half of the 10% of generation that issue "
-                                       "37 allows APRIL's avoidable drops in all")
+                                       source="judgement: half of the 10% of generation that APRIL's "
+                                       "avoidable drops (version span, stale, aborted, surplus) "
+                                       "may take in all")
     last_chance_high: float = threshold(0.25, help="april/last_chance_groups per step over "
                                         "rollout_batch_size above which the steps wait too often for "
                                         "answers the segment limit could not finish within the span",
