@@ -80,10 +80,17 @@ MODES = {
                          ["zero_variance", "surplus"], False),
     "april": ([], [], True),
     "april + dynamic sampling": (["rollout.dynamic_sampling=true"], ["zero_variance"], True),
-    "april, tiny segments, version span": (
+    # a group one step from its span limit is generated to its end (its last chance), so a tiny
+    # segment limit drops nothing for its span ...
+    "april, tiny segments, short version span": (
         ["april.segment_max_tokens=4", "april.max_version_span=1", "rollout.max_sampling_rounds=3"],
+        [], True),
+    # ... what is still dropped is a group already past a limit lowered mid-run (LATER)
+    "april, version span lowered": (
+        ["april.segment_max_tokens=4", "april.max_version_span=3", "rollout.max_sampling_rounds=3"],
         ["version_span"], True),
 }
+LATER = {"april, version span lowered": ["april.max_version_span=0"]}  # from version 2 on
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -95,6 +102,8 @@ def test_the_ledger_closes_every_step_in_every_synchronous_mode(parts, mode):
     ledger.observe_engine(engine.stats.generated_tokens)
     waited = False
     for version in range(5):
+        if version == 2 and mode in LATER:
+            cfg = cfg_for(*extra, *LATER[mode])
         engine.update_weights(parts[0].state_dict(), version)
         res = rollout.collect(cfg, version)
         ledger.observe_engine(engine.stats.generated_tokens)   # as the runner does
@@ -178,24 +187,30 @@ def test_a_lower_n_prime_drops_the_newest_buffered_groups_and_counts_them(parts)
 
 
 def test_a_short_step_trains_what_it_has_and_warns_once_until_the_knobs_change(parts):
+    """One token a segment and one round a step: the round limit ends a step with fewer than N
+    complete groups, never one with none (the first step has none after its round: it goes on
+    until a group completes)."""
     rollout, engine = make_rollout(parts)
     cfg = cfg_for("april.segment_max_tokens=1", "rollout.max_sampling_rounds=1",
                   "april.max_version_span=100")
-    warned, short = [], []
-    for version in range(4):
-        if version == 2:
+    warned, short, messages = [], [], []
+    for version in range(5):
+        if version == 3:
             rollout.set_config(cfg)   # a knob change: the next short step is news again
         engine.update_weights(parts[0].state_dict(), version)
         res = rollout.collect(cfg, version)
+        assert res.groups, f"step {version} ended with nothing to train"
+        if version == 0:
+            assert res.counts.rounds > 1, "the first step's groups completed in one round"
         short.append(len(res.groups) < 6)
         # it trains every complete group it has (none is held back for a fuller step)
         assert len(res.groups) == min(res.metrics["rollout/effective_groups"], 6)
         warned += [(version, kind) for kind, _ in res.events]
-        if version == 0:
-            assert "segment limit of 1 tokens" in res.events[0][1]["message"]
-    assert short[0] and short[1] and any(short[2:]), "steps completed N groups: nothing proved"
-    first_after_change = 2 + short[2:].index(True)
-    assert warned == [(0, "warning"), (first_after_change, "warning")]
+        messages += [data["message"] for _, data in res.events]
+    assert any(short[:3]) and any(short[3:]), "steps completed N groups: nothing proved"
+    first, first_after_change = short.index(True), 3 + short[3:].index(True)
+    assert warned == [(first, "warning"), (first_after_change, "warning")]
+    assert "segment limit of 1 tokens" in messages[0]
 
 
 def test_without_april_every_group_finishes_and_nothing_is_buffered(parts):

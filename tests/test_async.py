@@ -184,6 +184,36 @@ def test_a_stale_drop_gives_its_admission_back():
     assert res.counts.discarded_tokens == 2
 
 
+def test_a_segment_stop_one_version_before_stale_runs_to_its_end():
+    """APRIL's segment limit under asynchronous training: a parked sample goes to the back of the
+    queue, unless its group is eta versions old (one more and it is stale when the trainer takes
+    it): then it is its last chance, resubmitted without a segment limit."""
+    from trainer.engine.base import SEGMENT, Sample, SamplingParams
+    from trainer.rollout import Group
+    from trainer.tasks.base import Problem
+
+    cfg = _cfg(**{"async.max_staleness": 2, "april.enabled": "true", "april.segment_max_tokens": 4})
+    submitted = []
+
+    class Requeue(IdleEngine):
+        def submit(self, samples):
+            submitted.extend(samples)
+
+    ar = AsyncDriver(Requeue(), None, None, None, lock=threading.RLock())
+    ar.cfg, ar.version = cfg, 5
+    parked = {}
+    for first in (3, 4):   # oldest token 2 versions old (at eta), and 1
+        s = Sample([1, 2], SamplingParams(segment_max_tokens=4), response_ids=[3] * 4,
+                   logprobs=[-0.1] * 4, versions=[first] * 4, finish_reason=SEGMENT)
+        g = Group(problem=Problem(f"p{first}", "[1]=", 1, "sum"), samples=[s], draw=first)
+        ar.owner[s.request_id], ar.running[id(g)] = g, g
+        parked[first] = s
+    ar._handle(list(parked.values()))
+    assert submitted == [parked[3], parked[4]]
+    assert parked[3].params.segment_max_tokens is None    # its last chance
+    assert parked[4].params.segment_max_tokens == 4       # back of the queue, segmented
+
+
 def test_the_trainer_takes_the_oldest_queued_groups_first():
     # B = 2, version 3, eta 2. Queued in completion order: two fresh groups (version 3), then
     # two that a long answer kept in flight since version 1. Taking in completion order would

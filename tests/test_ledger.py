@@ -11,16 +11,19 @@ from trainer.rollout.ledger import TokenLedger
 from trainer.run.runner import Runner
 
 # APRIL with dynamic sampling, tiny segments, few rounds and a short version span: every reason
-# a synchronous run drops tokens for, and an evaluation whose tokens must not count
+# a synchronous run drops tokens for (version_span once the resume lowers the span to 0: a group
+# reaching its span limit otherwise runs to its end), and an evaluation whose tokens must not count
 SHORT_APRIL = [*TINY_RUN, "april.enabled=true", "april.segment_max_tokens=4",
                "april.max_version_span=1", "rollout.max_sampling_rounds=2",
                "rollout.dynamic_sampling=true", "run.eval_every=2", "run.eval_size=8"]
 
 
-def run(tmp_path, steps, resume=False):
-    cfg = C.load("demo", [*SHORT_APRIL, f"run.max_steps={steps}"])
+def run(tmp_path, steps, resume=False, *extra):
+    cfg = C.load("demo", [*SHORT_APRIL, f"run.max_steps={steps}", *extra])
     sink = MemorySink()
-    with Runner(cfg, tmp_path, sink=sink, resume=resume, system_telemetry=False) as runner:
+    knobs = [e.split("=")[0] for e in extra]   # the resumed knob values, except these
+    with Runner(cfg, tmp_path, sink=sink, resume=resume, keep_knobs=knobs,
+                system_telemetry=False) as runner:
         runner.run()
         held = runner.rollout.held_tokens()
         ledger = runner.rollout.ledger
@@ -39,7 +42,7 @@ def test_a_run_says_where_every_token_went_and_keeps_saying_it_after_a_resume(tm
     short = [r for r in rows if r["rollout/effective_groups"] < 4]
     assert len([e for e in events if e["kind"] == "warning"]) == (1 if short else 0)
 
-    rows2, _, held2, ledger2, _ = run(tmp_path, 5, resume=True)
+    rows2, _, held2, ledger2, _ = run(tmp_path, 5, True, "april.max_version_span=0")
     assert [r["step"] for r in rows2] == [4, 5]
     check_rows(rows2, *totals)                # the totals carry on from the checkpoint
     assert rows2[-1]["rollout/tokens/waiting"] == held2

@@ -199,6 +199,60 @@ def test_truncated_responses_ask_for_a_longer_limit_which_is_no_knob():
     assert only(series(rollout__truncated_ratio=0.049), cfg_of(), april.truncated) is None
 
 
+# a short segment limit: the `april` preset at a segment limit of 4 (reach 4 x 8 rounds x (5 + 1) =
+# 192 tokens < max_response_len 256), 1,000 tokens generated a step, answers up to 202 tokens
+SHORT_SEGMENT = dict(rollout__tokens__generated=1000, rollout__response_len__max=[100, 202] * 10)
+
+
+def test_the_segment_limit_is_named_with_the_tokens_it_costs():
+    cfg = cfg_of("april", april__segment_max_tokens=4)
+    a = only(series(**SHORT_SEGMENT, rollout__waste__version_span=[40, 80] * 10), cfg,
+             april.segment_limit_costs)
+    # half of the longest answer (202 / 2); the span that lets 256 tokens finish: 256 / 32 - 1
+    assert (a.knob, a.current, a.proposed, a.reason) == ("april.segment_max_tokens", 4, 101,
+                                                          "segment_limit_too_short")
+    assert "4 x 8 x 6 = 192 tokens" in a.message and "april.max_version_span 5 -> 7" in a.message
+    assert "1,200 of 20,000 generated tokens (6%) were dropped for their version span" in a.message
+    assert fig(a, "rollout/waste/version_span", "sum").value == 1200
+    assert fig(a, "rollout/response_len/max", "max").value == 202
+    # the rules of thumb, cited: N' 64 over a batch of 32, and the segment against 202 / 2
+    assert "N' 64 is 2.0x the batch (rule of thumb 1.5-2x: 48-64)" in a.message
+    assert "segment limit 4 against half of the longest response (202 tokens): 101" in a.message
+    # just under: 980 of 20,000 (4.9%)
+    assert only(series(**SHORT_SEGMENT, rollout__waste__version_span=49), cfg,
+                april.segment_limit_costs) is None
+    # a segment limit that lets every answer finish within the span (8 x 8 x 6 = 384) is no cause
+    longer = cfg_of("april", april__segment_max_tokens=8)
+    assert only(series(**SHORT_SEGMENT, rollout__waste__version_span=80), longer,
+                april.segment_limit_costs) is None
+    # ... unless steps end after 2 rounds on average: 8 x 2 x 6 = 96; span 256 / 16 - 1 = 15
+    a = only(series(**SHORT_SEGMENT, rollout__waste__version_span=80, rollout__rounds=[1, 3] * 10),
+             longer, april.segment_limit_costs)
+    assert "8 x 2 x 6 = 96 tokens" in a.message and "april.max_version_span 5 -> 15" in a.message
+
+
+def test_groups_at_their_last_chance_also_name_the_segment_limit():
+    cfg = cfg_of("april", april__segment_max_tokens=4)
+    a = only(series(**SHORT_SEGMENT, april__last_chance_groups=[6, 10] * 10), cfg,
+             april.segment_limit_costs)   # 8 a step = a quarter of the batch
+    assert a.proposed == 101 and "8.0 groups a step reached their last chance" in a.message
+    assert fig(a, "april/last_chance_groups", "mean").value == 8
+    assert only(series(**SHORT_SEGMENT, april__last_chance_groups=7.9), cfg,
+                april.segment_limit_costs) is None
+
+
+def test_when_the_segment_limit_is_the_cause_less_over_sampling_is_not_advised():
+    """The issue's repro: span drops at a short segment limit used to propose a lower N'."""
+    cfg = cfg_of("april", april__segment_max_tokens=4)
+    rows = series(**SHORT_SEGMENT, rollout__waste__version_span=80, april__span_dropped_groups=5,
+                  rollout__idle_slot_frac=0.6)
+    assert [a.knob for a in advise(rows, cfg) if a.rule == "april"] == ["april.segment_max_tokens"]
+    # at a segment limit long enough, the same drops are over-sampling's
+    cfg = cfg_of("april", april__segment_max_tokens=8)
+    assert [a.knob for a in advise(rows, cfg) if a.rule == "april"] == [
+        "april.over_sampling_batch_size"]
+
+
 # --- GRESO --------------------------------------------------------------------------------------
 def test_greso_at_its_floor_with_too_many_zero_variance_groups_lowers_min_p():
     rows = series(rollout__zero_var_ratio=[0.4, 0.6] * 10, greso__p_easy=0.05, greso__p_hard=0.05)

@@ -102,12 +102,39 @@
         .forEach(t => knobGroup(t, TECHNIQUES[t].label, "not used by this run", rest(t), false));
     })();
 
+    // APRIL's rules of thumb beside the run's values, as context (nothing enforces them; the
+    // pilot's APRIL advice cites the same, trainer/pilot/april.py): the over-sampling ratio, the
+    // segment limit against the response lengths so far, the buffer in tokens
+    const aprilBox = techniqueEnabled("april") ? el("p", { class: "muted", id: "april-context" }, "") : null;
+    if (aprilBox) (knobRows.querySelector('[data-group="key"]') || knobRows).appendChild(aprilBox);
+    function values(name) {
+      const s = state.series[name];
+      return s ? s.values.filter(v => v !== null && isFinite(v)) : [];
+    }
+    function renderAprilContext() {
+      if (!aprilBox) return;
+      const cfg = page.config || {}, rollout = cfg.rollout || {}, launched = cfg.april || {};
+      const knob = k => Number(state.knobs["april." + k] !== undefined ? state.knobs["april." + k] : launched[k] || 0);
+      const batch = Number(rollout.rollout_batch_size || 0);
+      const nPrime = knob("over_sampling_batch_size") || 2 * batch;
+      const segment = knob("segment_max_tokens") || Math.max(1, Math.floor(Number(rollout.max_response_len || 0) / 2));
+      const parts = [];
+      if (batch) parts.push("N′ " + nPrime + " is " + (nPrime / batch).toFixed(1) + "x the batch of " + batch + " (1.5–2x)");
+      const longest = Math.max(0, ...values("rollout/response_len/max")), p90 = values("rollout/response_len/p90").pop();
+      parts.push("segment limit " + segment + (longest ? " against responses of p90 " + fmt(p90) + ", longest " + fmt(longest)
+        + " tokens (first at half the longest: " + Math.ceil(longest / 2) + ", then from the idle slots)" : " (no response lengths yet)"));
+      const buffer = values("april/buffer_tokens").pop();
+      if (buffer !== undefined) parts.push("buffer " + fmt(buffer) + " tokens");
+      aprilBox.textContent = "APRIL's rules of thumb: " + parts.join(" · ");
+    }
+
     // the "Current" column, from state.knobs
     function renderValues() {
       document.querySelectorAll("[data-current]").forEach(function (td) {
         const v = state.knobs[td.getAttribute("data-current")];
         td.textContent = v === undefined ? "" : Array.isArray(v) ? (v.length ? v.join(", ") : "(none)") : fmt(v);
       });
+      renderAprilContext();
     }
     // "Apply changes": enabled while this user may change the run and it takes knob changes
     function renderButton() {
@@ -178,7 +205,7 @@
     }
 
     return { send: sendKnobs, reply: knobReply, markChange: markChange, renderValues: renderValues,
-             renderButton: renderButton };
+             renderButton: renderButton, renderAprilContext: renderAprilContext };
   }
 
   window.RLKnobs = { create: create };

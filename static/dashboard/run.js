@@ -109,6 +109,7 @@
       setStep(m.step);
       advice.schedule();   // new steps: the advice may have changed
       forecast.schedule();   // ... and the pace
+      knobs.renderAprilContext();   // ... and the response lengths APRIL's rules of thumb read
     } else if (m.type === "histogram") {
       addHist(m);
     } else if (m.type === "status") {
@@ -289,6 +290,7 @@
       for (const k in state.series) { const s = state.series[k].steps; if (s.length) maxStep = Math.max(maxStep, s[s.length - 1]); }
       setStep(maxStep);
       state.cursor = data.cursor;
+      knobs.renderAprilContext();
       scheduleDraw();
       connect();
     });

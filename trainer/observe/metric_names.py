@@ -108,6 +108,8 @@ SCALARS: dict[str, str] = {
     "april/completed": "samples finished", "april/parked": "samples parked",
     "april/dropped": "samples dropped (version span)", "april/aborted_tokens": "tokens aborted",
     "april/span_dropped_groups": "groups dropped for their version span",
+    "april/last_chance_groups": "groups resumed one step before their version span would drop "
+                                "them, generated to their end (the step waits for them)",
     "april/segment_max_tokens": "current segment limit",
     "april/top_ups": "times new groups were started mid-step as others completed or were filtered",
     "april/offpolicy_token_ratio": "share of trained tokens from older policies",

@@ -1,6 +1,13 @@
 """APRIL active partial rollouts: how much to over-sample, how long a segment may run, and
-whether max_response_len cuts answers."""
+whether max_response_len cuts answers.
+
+The advice cites APRIL's rules of thumb as context (`rules_of_thumb`), never as a condition:
+over-sample 1.5-2x the batch; start the segment limit at half of the longest response, then
+adjust it from the decode slots' use. The conditions are what the window measured.
+"""
 from __future__ import annotations
+
+import math
 
 from trainer.pilot.advice import Advice, derived, figure, knob_advice, note_advice
 from trainer.pilot.thresholds import Thresholds
@@ -8,6 +15,8 @@ from trainer.pilot.window import Window
 
 OVERSAMPLE = "april.over_sampling_batch_size"
 SEGMENT = "april.segment_max_tokens"
+SPAN = "april.max_version_span"
+OVERSAMPLE_RULE = (1.5, 2.0)   # N' over the batch, the rule of thumb
 
 
 def over_sampling(cfg) -> int:
@@ -18,6 +27,31 @@ def over_sampling(cfg) -> int:
 def segment(cfg) -> int:
     """The segment limit in effect (0 means half of max_response_len)."""
     return cfg.april.segment_max_tokens or max(1, cfg.rollout.max_response_len // 2)
+
+
+def rules_of_thumb(w: Window, cfg) -> str:
+    """The rules of thumb beside the run's values: the over-sampling ratio against 1.5-2x, the
+    segment limit against half of the longest response seen (the window's largest
+    rollout/response_len/max)."""
+    batch, n_prime = cfg.rollout.rollout_batch_size, over_sampling(cfg)
+    lo, hi = OVERSAMPLE_RULE
+    parts = [f"N' {n_prime} is {n_prime / batch:.1f}x the batch (rule of thumb "
+             f"{lo:g}-{hi:g}x: {math.ceil(lo * batch)}-{int(hi * batch)})"]
+    longest = longest_response(w)
+    if longest:
+        parts.append(f"segment limit {segment(cfg)} against half of the longest response "
+                     f"({longest} tokens): {half(longest)} (the rule of thumb's first value, then "
+                     "adjusted from the idle decode slots)")
+    return "rules of thumb: " + "; ".join(parts)
+
+
+def longest_response(w: Window) -> int:
+    """The longest response of the window (0: none reported)."""
+    return int(max((v for _, v in w.series("rollout/response_len/max")), default=0))
+
+
+def half(tokens: int) -> int:
+    return max(1, math.ceil(tokens / 2))
 
 
 def _on(w: Window, cfg, th: Thresholds) -> bool:
@@ -35,10 +69,70 @@ def _buffer_growth(w: Window) -> int:
     return n
 
 
+def _tokens(w: Window, name: str) -> int:
+    return int(sum(v for _, v in w.series(name)))
+
+
+def segment_limit_costs(w: Window, cfg, th: Thresholds) -> Advice | None:
+    """The segment limit, with max_version_span, is the cause. At s tokens a segment and R
+    rounds a step an answer gets at most s R tokens a step, so within the span only answers of
+    up to reach = s R (max_version_span + 1) tokens can finish; R is the window's mean
+    rollout/rounds (a step that completes N groups in its first round gives each answer one
+    segment), max_sampling_rounds where not reported. Longer answers are dropped for their
+    span (or, at their last chance, generated to their end unsegmented, the step waiting). The
+    longest answers seen understate the need (the dropped ones never finished), so the rule
+    compares reach with max_response_len. Fires when reach is shorter and the window shows the
+    cost: version-span drops of at least span_waste_high of the generated tokens, or at least
+    last_chance_high x N groups a step at their last chance. Advice: the segment limit at half
+    of the longest response (the rule of thumb), or the span that lets max_response_len finish."""
+    if not _on(w, cfg, th):
+        return None
+    seg, span, limit = segment(cfg), cfg.april.max_version_span, cfg.rollout.max_response_len
+    rounds = w.mean("rollout/rounds") or cfg.rollout.max_sampling_rounds
+    reach = int(seg * rounds * (span + 1))
+    if reach >= limit:
+        return None   # every answer can finish within the span: the segment limit is no cause
+    generated = _tokens(w, "rollout/tokens/generated")
+    dropped = _tokens(w, "rollout/waste/version_span")
+    drop_share = dropped / generated if generated else 0.0
+    last_chance = w.mean("april/last_chance_groups") or 0.0
+    batch = cfg.rollout.rollout_batch_size
+    costs, evidence = [], []
+    if drop_share >= th.span_waste_high:
+        costs.append(f"{dropped:,} of {generated:,} generated tokens ({drop_share:.0%}) were "
+                     "dropped for their version span")
+        evidence += [derived("rollout/waste/version_span", "sum", dropped, w,
+                             "rollout/waste/version_span"),
+                     derived("rollout/tokens/generated", "sum", generated, w,
+                             "rollout/tokens/generated")]
+    if last_chance >= th.last_chance_high * batch:
+        costs.append(f"{last_chance:.1f} groups a step reached their last chance and were "
+                     "generated to their end, unsegmented, the step waiting for them")
+        evidence.append(figure(w, "april/last_chance_groups"))
+    if not costs:
+        return None
+    longest = longest_response(w) or limit
+    evidence.append(derived("rollout/response_len/max", "max", longest, w, "rollout/response_len/max"))
+    new = min(limit, max(seg + 1, half(longest)))
+    span_needed = math.ceil(limit / (seg * rounds)) - 1
+    evidence.append(figure(w, "rollout/rounds"))
+    return knob_advice(
+        "april", "segment_limit_too_short", cfg, SEGMENT, new,
+        message=f"the segment limit is the cause: at {SEGMENT} = {seg}, {rounds:.3g} rounds a step "
+        f"and {SPAN} = {span}, only answers of up to {seg} x {rounds:.3g} x {span + 1} = {reach} "
+        f"tokens can finish within the span (max_response_len = {limit}); "
+        f"{'; '.join(costs)}. Raise the segment limit {seg} -> {new}, or {SPAN} {span} -> "
+        f"{span_needed}. {rules_of_thumb(w, cfg)}",
+        expected="long answers finish within the version span: no tokens dropped for their span, "
+        "no step waiting for unsegmented answers",
+        confidence="medium", evidence=evidence)
+
+
 def too_much_over_sampling(w: Window, cfg, th: Thresholds) -> Advice | None:
     """The buffer grows step after step, or many trained tokens are off-policy, or stale groups
-    are dropped: less over-sampling, or (at N' = N already) a longer segment limit."""
-    if not _on(w, cfg, th):
+    are dropped: less over-sampling, or (at N' = N already) a longer segment limit. Silent when
+    the segment limit is the cause (`segment_limit_costs`): fewer groups would not help."""
+    if not _on(w, cfg, th) or segment_limit_costs(w, cfg, th) is not None:
         return None
     grew, off = _buffer_growth(w), w.mean("april/offpolicy_token_ratio")
     drops = w.mean("april/span_dropped_groups")
@@ -62,7 +156,8 @@ def too_much_over_sampling(w: Window, cfg, th: Thresholds) -> Advice | None:
     if n_prime > batch:
         new = max(batch, int(n_prime * th.oversample_down))
         return knob_advice("april", "too_much_over_sampling", cfg, OVERSAMPLE, new,
-                           message=f"over-sample less, N' {n_prime} -> {new}: {why}",
+                           message=f"over-sample less, N' {n_prime} -> {new}: {why}. "
+                           f"{rules_of_thumb(w, cfg)}",
                            expected="a steady buffer, fewer off-policy tokens and stale drops",
                            confidence="medium", evidence=evidence)
     # N' is the batch already: what spans versions is a long answer decoded over several
@@ -80,8 +175,9 @@ def too_much_over_sampling(w: Window, cfg, th: Thresholds) -> Advice | None:
 
 
 def idle_slots(w: Window, cfg, th: Thresholds) -> Advice | None:
-    """Decode slots idle while the buffer is calm: over-sample more to fill them."""
-    if not _on(w, cfg, th):
+    """Decode slots idle while the buffer is calm: over-sample more to fill them (not when the
+    segment limit is the cause: short segments leave slots idle between rounds)."""
+    if not _on(w, cfg, th) or segment_limit_costs(w, cfg, th) is not None:
         return None
     idle = w.mean("rollout/idle_slot_frac")
     if idle is None or idle < th.idle_slots_high or too_much_over_sampling(w, cfg, th) is not None:
@@ -90,7 +186,7 @@ def idle_slots(w: Window, cfg, th: Thresholds) -> Advice | None:
     new = int(n_prime * th.oversample_up)
     return knob_advice("april", "idle_decode_slots", cfg, OVERSAMPLE, new,
                        message=f"over-sample more, N' {n_prime} -> {new}: {idle:.0%} of decode "
-                       "slots were idle per decode step", expected="fewer idle slots, more "
+                       f"slots were idle per decode step. {rules_of_thumb(w, cfg)}", expected="fewer idle slots, more "
                        "generated tokens per second", confidence="medium",
                        evidence=[figure(w, "rollout/idle_slot_frac"), figure(w, "april/buffer_size", "last")])
 
@@ -113,4 +209,4 @@ def truncated(w: Window, cfg, th: Thresholds) -> Advice | None:
                                  figure(w, "rollout/response_len/p90")])
 
 
-RULES = (too_much_over_sampling, idle_slots, truncated)
+RULES = (segment_limit_costs, too_much_over_sampling, idle_slots, truncated)

@@ -72,6 +72,17 @@ class Thresholds:
     span_drops_high: float = threshold(0.1, help="april/span_dropped_groups per step over "
                                        "rollout_batch_size above which stale drops waste too much",
                                        source="judgement: a tenth of a batch regenerated every step")
+    span_waste_high: float = threshold(0.05, help="share of generated tokens dropped for their "
+                                       "version span (rollout/waste/version_span) over the window "
+                                       "above which the segment limit costs too much",
+                                       source="judgement: half of the 10% of generation that APRIL's "
+                                       "avoidable drops (version span, stale, aborted, surplus) "
+                                       "may take in all")
+    last_chance_high: float = threshold(0.25, help="april/last_chance_groups per step over "
+                                        "rollout_batch_size above which the steps wait too often for "
+                                        "answers the segment limit could not finish within the span",
+                                        source="judgement: a quarter of a batch generated unsegmented, "
+                                        "the step waiting for its longest answer as without APRIL")
     truncated_high: float = threshold(0.05, help="mean rollout/truncated_ratio above which the "
                                       "length limit cuts answers", source="DAPO (Yu et al. 2025) "
                                       "calls truncated samples' scores reward noise (overlong reward "

@@ -12,13 +12,26 @@ A synchronous step waits for its longest answer. APRIL (as in THUDM/slime's
    is topped up at once, buffer first. So the buffer never holds more than N' groups.
 3. Segments and rounds: a sample generates at most `segment_max_tokens` before it parks and
    yields its slot. When the engine runs dry with fewer than N complete groups, the next round
-   gives every parked group another segment, at most `max_sampling_rounds` rounds a step.
+   gives every parked group another segment, at most `max_sampling_rounds` rounds a step — once
+   the step has a group to train: while it has none and groups are parked, rounds go on (a step
+   never ends empty while progress is possible).
 4. Early termination: as soon as N groups are complete, every unfinished request is aborted;
    its samples keep their tokens, logprobs and per-token policy versions and continue (never
    restart) next step. A step whose rounds end with fewer than N trains what it has.
-5. Version span: a buffered group whose oldest token is more than `max_version_span` versions
-   old is dropped (its prompt starts afresh) or kept with off-policy handling (weights in
-   `trainer/algo/objective.py`).
+5. Version span and the last chance (`span_policy = "drop"`). Every token carries the version
+   that generated it and the weights change once a step, so a group's span (current version
+   minus its oldest token's) grows by one each step it waits, whatever the segment limit; one
+   that would start a step with span > `max_version_span` is dropped (its prompt starts afresh).
+   With segment s and response length L a sample needs ceil(L / s) segments, at most
+   `max_sampling_rounds` a step: at a short s a long answer cannot finish within the span, and
+   every token it got would be generated only to be dropped. So a group whose span reaches
+   `max_version_span` (one more step would drop it) gets its last chance: its samples run
+   unsegmented to their end this step, and early termination spares them (the step waits for
+   them), so it is trained or kept complete. At max_version_span = 0 every group is at its last
+   chance from its first token: no partial rollouts, only over-sampling. What is still dropped
+   for its span is a group that was already over the limit when it was resumed (the limit was
+   lowered, or versions jumped). `span_policy = "keep"` keeps old groups with off-policy
+   handling (weights in `trainer/algo/objective.py`).
 6. A lower N' (a knob change) leaves the buffer over its bound: the step drops the newest
    groups beyond N' before resuming the rest.
 
@@ -31,7 +44,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Callable, Iterable
 
 from trainer.engine.base import Sample, SamplingParams, reserve_request_ids
@@ -100,6 +113,14 @@ def version_span(sample: Sample, version: int) -> int:
     return sample.age(version)
 
 
+def last_chance(group: Group, version: int, max_version_span: int, span_policy: str) -> bool:
+    """Whether one more step would drop `group` for its span: its last chance to finish is this
+    step (only under span_policy "drop"; a group with no token yet has span 0)."""
+    if span_policy != "drop":
+        return False
+    return max((version_span(s, version) for s in group.samples), default=0) >= max_version_span
+
+
 def segment_limit(cfg) -> int:
     """The most tokens one sample generates in a round (0 in the config = half the response
     limit)."""
@@ -137,6 +158,8 @@ class AprilRollout:
     def params(self, cfg) -> SamplingParams:
         if self.segment_tokens is None or not cfg.april.segment_auto:
             self.segment_tokens = segment_limit(cfg)
+        if cfg.april.max_version_span == 0 and cfg.april.span_policy == "drop":
+            return sampling_params(cfg)  # every group is at its last chance: no segments
         return sampling_params(cfg, self.segment_tokens)
 
     def collect(self, step: StepRun, version: int) -> tuple[list[Group], list[Group]]:
@@ -171,22 +194,30 @@ class AprilRollout:
             top_up()  # groups dynamic sampling filtered free their places
             if step.engine.num_pending:
                 continue
-            # the engine ran dry: every group in hand is complete or parked at its segment limit
-            if not step.parked or c.rounds >= cfg.rollout.max_sampling_rounds:
+            # the engine ran dry: every group in hand is complete or parked at its segment limit.
+            # The round limit ends a step that has something to train; an empty one goes on
+            if not step.parked or (c.rounds >= cfg.rollout.max_sampling_rounds and step.ready):
                 break
             c.rounds += 1
             step.resume_parked()
-        # early termination: park everything unfinished in the buffer. Its KV cache is given up:
-        # computed by this version's weights, it would be stale under the next, and a run
-        # resumed from a checkpoint (which holds no cache) would continue differently
-        for s in step.engine.abort(keep_cache=False):
+        # early termination: park everything unfinished in the buffer, except the groups at
+        # their last chance (parked, they would be dropped next step): the step waits for those.
+        # The KV cache is given up: computed by this version's weights, it would be stale under
+        # the next, and a run resumed from a checkpoint (which holds no cache) would continue
+        # differently
+        span, policy = cfg.april.max_version_span, cfg.april.span_policy
+        spared = {s.request_id for g in step.active.values()
+                  if last_chance(g, version, span, policy) for s in g.samples}
+        doomed = None if not spared else [rid for rid in step.owner if rid not in spared]
+        for s in step.engine.abort(doomed, keep_cache=False):
             c.aborted_tokens += s.segment_tokens
             g = step.owner[s.request_id]
             if id(g) in step.active:
                 del step.active[id(g)]
                 step.parked.append(g)
-        # an engine in other processes may have filed finished samples while it answered the
-        # abort: hand them out now, or a group they complete would be neither trained nor kept
+        # the spared groups finish now; an engine in other processes may also have filed finished
+        # samples while it answered the abort: hand them out, or a group they complete would be
+        # neither trained nor kept
         while step.engine.num_pending:
             step.advance()
         step.score_waiting()
@@ -227,6 +258,11 @@ class AprilRollout:
             c.groups_started += 1
             step.start(fresh, fresh.samples)
             return
+        if last_chance(g, version, cfg.april.max_version_span, cfg.april.span_policy):
+            # one more step would drop it: its samples run to their end, unsegmented
+            c.last_chance_groups += 1
+            step.start(g, todo, replace(step.params, segment_max_tokens=None))
+            return
         step.start(g, todo)
 
     def after_step(self, cfg, idle_slot_frac: float) -> None:
@@ -244,6 +280,7 @@ class AprilRollout:
                 "april/parked": c.parked, "april/dropped": c.dropped,
                 "april/aborted_tokens": c.aborted_tokens,
                 "april/span_dropped_groups": c.span_dropped_groups,
+                "april/last_chance_groups": c.last_chance_groups,
                 "april/segment_max_tokens": self.segment_tokens or 0,
                 "april/top_ups": c.top_ups}
 

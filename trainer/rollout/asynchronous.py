@@ -29,7 +29,9 @@ How the other techniques behave here (preset `all`):
 - APRIL: generation has no step barrier, so there is nothing to terminate early; over-sampling
   is the in-flight cap, and "partial rollouts" are the interruptible samples that continue
   under new weights. A sample still stops at `april.segment_max_tokens` per version when APRIL
-  is on, and yields its slot to the back of the queue (long answers cannot hog slots).
+  is on, and yields its slot to the back of the queue (long answers cannot hog slots), unless
+  its group is already eta versions old: one more version and it would be dropped as stale, so
+  it gets its last chance (as in `april.py`) and runs to its end without a segment limit.
 - GRESO: the pre-filter runs at admission, on the worker; p_easy/p_hard adapt once per
   training step from the groups that step consumed.
 - Dynamic sampling: zero-variance groups are dropped on completion and never queued, so the
@@ -46,6 +48,7 @@ import contextlib
 import threading
 import time
 from collections import deque
+from dataclasses import replace
 
 from trainer.engine.base import SEGMENT, Sample, SamplingParams
 from trainer.episode.environments import offered_tools
@@ -455,6 +458,10 @@ class AsyncDriver(Driver):
         for s in finished:
             g = self.owner.get(s.request_id)
             if s.finish_reason == SEGMENT:  # APRIL segment limit: back of the queue
+                if g is not None and april_mod.last_chance(g, self.version,
+                                                           self.cfg.async_.max_staleness, "drop"):
+                    # one more version and it is stale: its last chance, to its end unsegmented
+                    s.params = replace(s.params, segment_max_tokens=None)
                 self.engine.submit([s])
                 continue
             self.owner.pop(s.request_id, None)

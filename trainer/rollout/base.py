@@ -96,6 +96,7 @@ class StepCounts:
     discarded_tokens: int = 0   # generated tokens thrown away (the ledger has them by reason)
     filtered_groups: int = 0    # complete groups dropped by dynamic sampling (zero variance)
     span_dropped_groups: int = 0
+    last_chance_groups: int = 0  # APRIL: resumed at the span limit, generated to their end
     groups_started: int = 0     # new prompts rolled out
     skipped_easy: int = 0       # GRESO
     skipped_hard: int = 0
@@ -191,9 +192,11 @@ class StepRun:
         self.parked: list[Group] = []       # groups with samples stopped at the segment limit
         self.owner: dict[int, Group] = {}   # request id -> group
 
-    def start(self, group: Group, samples: list[Sample]) -> None:
+    def start(self, group: Group, samples: list[Sample], params: SamplingParams | None = None) -> None:
+        """Submit `samples` of `group` with `params` (default: the step's)."""
+        params = params or self.params
         for s in samples:
-            s.params = self.params if not s.response_ids else _continue_params(s.params, self.params)
+            s.params = params if not s.response_ids else _continue_params(s.params, params)
             self.owner[s.request_id] = group
         self.active[id(group)] = group
         self.counts.submitted += len(samples)

@@ -10,6 +10,7 @@ from django.shortcuts import redirect, render
 from django.views.decorators.http import require_http_methods, require_POST
 
 from trainer import config as config_mod
+from trainer.pilot import april as pilot_april
 from webapp.dashboard import actions, formatting
 from webapp.dashboard.access import validation
 from webapp.dashboard.api import filter_runs
@@ -20,13 +21,26 @@ from webapp.dashboard.worker import sweep
 FIELD_PREFIX = "cfg:"
 
 
+# APRIL's rules of thumb beside its fields, as context: nothing enforces them (the pilot's APRIL
+# advice cites them with the run's values: trainer/pilot/april.py)
+APRIL_NOTE = ("Rules of thumb, not enforced: over_sampling_batch_size at {lo:g}-{hi:g}x "
+              "rollout.rollout_batch_size (0 = 2x); segment_max_tokens first at half of the longest "
+              "response (0 = half of rollout.max_response_len), then adjusted from the idle decode "
+              "slots. Within max_version_span an answer gets at most segment_max_tokens x "
+              "rollout.max_sampling_rounds x (max_version_span + 1) tokens; a longer one gets its "
+              "last chance: generated to its end without segments, the step waiting for it. "
+              "python -m trainer advise and the run page's advice cite these beside the run's "
+              "values.").format(lo=pilot_april.OVERSAMPLE_RULE[0], hi=pilot_april.OVERSAMPLE_RULE[1])
+
+
 def _section_notes() -> dict[str, str]:
     """A line under a section's title, where its fields need the server's context or say where
     what they do shows."""
     limit = settings.RLPILOT_MAX_TRAIN_PROCS
     most = (f"this server allows up to {limit} (RLPILOT_MAX_TRAIN_PROCS)" if limit > 0
             else "at most the worker's GPU count (CPU count for a CPU model)")
-    return {"cluster": "The run's processes on the worker's machine. cluster.train_procs above 1: the "
+    return {"april": APRIL_NOTE,
+            "cluster": "The run's processes on the worker's machine. cluster.train_procs above 1: the "
                        "worker starts torchrun with that many training processes (rank 0 owns the "
                        "rollout and reports here; stop, pause, knob changes and kill reach every "
                        f"process at the same step); {most}.",
