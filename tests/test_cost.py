@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from helpers import tiny_cli_run
 
-from trainer.cli import cost as cost_cli
-from trainer.cli.cost import read_slices
+from trainer.cli import run_files
+from trainer.cli.run_files import read_slices
 from trainer.observe import cost, forecast
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -138,16 +138,16 @@ def test_the_layout_says_what_each_process_holds():
     (["cpu=inf"], "a finite number >= 0"),
 ])
 def test_a_bad_rate_is_refused_by_name(pairs, words):
-    with pytest.raises(cost_cli.CostError, match=words):
-        cost_cli.rates_from(pairs, environ={})
+    with pytest.raises(run_files.CostError, match=words):
+        run_files.rates_from(pairs, environ={})
 
 
 def test_rates_come_from_the_environment_unless_given():
     env = {"RLPILOT_RATE_GPU_HOUR": "2.5", "RLPILOT_RATE_CPU_CORE_HOUR": "0.05"}
-    assert cost_cli.rates_from([], environ=env) == {"gpu": 2.5, "cpu": 0.05}
-    assert cost_cli.rates_from(["gpu=4"], environ=env) == {"gpu": 4.0, "cpu": 0.05}
-    with pytest.raises(cost_cli.CostError, match="RLPILOT_RATE_GPU_HOUR"):
-        cost_cli.rates_from([], environ={"RLPILOT_RATE_GPU_HOUR": "lots"})
+    assert run_files.rates_from([], environ=env) == {"gpu": 2.5, "cpu": 0.05}
+    assert run_files.rates_from(["gpu=4"], environ=env) == {"gpu": 4.0, "cpu": 0.05}
+    with pytest.raises(run_files.CostError, match="RLPILOT_RATE_GPU_HOUR"):
+        run_files.rates_from([], environ={"RLPILOT_RATE_GPU_HOUR": "lots"})
 
 
 @pytest.mark.timeout(300)
@@ -296,8 +296,8 @@ def test_the_runs_own_rate_wins_over_the_environment_and_a_given_rate_over_both(
     cfg = C.load("demo", ["cost.cpu_core_hour=0.08"])
     own = cost.run_rates(cfg.cost.gpu_hour, cfg.cost.cpu_core_hour)
     assert own == {"cpu": 0.08}   # gpu_hour 0: not set by the run
-    assert cost_cli.rates_from([], env, own) == {"gpu": 2.5, "cpu": 0.08}
-    assert cost_cli.rates_from(["cpu=0.1"], env, own) == {"gpu": 2.5, "cpu": 0.1}
+    assert run_files.rates_from([], env, own) == {"gpu": 2.5, "cpu": 0.08}
+    assert run_files.rates_from(["cpu=0.1"], env, own) == {"gpu": 2.5, "cpu": 0.1}
 
 
 # --- the estimate before a run starts (trainer/cli/estimate.py) ----------------------------------
@@ -358,3 +358,20 @@ def test_a_bad_estimate_request_is_refused_by_name(tmp_path):
         done = subprocess.run([sys.executable, "-m", "trainer", "estimate", "demo", "--runs", str(tmp_path),
                                *args], cwd=ROOT, capture_output=True, text=True, timeout=60)
         assert done.returncode == 2 and words in done.stderr, (args, done.stderr)
+
+
+def test_the_cli_advice_prices_what_its_drops_cost(tmp_path, capsys):
+    from trainer import config as C
+    from trainer.cli import advise
+
+    _past_run(tmp_path / "run", "april", ["cost.cpu_core_hour=0.36"], [2.0, 4.0])   # 2 cores: 4 and 8 device-s
+    rows = [{"step": 1, "rollout/tokens/generated": 400, "rollout/waste/version_span": 100},
+            {"step": 2, "rollout/tokens/generated": 800, "rollout/waste/surplus": 200, "rollout/waste/stale": 80}]
+    cfg = C.loads_toml((tmp_path / "run" / "config.toml").read_text())
+    stakes = advise._stakes(tmp_path / "run", cfg, rows, {"april", "staleness", "health"})
+    # april: 100 x 4/400 + 200 x 8/800 = 3 device-s over 2 steps; staleness: 80 x 8/800 = 0.8
+    assert stakes == {"april": {"reasons": ["version_span", "surplus", "aborted"], "device_s": pytest.approx(150.0),
+                                "price": pytest.approx(150 / 3600 * 0.36)},
+                      "staleness": {"reasons": ["stale"], "device_s": pytest.approx(40.0),
+                                    "price": pytest.approx(40 / 3600 * 0.36)}}
+    assert advise._stakes(tmp_path / "nowhere.json", cfg, rows, {"april"}) == {}   # a JSON export: no timeline

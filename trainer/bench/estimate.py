@@ -21,8 +21,8 @@ import tempfile
 from pathlib import Path
 
 from trainer import config as config_mod
-from trainer.cli.cost import read_slices
 from trainer.cli.estimate import calibrate, from_steps
+from trainer.cli.run_files import read_slices
 from trainer.observe import cost
 
 NAME = "estimate"

@@ -5,73 +5,16 @@ its directory holds only the config and checkpoints)."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
 from trainer import config as config_mod
-from trainer.observe.metrics import read_jsonl
+from trainer.cli.run_files import CostError, RunDirError, rates_from, read_run, read_slices
+from trainer.observe import cost
+from trainer.pilot.advice import WASTE_ADDRESSED, at_stake
 from trainer.pilot.rules import advise
 from trainer.pilot.thresholds import DEFAULT
-
-
-class RunDirError(ValueError):
-    """A run directory the advice cannot be read from; the message says what is wrong."""
-
-
-EXPORT_HINT = ("a dashboard run keeps its metrics in the database: pass its JSON export instead "
-               "(the report's JSON export, or GET /api/runs/ID/export?format=json)")
-
-
-def read_run(path: str | Path) -> tuple[config_mod.Config, list[dict]]:
-    """The run's config (with its current knob values) and metric rows, from a run directory or
-    a dashboard JSON export. Raises RunDirError naming the file (and line) at fault."""
-    d = Path(path)
-    if d.is_file():
-        return read_export(d)
-    if not d.is_dir():
-        raise RunDirError(f"{d}: no such directory or file")
-    cfg_path, metrics_path = d / "config.toml", d / "metrics.jsonl"
-    if not cfg_path.is_file():
-        raise RunDirError(f"{d} has no config.toml: not a run directory")
-    if not metrics_path.is_file():
-        raise RunDirError(f"{d} has no metrics.jsonl; {EXPORT_HINT}")
-    try:
-        cfg = config_mod.loads_toml(cfg_path.read_text(encoding="utf-8"))
-    except config_mod.ConfigError as e:
-        raise RunDirError(f"{cfg_path}: {e}") from None
-    except ValueError as e:   # tomllib.TOMLDecodeError
-        raise RunDirError(f"{cfg_path}: not valid TOML: {e}") from None
-    try:
-        rows = read_jsonl(metrics_path)
-    except ValueError as e:
-        raise RunDirError(str(e)) from None
-    return cfg, rows
-
-
-def read_export(path: Path) -> tuple[config_mod.Config, list[dict]]:
-    """A dashboard run's JSON export: {"config": {section: {...}}, "knobs": {key: value},
-    "metrics": {name: {"steps": [...], "values": [...]}}, ...}."""
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise RunDirError(f"{path}: not a run directory, nor a JSON export ({e})") from None
-    if not isinstance(data, dict) or not isinstance(data.get("config"), dict) \
-            or not isinstance(data.get("metrics"), dict):
-        raise RunDirError(f"{path}: not a dashboard JSON export (no \"config\" and \"metrics\")")
-    try:
-        cfg = config_mod.apply_overrides(config_mod.from_dict(data["config"]), data.get("knobs") or {})
-    except config_mod.ConfigError as e:
-        raise RunDirError(f"{path}: config: {e}") from None
-    by_step: dict[int, dict] = {}
-    for name, series in data["metrics"].items():
-        try:
-            pairs = list(zip(series["steps"], series["values"], strict=True))
-        except (KeyError, TypeError, ValueError):
-            raise RunDirError(f"{path}: metric {name!r} is not {{\"steps\": [...], \"values\": [...]}} "
-                              "of the same length") from None
-        for step, value in pairs:
-            by_step.setdefault(step, {"step": step})[name] = value
-    return cfg, [by_step[s] for s in sorted(by_step)]
 
 
 def _cmd_advise(args) -> int:
@@ -86,10 +29,16 @@ def _cmd_advise(args) -> int:
     window = args.window or DEFAULT.window
     advice = advise(rows, cfg, window=window)
     steps = [r["step"] for r in rows[-window:]]
+    try:
+        stakes = _stakes(Path(args.run_dir), cfg, rows, {a.rule for a in advice})
+    except CostError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if args.json:
         print(json.dumps({"run_dir": str(args.run_dir), "window": window,
                           "steps": [steps[0], steps[-1]] if steps else None,
-                          "advice": [a.as_json() for a in advice]}, indent=2))
+                          "advice": [{**a.as_json(), "cost_per_100_steps": stakes.get(a.rule)} for a in advice]},
+                         indent=2))
         return 0
     span = f"steps {steps[0]}-{steps[-1]}" if steps else "no steps yet"
     if not advice:
@@ -100,9 +49,32 @@ def _cmd_advise(args) -> int:
         move = f"{a.knob}: {a.current!r} -> {a.proposed!r}" if a.knob else "not a knob"
         print(f"\n[{a.rule}] {move}  ({a.confidence} confidence)\n  {a.message}\n"
               f"  expected: {a.expected}")
+        if a.rule in stakes:
+            c = stakes[a.rule]
+            price = f" (price {c['price']:.4g})" if c["price"] is not None else ""
+            print(f"  at stake: the {', '.join(c['reasons'])} drops cost {c['device_s'] / 3600:.4g} "
+                  f"device-hours per 100 steps at the present pace{price}")
         for f in a.evidence:
             print(f"  - {f.name} {f.stat} = {f.value:.4g} (steps {f.first_step}-{f.last_step})")
     return 0
+
+
+def _stakes(run_dir: Path, cfg: config_mod.Config, rows: list[dict], rules_: set[str]) -> dict[str, dict]:
+    """What the drops each rule's advice is about cost per 100 steps (pilot/advice.py `at_stake`),
+    from a run directory's timeline, priced as `python -m trainer cost` prices it. A JSON export
+    (no timeline file) or a run recorded before the account: none."""
+    if not run_dir.is_dir() or not rules_ & set(WASTE_ADDRESSED):
+        return {}
+    try:
+        slices, _ = read_slices(run_dir)
+    except CostError:
+        return {}
+    per_step = {step: cost.step_device_seconds(spans, held) for step, spans, held in slices if held}
+    held = slices[-1][2] if slices else None
+    if not held:
+        return {}
+    rates = rates_from([], os.environ, cost.run_rates(cfg.cost.gpu_hour, cfg.cost.cpu_core_hour))
+    return at_stake(rules_, rows, per_step, held, rates)
 
 
 def add_parser(sub) -> None:

@@ -12,53 +12,8 @@ import os
 import sys
 from pathlib import Path
 
-from trainer.cli.advise import RunDirError, read_run
+from trainer.cli.run_files import CostError, RunDirError, rates_from, read_run, read_slices
 from trainer.observe import cost, forecast
-from trainer.observe.metrics import read_jsonl
-
-RATE_ENV = {"gpu": "RLPILOT_RATE_GPU_HOUR", "cpu": "RLPILOT_RATE_CPU_CORE_HOUR"}
-
-
-class CostError(ValueError):
-    """A run whose cost cannot be read; the message names the file and what is wrong."""
-
-
-def rates_from(pairs: list[str], environ=os.environ, run: dict[str, float] | None = None) -> dict[str, float]:
-    """Rates per device-hour: the environment's defaults, then the run's own (`run`, from its
-    [cost] section), then each `kind=price` pair."""
-    items = [(k, environ[v], v) for k, v in RATE_ENV.items() if environ.get(v)]
-    items += [(k, str(v), f"the run's cost.{'gpu_hour' if k == 'gpu' else 'cpu_core_hour'}")
-              for k, v in (run or {}).items()]
-    for pair in pairs:
-        kind, sep, value = pair.partition("=")
-        items.append((kind.strip(), value, f"--rate {pair}") if sep else ("", "", f"--rate {pair}"))
-    out = {}
-    for kind, value, where in items:
-        if kind not in cost.KINDS:
-            raise CostError(f"{where}: expected KIND=PRICE with KIND one of {', '.join(cost.KINDS)}")
-        try:
-            price = float(value)
-        except ValueError:
-            raise CostError(f"{where}: {value!r} is not a price per device-hour") from None
-        if not price >= 0 or price == float("inf"):
-            raise CostError(f"{where}: a price per device-hour is a finite number >= 0; got {value}")
-        out[kind] = price
-    return out
-
-
-def read_slices(run_dir: Path) -> tuple[list[tuple[int, list[dict], dict | None]], list[dict]]:
-    """A run directory's timeline as (step, spans, the devices of the start it ran after;
-    None where that start recorded none: trainer/observe/cost.py `with_layouts`), and its events."""
-    try:
-        timeline = read_jsonl(run_dir / "timeline.jsonl")
-        events = read_jsonl(run_dir / "events.jsonl")
-    except FileNotFoundError as e:
-        raise CostError(f"{run_dir}: no {Path(e.filename).name}: the run has not reported a step yet") from None
-    except ValueError as e:
-        raise CostError(str(e)) from None
-    starts = [(e.get("time", 0.0), e.get("devices") if isinstance(e.get("devices"), dict) else None)
-              for e in events if e.get("kind") in ("run_started", "run_resumed")]
-    return cost.with_layouts([(t["step"], t.get("spans") or []) for t in timeline], starts), events
 
 
 def read_account(run_dir: str | Path, rate_pairs: list[str] = (), environ=os.environ) -> dict:

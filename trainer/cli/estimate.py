@@ -20,7 +20,8 @@ import tempfile
 from pathlib import Path
 
 from trainer import config as config_mod
-from trainer.cli.cost import CostError, add_rate_arguments, rates_from, read_slices
+from trainer.cli.cost import add_rate_arguments
+from trainer.cli.run_files import CostError, rates_from, read_slices
 from trainer.observe import cost, forecast
 
 # what makes two runs' steps comparable

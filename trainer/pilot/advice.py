@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from trainer import config as config_mod
+from trainer.observe import cost
 from trainer.pilot.window import Window
 
 
@@ -51,6 +52,24 @@ class Advice:
 # condition it advises on costs is what those drops cost (docs/cost.md, "Priced waste")
 WASTE_ADDRESSED = {"april": ("version_span", "surplus", "aborted"), "staleness": ("stale",),
                    "greso": ("zero_variance",), "mismatch": ("mismatch",)}
+
+
+def at_stake(rules_: set[str], rows: list[dict], step_device_s: dict[int, float], held: dict[str, dict],
+             rates: dict[str, float]) -> dict[str, dict]:
+    """For each rule in `rules_` with drops to its name (WASTE_ADDRESSED), what they cost per
+    100 steps over `rows` (trainer/observe/cost.py `drops_per_100_steps`): device-seconds, and
+    their price at `rates` in the mix of device kinds the run holds (`held`)."""
+    by_kind = {k: sum(int(d["count"]) for d in held.values() if d["kind"] == k) for k in cost.KINDS}
+    devices = sum(by_kind.values())
+    out = {}
+    for rule in sorted(rules_ & set(WASTE_ADDRESSED)):
+        device_s = cost.drops_per_100_steps(rows, step_device_s, WASTE_ADDRESSED[rule])
+        if device_s and devices:
+            out[rule] = {"reasons": list(WASTE_ADDRESSED[rule]), "device_s": device_s,
+                         "price": cost.price({k: device_s * n / devices for k, n in by_kind.items()}, rates)}
+    return out
+
+
 CONFIDENCES = ("low", "medium", "high")
 # every value of Advice.rule: one per rule module ("length" is april.py's truncation note)
 RULE_FAMILIES = ("staleness", "april", "length", "greso", "health", "mismatch")

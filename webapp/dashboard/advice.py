@@ -9,7 +9,7 @@ from django.db.models import Max
 from trainer import config as config_mod
 from trainer.observe import cost
 from trainer.pilot import rules
-from trainer.pilot.advice import WASTE_ADDRESSED
+from trainer.pilot.advice import WASTE_ADDRESSED, at_stake
 from webapp.dashboard.actions import dismissed_keys
 from webapp.dashboard.models import MetricPoint, Run, TimelineSlice
 from webapp.dashboard.reports.cost import devices, rates
@@ -48,22 +48,12 @@ def for_run(run: Run, window: int) -> dict:
 
 
 def _drop_costs(run: Run, rows: list[dict], rules_: set[str]) -> dict[str, dict]:
-    """For each rule, what the drops its advice is about (WASTE_ADDRESSED) cost per 100 steps
-    at the window's cost per generated token: device-seconds, and price at the run's rates."""
+    """What the drops each rule's advice is about cost per 100 steps (pilot/advice.py `at_stake`),
+    from the window's timeline rows and the devices the run holds, at its rates."""
     held = devices(run)
     if held is None or not rows:
         return {}
     per_step = {step: cost.step_device_seconds(spans, held) for step, spans in
                 TimelineSlice.objects.filter(run_id=run.pk, step__gte=rows[0]["step"], step__lte=rows[-1]["step"])
                 .values_list("step", "spans")}
-    by_kind = {k: sum(int(d["count"]) for d in held.values() if d["kind"] == k) for k in cost.KINDS}
-    all_devices = sum(by_kind.values())
-    out = {}
-    for rule in rules_:
-        device_s = cost.drops_per_100_steps(rows, per_step, WASTE_ADDRESSED[rule])
-        if not device_s:
-            continue
-        # the run's mix of kinds: each kind's share of the device-seconds is its share of the devices
-        out[rule] = {"reasons": list(WASTE_ADDRESSED[rule]), "device_s": device_s,
-                     "price": cost.price({k: device_s * n / all_devices for k, n in by_kind.items()}, rates(run))}
-    return out
+    return at_stake(rules_, rows, per_step, held, rates(run))

@@ -183,7 +183,7 @@ def calibrate_estimate(estimate_id: int) -> str:
     process group killed past that and a grace, its directory removed) and record the estimate,
     or why there is none (the `estimate` task's body; tests call it). Returns its status."""
     from trainer.cli import estimate as estimate_rule
-    from trainer.cli.cost import CostError
+    from trainer.cli.run_files import CostError
     from webapp.dashboard.models import Estimate
     from webapp.dashboard.reports.cost import rates_of
 
