@@ -8,11 +8,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import tiny_cli_run
+from helpers import TINY_RUN, tiny_cli_run
 
-from trainer.cli import run_files
-from trainer.cli.run_files import read_slices
-from trainer.observe import cost, forecast
+from trainer.observe import cost, forecast, run_files
+from trainer.observe.run_files import read_slices
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -262,7 +261,7 @@ def test_the_target_accuracy_is_forecast_from_the_evaluations_trend_by_hand():
     # se = sqrt((1/360 + 1/900 + 1/3600 ... = 1/600) / (3 - 2) / 200) = 0.0028868
     evals = [(0, 0.2), (10, 0.35), (20, 0.4)]
     t = forecast.steps_to_target(evals, 0.5)
-    assert t["trend_per_100_steps"] == pytest.approx(1.0) and t["evals"] == 3
+    assert t["points_per_100_steps"] == pytest.approx(100.0) and t["evals"] == 3
     assert (t["steps"], t["steps_low"], t["steps_high"]) == (9, 6, 20)   # 8.33, 5.28, 19.7 rounded up
     timed = forecast.with_price_range(forecast.to_target(t, [2.0, 4.0]), {"rank 0": {"kind": "gpu", "count": 2}},
                                       {"gpu": 3.6})
@@ -279,14 +278,14 @@ def test_a_reached_target_a_falling_trend_and_too_few_evaluations_say_so():
     assert forecast.steps_to_target([(0, 0.2), (10, 0.6)], 0.5) == {
         "reached": True, "target": 0.5, "accuracy": 0.6, "at_step": 10}
     falling = forecast.steps_to_target([(0, 0.4), (10, 0.3)], 0.5)
-    assert falling["steps"] is None and falling["trend_per_100_steps"] == pytest.approx(-1.0)
+    assert falling["steps"] is None and falling["points_per_100_steps"] == pytest.approx(-100.0)
     assert forecast.to_target(falling, [1.0]) is falling   # no time to a target not in reach
     assert forecast.steps_to_target([(0, 0.2)], 0.5) is None
     assert forecast.steps_to_target([(5, 0.2), (5, 0.3)], 0.5) is None   # one step: no trend
     # only the latest TREND_EVALS evaluations: an old plateau does not flatten a new climb
     old = [(s, 0.1) for s in range(0, 100, 10)]
     new = [(100 + 10 * i, 0.1 + 0.02 * (i + 1)) for i in range(forecast.TREND_EVALS)]
-    assert forecast.steps_to_target(old + new, 0.5)["trend_per_100_steps"] == pytest.approx(0.2)
+    assert forecast.steps_to_target(old + new, 0.5)["points_per_100_steps"] == pytest.approx(20.0)
 
 
 def test_the_runs_own_rate_wins_over_the_environment_and_a_given_rate_over_both():
@@ -318,10 +317,27 @@ def _past_run(folder, preset: str, sets: list[str], walls: list[float]):
         {"step": 0, "time": 999.0, "kind": "run_started", "devices": {"rank 0": {"kind": "cpu", "count": 2}}}) + "\n")
 
 
+def test_a_steps_time_is_its_slices_and_steps_only_leaves_evaluations_out():
+    slices = [(1, [{"lane": "rank 0", "phase": "training", "start": 0.0, "end": 2.0},
+                   {"lane": "rank 0", "phase": "evaluating", "start": 2.0, "end": 7.0}]),
+              (2, [{"lane": "rank 0", "phase": "training", "start": 7.0, "end": 10.0}]),
+              (2, [{"lane": "rank 0", "phase": "checkpointing", "start": 10.0, "end": 11.0}])]   # the run's end
+    assert cost.step_walls(slices) == [7.0, 4.0]
+    assert cost.step_walls(slices, steps_only=True) == [2.0, 3.0]
+    laid = [(step, spans, DEVICES) for step, spans in slices]   # 3 devices
+    assert cost.step_device_seconds_by_step(laid) == {1: 21.0, 2: 12.0}
+    # counted as they come, asynchronous steps overlapping: the union, as the account has it
+    seen, reach = 0.0, float("-inf")
+    for spans in ([{"start": 0.0, "end": 4.0}], [{"start": 3.0, "end": 6.0}], [{"start": 8.0, "end": 9.0}]):
+        add, reach = cost.new_cover(spans, reach)
+        seen += add
+    assert seen == 7.0 and reach == 9.0
+
+
 def test_the_estimate_reads_past_runs_of_the_same_shape_and_names_them(tmp_path):
     from trainer.cli import estimate
 
-    _past_run(tmp_path / "runs" / "same", "demo", ["run.max_steps=7"], [2.0, 4.0])
+    _past_run(tmp_path / "runs" / "same", "demo", ["run.max_steps=7"], [9.0, 2.0, 4.0])   # 9 s: the warm-up
     _past_run(tmp_path / "runs" / "other", "demo", ["rollout.max_response_len=32"], [100.0, 100.0])
     e = estimate.estimate("demo", ["run.max_steps=10", "cost.cpu_core_hour=0.36"],
                           runs_dir=tmp_path / "runs", seconds=5)
@@ -337,8 +353,10 @@ def test_the_estimate_calibrates_on_the_run_itself_within_its_time_and_leaves_no
     import psutil
 
     before = {p.pid for p in psutil.Process().children(recursive=True)}
+    dirs_before = set(Path(__import__("tempfile").gettempdir()).glob("rlpilot-estimate-*"))   # another's
     t0 = __import__("time").monotonic()
-    done = subprocess.run([sys.executable, "-m", "trainer", "estimate", "demo", "--set", "run.max_steps=500",
+    tiny = [a for s in TINY_RUN for a in ("--set", s)]   # steps short enough to measure a few under load
+    done = subprocess.run([sys.executable, "-m", "trainer", "estimate", "demo", *tiny, "--set", "run.max_steps=500",
                            "--set", "cluster.gen_procs=1", "--runs", str(tmp_path / "none"),
                            "--seconds", "8", "--json"], cwd=ROOT, capture_output=True, text=True, timeout=200)
     took = __import__("time").monotonic() - t0
@@ -349,7 +367,7 @@ def test_the_estimate_calibrates_on_the_run_itself_within_its_time_and_leaves_no
     assert took < 8 + 60 + 30   # its time, the start's grace, Python's own start
     leftover = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
     assert not leftover, leftover
-    assert not [p for p in Path(__import__("tempfile").gettempdir()).glob("rlpilot-estimate-*")]
+    assert not set(Path(__import__("tempfile").gettempdir()).glob("rlpilot-estimate-*")) - dirs_before
 
 
 def test_a_bad_estimate_request_is_refused_by_name(tmp_path):
@@ -375,3 +393,12 @@ def test_the_cli_advice_prices_what_its_drops_cost(tmp_path, capsys):
                       "staleness": {"reasons": ["stale"], "device_s": pytest.approx(40.0),
                                     "price": pytest.approx(40 / 3600 * 0.36)}}
     assert advise._stakes(tmp_path / "nowhere.json", cfg, rows, {"april"}) == {}   # a JSON export: no timeline
+    # the run's end writes step 2's final checkpoint apart (1 s more): that step cost 10 device-s
+    with (tmp_path / "run" / "timeline.jsonl").open("a") as f:
+        f.write(json.dumps({"step": 2, "spans": [{"lane": "rank 0", "phase": "checkpointing",
+                                                   "start": 1015.0, "end": 1016.0}]}) + "\n")
+    assert advise._stakes(tmp_path / "run", cfg, rows, {"april"})["april"]["device_s"] == pytest.approx(
+        100 * (100 * 4 / 400 + 200 * 10 / 800) / 2)
+    # the window alone: step 2's row
+    assert advise._stakes(tmp_path / "run", cfg, rows[1:], {"april"})["april"]["device_s"] == pytest.approx(
+        100 * 200 * 10 / 800)

@@ -81,7 +81,8 @@
     const shown = page.runs.map((r, i) => ({ r: r, x: c[i][xKey], y: c[i][yKey] }))
       .filter(p => typeof p.x === "number" && typeof p.y === "number");
     const left = page.runs.length - shown.length;
-    note.textContent = (left ? left + " run" + (left > 1 ? "s" : "") + " without a cost account or an accuracy left out. " : "") +
+    note.textContent = !paid.length ? "No run here has a cost account (runs recorded before it)." :
+      (left ? left + " run" + (left > 1 ? "s" : "") + " without a cost account or an accuracy left out. " : "") +
       (priced ? "" : "Device-hours: not every run has a rate. ") + (held ? "" : "Training accuracy: not every run was evaluated.");
     Plotly.react(div, [{ type: "scatter", mode: "markers+text", x: shown.map(p => p.x), y: shown.map(p => p.y),
                          text: shown.map(p => RLCharts.plotlyText("#" + p.r.id + " " + p.r.name)), textposition: "top center",

@@ -6,6 +6,7 @@
 (function () {
   "use strict";
   const POLL_MS = 2000;
+  const MAX_POLLS = 600;   // 20 minutes: the server fails a calibration lost for 15
   const PREFIX = "cfg:";
   const form = document.getElementById("launch-form");
   const btn = document.getElementById("estimate-submit");
@@ -58,11 +59,23 @@
     return e.status === "done" || e.status === "failed";
   }
 
-  function poll(url) {
-    fetch(url, { credentials: "same-origin" }).then(r => r.json()).then(function (e) {
-      if (!show(e)) setTimeout(function () { poll(url); }, POLL_MS);
-      else btn.disabled = false;
-    }).catch(function () { setTimeout(function () { poll(url); }, POLL_MS); });
+  function stop(message) {
+    out.classList.add("error");
+    out.textContent = message;
+    btn.disabled = false;
+  }
+
+  // until done or failed; an answer that is not the estimate, or no answer for MAX_POLLS, ends it
+  function poll(url, n) {
+    if (n >= MAX_POLLS) return stop("No estimate yet after " + Math.round(MAX_POLLS * POLL_MS / 60000) +
+                                    " minutes: no worker has taken it. It stays on the server: " + url);
+    fetch(url, { credentials: "same-origin" }).then(r => r.json().then(body => ({ ok: r.ok, body: body })))
+      .then(function (res) {
+        if (!res.ok || !res.body.status) return stop("No estimate: " + (res.body.message || "the server refused"));
+        if (!show(res.body)) setTimeout(function () { poll(url, n + 1); }, POLL_MS);
+        else btn.disabled = false;
+      })
+      .catch(function () { setTimeout(function () { poll(url, n + 1); }, POLL_MS); });
   }
 
   btn.addEventListener("click", function () {
@@ -81,7 +94,7 @@
         out.textContent = "No estimate: " + (Object.keys(errs).length
           ? Object.keys(errs).map(k => k + ": " + errs[k]).join("; ") : res.body.message);
         btn.disabled = false;
-      } else if (!show(res.body)) poll(res.body.url);
+      } else if (!show(res.body)) poll(res.body.url, 0);
       else btn.disabled = false;
     }).catch(function () { out.textContent = "No estimate: the server did not answer"; btn.disabled = false; });
   });

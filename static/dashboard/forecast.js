@@ -37,12 +37,13 @@
     const goal = "Target accuracy " + g.target;
     if (g.reached) return goal + ": reached (" + g.accuracy.toFixed(3) + " at step " + g.at_step + ").";
     if (g.steps === null || g.steps === undefined)
-      return goal + ": not at the present trend (" + g.trend_per_100_steps.toFixed(3) +
-        " per 100 steps over the last " + g.evals + " evaluations).";
+      return goal + ": not at the present trend (" + g.points_per_100_steps.toFixed(1) +
+        " accuracy points per 100 steps over the last " + g.evals + " evaluations).";
     let t = goal + ": about " + g.steps + " steps" + range(g.steps_low, g.steps_high, String) +
       ", " + duration(g.seconds) + range(g.low_s, g.high_s, duration);
     if (g.price !== null && g.price !== undefined) t += ", price about " + money(g.price);
-    return t + " (" + g.trend_per_100_steps.toFixed(3) + " per 100 steps over the last " + g.evals + " evaluations).";
+    return t + " (+" + g.points_per_100_steps.toFixed(1) + " accuracy points per 100 steps over the last " +
+      g.evals + " evaluations).";
   }
 
   function text(f, c) {

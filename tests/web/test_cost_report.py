@@ -127,7 +127,7 @@ def test_the_api_says_what_a_run_cost_so_far_and_how_far_its_target_accuracy_is(
         actions.append(run.pk, [Record("points", step, values={"eval/accuracy": acc})])
     target = alice.get(f"/api/runs/{run.pk}").json()["forecast"]["target"]
     assert target["reached"] is False and target["evals"] == 4
-    assert target["trend_per_100_steps"] == pytest.approx(3.0)
+    assert target["points_per_100_steps"] == pytest.approx(300.0)
     assert (target["steps"], target["steps_low"], target["steps_high"]) == (3, 3, 3)   # 0.08 / 0.03
     assert target["seconds"] == pytest.approx(15.0)   # 3 steps at 5 s
     assert target["price"] == pytest.approx(15 * 3 / 3600 * 0.36)   # 3 cores

@@ -2,7 +2,7 @@
 
 For each preset (`--presets`, default every shipped preset that runs without setup), in turn:
 the estimate as `python -m trainer estimate` makes it with no history (a calibration of the run
-itself for `--seconds`, trainer/cli/estimate.py), then the run itself, `python -m trainer run`
+itself for `--seconds`, trainer/observe/estimate.py), then the run itself, `python -m trainer run`
 for the largest of `--steps` steps with evaluations and checkpoints off (what the estimate
 covers: steps, not loading or evaluating). Each step count's actual time is the sum of that
 many steps' wall times (their timeline's cover, as the estimate counts them); the estimate for
@@ -21,13 +21,14 @@ import tempfile
 from pathlib import Path
 
 from trainer import config as config_mod
-from trainer.cli.estimate import calibrate, from_steps
-from trainer.cli.run_files import read_slices
 from trainer.observe import cost
+from trainer.observe.estimate import calibrate, from_steps
+from trainer.observe.run_files import read_slices
 
 NAME = "estimate"
 HELP = "the estimate before a run against the run, per preset (50 and 200 steps)"
 DEFAULT_PRESETS = ("demo", "april", "greso", "async", "all", "agent")
+RUN_LIMIT_S = 3600   # one preset's run; a run that hangs ends the bench with its error
 
 
 def add_arguments(p) -> None:
@@ -49,10 +50,14 @@ def measure(preset: str, sets: list[str], steps: list[int], seconds: float, log=
         for s in [*sets, f"run.max_steps={max(steps)}", "run.eval_every=0", "run.checkpoint_every=0",
                   "run.report_to=[]"]:
             cmd += ["--set", s]
-        done = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        done = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                              timeout=RUN_LIMIT_S)
         if done.returncode:
             raise RuntimeError(f"{preset}: the run failed: {done.stderr[-2000:]}")
-        actual = cost.step_walls(read_slices(out)[0])
+        # steps only, as the estimate counts them (the run's evaluations and checkpoints are off)
+        actual = cost.step_walls(read_slices(out)[0], steps_only=True)
+    if len(actual) < max(steps):
+        raise RuntimeError(f"{preset}: the run recorded {len(actual)} steps of {max(steps)}")
     rows = []
     for n in steps:
         e = from_steps(walls, devices, n, {}, {})
@@ -73,5 +78,7 @@ def run(args, log=print) -> dict:
                              f"{', '.join(config_mod.preset_names())}")
     if not args.steps or min(args.steps) < 1:
         raise SystemExit("bench estimate: --steps: step counts of at least 1")
+    if not 0 < args.seconds <= 3600:
+        raise SystemExit(f"bench estimate: --seconds: a calibration takes 0 < seconds <= 3600; got {args.seconds:g}")
     return {"bench": NAME, "seconds": args.seconds, "set": args.set,
             "presets": [measure(p, args.set, sorted(args.steps), args.seconds, log) for p in args.presets]}

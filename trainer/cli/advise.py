@@ -10,8 +10,8 @@ import sys
 from pathlib import Path
 
 from trainer import config as config_mod
-from trainer.cli.run_files import CostError, RunDirError, rates_from, read_run, read_slices
 from trainer.observe import cost
+from trainer.observe.run_files import CostError, RunDirError, rates_from, read_run, read_slices
 from trainer.pilot.advice import WASTE_ADDRESSED, at_stake
 from trainer.pilot.rules import advise
 from trainer.pilot.thresholds import DEFAULT
@@ -29,11 +29,7 @@ def _cmd_advise(args) -> int:
     window = args.window or DEFAULT.window
     advice = advise(rows, cfg, window=window)
     steps = [r["step"] for r in rows[-window:]]
-    try:
-        stakes = _stakes(Path(args.run_dir), cfg, rows, {a.rule for a in advice})
-    except CostError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    stakes = _stakes(Path(args.run_dir), cfg, rows[-window:], {a.rule for a in advice})   # the rules' window
     if args.json:
         print(json.dumps({"run_dir": str(args.run_dir), "window": window,
                           "steps": [steps[0], steps[-1]] if steps else None,
@@ -60,21 +56,23 @@ def _cmd_advise(args) -> int:
 
 
 def _stakes(run_dir: Path, cfg: config_mod.Config, rows: list[dict], rules_: set[str]) -> dict[str, dict]:
-    """What the drops each rule's advice is about cost per 100 steps (pilot/advice.py `at_stake`),
-    from a run directory's timeline, priced as `python -m trainer cost` prices it. A JSON export
-    (no timeline file) or a run recorded before the account: none."""
-    if not run_dir.is_dir() or not rules_ & set(WASTE_ADDRESSED):
+    """What the drops each rule's advice is about cost per 100 steps over the advice's window
+    (`rows`; pilot/advice.py `at_stake`), from a run directory's timeline, priced as `python -m
+    trainer cost` prices it (hours only, with a warning, when a rate setting is malformed). A JSON
+    export (no timeline file) or a run recorded before the account: none."""
+    if not run_dir.is_dir() or not rows or not rules_ & set(WASTE_ADDRESSED):
         return {}
     try:
         slices, _ = read_slices(run_dir)
     except CostError:
         return {}
-    per_step = {step: cost.step_device_seconds(spans, held) for step, spans, held in slices if held}
-    held = slices[-1][2] if slices else None
-    if not held:
-        return {}
-    rates = rates_from([], os.environ, cost.run_rates(cfg.cost.gpu_hour, cfg.cost.cpu_core_hour))
-    return at_stake(rules_, rows, per_step, held, rates)
+    try:
+        rates = rates_from([], os.environ, cost.run_rates(cfg.cost.gpu_hour, cfg.cost.cpu_core_hour))
+    except CostError as e:
+        print(f"warning: the advice's cost in hours only: {e}", file=sys.stderr)
+        rates = {}
+    first = rows[0]["step"]
+    return at_stake(rules_, rows, [x for x in slices if x[0] >= first], rates)
 
 
 def add_parser(sub) -> None:

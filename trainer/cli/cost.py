@@ -12,8 +12,8 @@ import os
 import sys
 from pathlib import Path
 
-from trainer.cli.run_files import CostError, RunDirError, rates_from, read_run, read_slices
 from trainer.observe import cost, forecast
+from trainer.observe.run_files import CostError, RunDirError, rates_from, read_run, read_slices
 
 
 def read_account(run_dir: str | Path, rate_pairs: list[str] = (), environ=os.environ) -> dict:

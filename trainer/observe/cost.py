@@ -118,17 +118,49 @@ def lane_costs(slices: list[tuple[int, list[dict], dict]]) -> list[LaneCost]:
     return list(lanes.values())
 
 
-def step_walls(slices) -> list[float]:
-    """Each recorded step's wall seconds (its timeline's cover), in the order written."""
-    return [covered_seconds([x[1]]) for x in slices]
+NOT_STEP_PHASES = ("evaluating", "checkpointing")   # between steps: not in a step's own time
 
 
-def device_seconds_by_kind(spans: list[dict], devices: dict[str, dict]) -> dict[str, float]:
-    """One step's device-seconds per kind: its covered wall time × the devices of each kind."""
-    wall = covered_seconds([spans])
-    out = dict.fromkeys(KINDS, 0.0)
+def step_walls(slices, steps_only: bool = False) -> list[float]:
+    """Each recorded step's wall seconds (its timeline's cover), in the order written; the
+    slices of one step written one after the other (a run's end writes its last step's final
+    checkpoint apart) are one step. `steps_only`: without evaluations and checkpoints."""
+    out, last = [], None
+    for x in slices:
+        spans = [s for s in x[1] if s["phase"] not in NOT_STEP_PHASES] if steps_only else x[1]
+        wall = covered_seconds([spans])
+        if out and x[0] == last:
+            out[-1] += wall
+        else:
+            out.append(wall)
+        last = x[0]
+    return out
+
+
+def step_device_seconds_by_step(slices) -> dict[int, float]:
+    """{step: its device-seconds} of (step, spans, devices) slices, a step's slices summed (a
+    run's end, a resume's retrained steps); slices without devices are left out."""
+    out: dict[int, float] = {}
+    for step, spans, devices in slices:
+        if devices:
+            out[step] = out.get(step, 0.0) + step_device_seconds(spans, devices)
+    return out
+
+
+def new_cover(spans: list[dict], reach: float) -> tuple[float, float]:
+    """(the seconds `spans`' cover (first start to last end) adds past `reach`, the new reach):
+    covered_seconds counted as the spans come (asynchronous steps overlap)."""
+    if not spans:
+        return 0.0, reach
+    start, end = min(s["start"] for s in spans), max(s["end"] for s in spans)
+    return max(end - max(start, reach), 0.0), max(reach, end)
+
+
+def kind_counts(devices: dict[str, dict]) -> dict[str, int]:
+    """The devices held per kind, every kind present (0 where none)."""
+    out = dict.fromkeys(KINDS, 0)
     for d in devices.values():
-        out[d["kind"]] += wall * int(d["count"])
+        out[d["kind"]] += int(d["count"])
     return out
 
 

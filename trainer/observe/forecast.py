@@ -114,8 +114,9 @@ def steps_to_target(evals: list[tuple[int, float]], target: float) -> dict | Non
     fit = ma + b * (last - mt)
     se = (math.sqrt(sum((a - (ma + b * (t - mt))) ** 2 for t, a in pts) / (n - 2) / sxx)
           if n > 2 else None)
+    # the trend in accuracy points (100 x the accuracy's share) per 100 steps
     out = {"reached": False, "target": target, "accuracy": pts[-1][1], "at_step": last,
-           "trend_per_100_steps": 100 * b, "evals": n, "steps": None, "steps_low": None, "steps_high": None}
+           "points_per_100_steps": 100 * 100 * b, "evals": n, "steps": None, "steps_low": None, "steps_high": None}
     if b <= 0:
         return out
     gap = max(target - fit, 0.0)
@@ -126,7 +127,9 @@ def steps_to_target(evals: list[tuple[int, float]], target: float) -> dict | Non
 
 
 def _whole_steps(x: float) -> int:
-    return math.ceil(x - 1e-9)   # 10.000000001 steps from float error is 10
+    # 10.000000001 steps from float error is 10; at least 1: the line may already pass the target
+    # while the latest evaluation has not
+    return max(1, math.ceil(x - 1e-9))
 
 
 def to_target(trend: dict | None, recent: list[float]) -> dict | None:

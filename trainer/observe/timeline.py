@@ -164,11 +164,10 @@ class Timeline:
         self.add(lane, phase, start, end)
         self._last_end[lane] = end
 
-    def pending_seconds(self) -> float:
-        """The seconds the spans not yet taken cover (their union), left where they are."""
+    def pending(self) -> list[dict]:
+        """The spans not yet taken, as dicts, left where they are."""
         with self._lock:
-            spans = [s.as_dict() for s in self._spans]
-        return covered_seconds([spans])
+            return [s.as_dict() for s in self._spans]
 
     def take(self) -> list[dict]:
         """The spans since the last call, bounded (`bound`), as JSON-ready dicts."""

@@ -54,16 +54,19 @@ WASTE_ADDRESSED = {"april": ("version_span", "surplus", "aborted"), "staleness":
                    "greso": ("zero_variance",), "mismatch": ("mismatch",)}
 
 
-def at_stake(rules_: set[str], rows: list[dict], step_device_s: dict[int, float], held: dict[str, dict],
-             rates: dict[str, float]) -> dict[str, dict]:
+def at_stake(rules_: set[str], rows: list[dict], slices: list[tuple], rates: dict[str, float]) -> dict[str, dict]:
     """For each rule in `rules_` with drops to its name (WASTE_ADDRESSED), what they cost per
-    100 steps over `rows` (trainer/observe/cost.py `drops_per_100_steps`): device-seconds, and
-    their price at `rates` in the mix of device kinds the run holds (`held`)."""
-    by_kind = {k: sum(int(d["count"]) for d in held.values() if d["kind"] == k) for k in cost.KINDS}
+    100 steps over `rows` (trainer/observe/cost.py `drops_per_100_steps`, each step's device-
+    seconds from `slices`: (step, spans, devices)): device-seconds, and their price at `rates`
+    in the mix of device kinds the run holds now."""
+    held = next((x[2] for x in reversed(slices) if x[2]), None)
+    if not held:
+        return {}
+    per_step, by_kind = cost.step_device_seconds_by_step(slices), cost.kind_counts(held)
     devices = sum(by_kind.values())
     out = {}
     for rule in sorted(rules_ & set(WASTE_ADDRESSED)):
-        device_s = cost.drops_per_100_steps(rows, step_device_s, WASTE_ADDRESSED[rule])
+        device_s = cost.drops_per_100_steps(rows, per_step, WASTE_ADDRESSED[rule])
         if device_s and devices:
             out[rule] = {"reasons": list(WASTE_ADDRESSED[rule]), "device_s": device_s,
                          "price": cost.price({k: device_s * n / devices for k, n in by_kind.items()}, rates)}

@@ -132,6 +132,7 @@ def _copy_checkpoint(source: Path, dest: Path, cfg: config_mod.Config, applied: 
     state["knobs"] = {**(state.get("knobs") or {}),
                       **{k: v for k, v in applied.items() if k in knobs}}
     state["config"] = config_mod.apply_overrides(cfg, state["knobs"]).to_dict()
+    state["device_s"] = {}   # a fork pays from its fork step: the parent's hours are the parent's
     (dest / "state.json").write_text(json.dumps(state, indent=2, default=str) + "\n")
 
 

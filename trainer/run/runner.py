@@ -66,6 +66,7 @@ class Runner:
                        "reward_timeouts": 0}
         self.best_eval: float | None = None
         self.device_s: dict[str, float] = {}   # device-seconds held so far, by kind (cost/*)
+        self._reach = float("-inf")             # the latest time they count to
         self._held: dict | None = None
         self.last_eval: float | None = None
         self.last_eval_result: dict | None = None   # the last evaluation's figures (benches)
@@ -347,17 +348,22 @@ class Runner:
         spans = self.timeline.take()
         if spans:
             self.sink.timeline(self.step, spans)
-            for kind, s in cost.device_seconds_by_kind(spans, self._held_devices()).items():
-                self.device_s[kind] = self.device_s.get(kind, 0.0) + s
+            wall, self._reach = cost.new_cover(spans, self._reach)
+            for kind, n in cost.kind_counts(self._held_devices()).items():
+                self.device_s[kind] = self.device_s.get(kind, 0.0) + wall * n
+
+    def device_seconds_now(self) -> dict[str, float]:
+        """Device-seconds held so far by kind, as the cost account counts them (the union of the
+        steps' timelines: asynchronous steps overlap): the timelines recorded and the spans not
+        yet recorded. Checkpoints carry it, so a resumed run counts on from its checkpoint."""
+        wall, _ = cost.new_cover(self.timeline.pending(), self._reach)
+        return {k: self.device_s.get(k, 0.0) + wall * n for k, n in cost.kind_counts(self._held_devices()).items()}
 
     def _cost_figures(self) -> dict[str, float]:
-        """The step row's device-hours so far by kind (cost/gpu_hours, cost/cpu_core_hours: what
-        the processes held over the timelines recorded, and this step's so far: its evaluation
-        and checkpoint count in the next step's row), and their price at the run's own rates
-        (cost/price, only when its [cost] section sets one). Carried by checkpoints."""
-        now = self.timeline.pending_seconds()
-        held = {k: self.device_s.get(k, 0.0) + now * sum(int(d["count"]) for d in self._held_devices().values()
-                                                          if d["kind"] == k) for k in cost.KINDS}
+        """The step row's device-hours so far by kind (cost/gpu_hours, cost/cpu_core_hours; its
+        evaluation and checkpoint count in the next step's row) and their price at the run's own
+        rates (cost/price, only when its [cost] section sets one)."""
+        held = self.device_seconds_now()
         m = {"cost/gpu_hours": held["gpu"] / 3600, "cost/cpu_core_hours": held["cpu"] / 3600}
         money = cost.price(held, cost.run_rates(self.cfg.cost.gpu_hour, self.cfg.cost.cpu_core_hour))
         if money is not None:

@@ -98,7 +98,7 @@ def held_groups(path: Path) -> int:
 def save(runner) -> Path:
     state = {"step": runner.step, "version": runner.version, "cursor": runner.prompts.cursor,
              "totals": runner.totals, "best_eval": runner.best_eval, "last_eval": runner.last_eval,
-             "device_s": runner.device_s, "config": runner.cfg.to_dict(), "knobs": runner.cfg.knob_values(),
+             "device_s": runner.device_seconds_now(), "config": runner.cfg.to_dict(), "knobs": runner.cfg.knob_values(),
              "ledger": runner.rollout.ledger.state_dict(),
              "pilot": runner.pilot.state_dict(runner.cfg)}
     tensors = {"rng": checkpoint.rng_state(runner.engine.generator),

@@ -7,7 +7,6 @@ from __future__ import annotations
 from django.db.models import Max
 
 from trainer import config as config_mod
-from trainer.observe import cost
 from trainer.pilot import rules
 from trainer.pilot.advice import WASTE_ADDRESSED, at_stake
 from webapp.dashboard.actions import dismissed_keys
@@ -48,12 +47,12 @@ def for_run(run: Run, window: int) -> dict:
 
 
 def _drop_costs(run: Run, rows: list[dict], rules_: set[str]) -> dict[str, dict]:
-    """What the drops each rule's advice is about cost per 100 steps (pilot/advice.py `at_stake`),
-    from the window's timeline rows and the devices the run holds, at its rates."""
+    """What the drops each rule's advice is about cost per 100 steps over the window (pilot/
+    advice.py `at_stake`), on the devices the run holds, at its rates."""
     held = devices(run)
     if held is None or not rows:
         return {}
-    per_step = {step: cost.step_device_seconds(spans, held) for step, spans in
-                TimelineSlice.objects.filter(run_id=run.pk, step__gte=rows[0]["step"], step__lte=rows[-1]["step"])
-                .values_list("step", "spans")}
-    return at_stake(rules_, rows, per_step, held, rates(run))
+    slices = [(step, spans, held) for step, spans in
+              TimelineSlice.objects.filter(run_id=run.pk, step__gte=rows[0]["step"], step__lte=rows[-1]["step"])
+              .order_by("seq").values_list("step", "spans")]
+    return at_stake(rules_, rows, slices, rates(run))

@@ -140,7 +140,7 @@ def run_json(run: Run, user, detail: bool = False) -> dict:
                   "checkpoints": actions.checkpoint_steps(run),   # the steps it can be forked from
                   # time and price to max_steps at the recent pace (docs/cost.md)
                   "forecast": cost.to_end(run) if run.status in ACTIVE else None,
-                  "cost_so_far": cost.so_far(cost.account(run))})
+                  "cost_so_far": cost.so_far_of(run)})
     return d
 
 

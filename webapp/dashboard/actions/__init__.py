@@ -23,7 +23,14 @@ it; worker/alerts.py and worker/sweep.py hand it what it needs as arguments.
 Callers use `from webapp.dashboard import actions; actions.launch_run(...)`.
 """
 from webapp.dashboard.actions.alert_state import change_alerts, clear_alert, interrupt_lost_run
-from webapp.dashboard.actions.estimate import ESTIMATE_TASK, estimate_config, finish_estimate, record_estimate
+from webapp.dashboard.actions.estimate import (
+    ESTIMATE_TASK,
+    claim_estimate,
+    estimate_config,
+    fail_stale_estimates,
+    finish_estimate,
+    record_estimate,
+)
 from webapp.dashboard.actions.fork import checkpoint_steps, fork_run
 from webapp.dashboard.actions.imports import Imported, import_archive, import_run_dir
 from webapp.dashboard.actions.knobs import request_knobs, validate_knobs
@@ -52,7 +59,8 @@ from webapp.dashboard.errors import ActionError, Conflict, Forbidden, Invalid
 
 __all__ = [
     "ActionError", "Conflict", "ESTIMATE_TASK", "Forbidden", "Imported", "Invalid", "KEY_FIGURES", "Record",
-    "TRAIN_TASK", "estimate_config", "finish_estimate", "record_estimate",
+    "TRAIN_TASK", "claim_estimate", "estimate_config", "fail_stale_estimates", "finish_estimate",
+    "record_estimate",
     "advice_marker", "annotate_run", "append", "build_config", "change_alerts",
     "checkpoint_steps", "clean_json", "clear_alert", "control", "delete_run", "dismiss_advice",
     "dismissed_keys", "end_run", "event", "fork_run", "group_name", "heartbeat", "import_archive",

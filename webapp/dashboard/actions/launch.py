@@ -85,18 +85,17 @@ def config_problems(user, cfg) -> dict[str, str]:
     return errors
 
 
-def launch_run(user, name: Any, preset: Any = None, overrides: Any = None, toml: str | None = None,
-               queue: Any = None) -> Run:
-    """Validate and queue a run. Raises Invalid (400: per-field errors, including what the
-    config may not reach on this server, see validation.config_problems) or errors.TooManyRuns (429)."""
+def checked_config(user, preset: Any = None, overrides: Any = None, toml: Any = None,
+                   queue: Any = None) -> tuple[config_mod.Config | None, str | None, dict[str, str]]:
+    """(config, queue, errors by field) of a run as a person asked for it: the queue, the
+    preset or TOML text, the overrides, and what the config may not reach on this server
+    (validation.config_problems). The launch and the estimate both ask this."""
     errors: dict[str, str] = {}
     try:
         queue = validate_queue(queue)
     except Invalid as e:
         errors.update(e.errors)
-    problem = validation.check_name(name)
-    if problem:
-        errors["name"] = problem
+        queue = None
     if preset is not None and not isinstance(preset, str):
         errors["preset"] = "expected a preset name"
         preset = None
@@ -106,12 +105,24 @@ def launch_run(user, name: Any, preset: Any = None, overrides: Any = None, toml:
     elif toml is not None and validation.text_error(toml, validation.MAX_TOML_LEN):
         errors["toml"] = validation.text_error(toml, validation.MAX_TOML_LEN)
         toml = None
+    cfg = None
     try:
-        cfg = build_config(preset, overrides, toml)
+        cfg = build_config(preset or None, overrides, toml if toml and toml.strip() else None)
     except Invalid as e:
         errors.update(e.errors)
     else:
         errors.update(config_problems(user, cfg))
+    return cfg, queue, errors
+
+
+def launch_run(user, name: Any, preset: Any = None, overrides: Any = None, toml: str | None = None,
+               queue: Any = None) -> Run:
+    """Validate and queue a run. Raises Invalid (400: per-field errors, including what the
+    config may not reach on this server, see validation.config_problems) or errors.TooManyRuns (429)."""
+    cfg, queue, errors = checked_config(user, preset, overrides, toml, queue)
+    problem = validation.check_name(name)
+    if problem:
+        errors["name"] = problem
     if errors:
         raise Invalid("the run was not launched", validation.clip_errors(errors))
     with transaction.atomic():

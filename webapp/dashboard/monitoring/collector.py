@@ -19,11 +19,10 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import choose_encoder
 
-from trainer.observe import cost
 from webapp.dashboard import lifecycle
 from webapp.dashboard.models import MetricPoint, Run
 from webapp.dashboard.monitoring import broker, sockets
-from webapp.dashboard.reports.cost import rates
+from webapp.dashboard.reports.cost import priced_hours, rates
 
 log = logging.getLogger(__name__)
 
@@ -58,8 +57,7 @@ RUN_FIGURES: tuple[tuple[str, str, str, float], ...] = (
     ("rlpilot_run_cpu_core_hours", "cost/cpu_core_hours",
      "CPU core-hours the run's processes have held so far (runs without a GPU)", 1),
 )
-# the price gauge: the hours above at the run's rates (its [cost] knobs, else RLPILOT_RATE_*)
-HOURS_BY_KIND = {"gpu": "cost/gpu_hours", "cpu": "cost/cpu_core_hours"}
+
 RUN_LABELS = ("run_id", "name", "preset", "owner")
 
 
@@ -109,11 +107,12 @@ def read_live_runs(now: datetime) -> list[LiveRun]:
                 value = values.get(pid)
                 figures[key] = math.nan if value is None else value
         age = (now - r.heartbeat_at).total_seconds() if r.heartbeat_at else None
-        hours = {kind: figures[key] for kind, key in HOURS_BY_KIND.items() if key in figures}
+        # the price gauge: the hours at the run's rates (its [cost] knobs, else RLPILOT_RATE_*)
+        paid = priced_hours(figures, rates(r))
         out.append(LiveRun(labels=(str(r.pk), r.name, r.preset, r.owner.get_username()), status=r.status,
                            step=r.step, max_steps=r.max_steps, heartbeat_age_s=age,
                            worker=worker_node(r.worker_host), figures=figures,
-                           price=cost.price({k: 3600 * h for k, h in hours.items()}, rates(r)) if hours else None))
+                           price=paid["price"] if paid else None))
     return out
 
 

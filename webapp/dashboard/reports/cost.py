@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from django.conf import settings
+from django.core.cache import cache
 
 from trainer.observe import cost, forecast
 from trainer.rollout.ledger import REASONS
@@ -90,6 +91,27 @@ def to_end(run: Run) -> dict[str, Any] | None:
     return out
 
 
+def so_far_of(run: Run) -> dict[str, Any] | None:
+    """`so_far(account(run))`, kept in the cache until the run writes another row or its rates
+    change: the live page asks after every step, and a long run's account reads every slice."""
+    key = f"cost-so-far:{run.pk}:{run.last_seq}:{sorted(rates(run).items())}"
+    try:
+        hit = cache.get(key, _MISS)
+    except Exception:   # the cache down (Redis): read it, as a page without the cache would
+        return so_far(account(run))
+    if hit is _MISS:
+        hit = so_far(account(run))
+        try:
+            cache.set(key, hit, timeout=SO_FAR_CACHE_S)
+        except Exception:
+            pass
+    return hit
+
+
+_MISS = object()
+SO_FAR_CACHE_S = 600
+
+
 def so_far(a: dict[str, Any] | None) -> dict[str, Any] | None:
     """The account's headline for the live page: device-hours by kind, the price, the idle
     share and what the dropped tokens cost."""
@@ -104,16 +126,22 @@ def so_far(a: dict[str, Any] | None) -> dict[str, Any] | None:
                                 for r, v in a["waste_device_s"].items() if v}}
 
 
+HOURS_KEYS = {"gpu": "cost/gpu_hours", "cpu": "cost/cpu_core_hours"}   # the trainer's cost/* figures
+
+
+def priced_hours(figures: dict[str, Any], rates_: dict[str, float]) -> dict[str, Any] | None:
+    """{device_hours, price} from a run's latest cost/* figures ({metric: value}) at `rates_`;
+    None before it reported any."""
+    hours = {kind: figures[key] for kind, key in HOURS_KEYS.items() if isinstance(figures.get(key), (int, float))}
+    if not hours:
+        return None
+    return {"device_hours": sum(hours.values()), "price": cost.price({k: 3600 * h for k, h in hours.items()}, rates_)}
+
+
 def headline(run: Run) -> dict[str, Any] | None:
     """The runs list's cost of a run: its device-hours so far (the trainer's cost/* figures, kept
     in its summary as they arrive) and their price at its rates; None before any."""
-    latest = (run.summary or {}).get("latest") or {}
-    hours = {kind: latest[key] for kind, key in (("gpu", "cost/gpu_hours"), ("cpu", "cost/cpu_core_hours"))
-             if isinstance(latest.get(key), (int, float))}
-    if not hours:
-        return None
-    return {"device_hours": sum(hours.values()),
-            "price": cost.price({k: 3600 * h for k, h in hours.items()}, rates(run))}
+    return priced_hours((run.summary or {}).get("latest") or {}, rates(run))
 
 
 def view(a: dict[str, Any] | None) -> dict[str, Any] | None:

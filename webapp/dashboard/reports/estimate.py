@@ -1,14 +1,15 @@
-"""A run's estimate from the runs this dashboard has recorded (trainer/cli/estimate.py's rule
+"""A run's estimate from the runs this dashboard has recorded (trainer/observe/estimate.py's rule
 over the database): the latest runs of the same SHAPE (model, engine and layout, batch,
-response limit, techniques, task) give their latest steps' wall times and the devices they held;
+response limit, techniques, task) give their latest steps' times (steps only, the first left
+out) and the devices they held;
 the estimate names them. None when no recorded run has that shape (a worker calibrates)."""
 from __future__ import annotations
 
 from typing import Any
 
 from trainer import config as config_mod
-from trainer.cli import estimate as estimate_rule
 from trainer.observe import cost
+from trainer.observe import estimate as estimate_rule
 from webapp.dashboard.models import Estimate, Run, TimelineSlice
 from webapp.dashboard.reports.cost import devices, rates_of
 
@@ -23,11 +24,12 @@ def from_history(cfg: config_mod.Config) -> dict[str, Any] | None:
             break
         if not isinstance(run.config, dict) or estimate_rule.shape_of(run.config) != want:
             continue
-        slices = list(TimelineSlice.objects.filter(run_id=run.pk).order_by("-seq")
-                      .values_list("step", "spans")[:estimate_rule.HISTORY_STEPS])[::-1]
-        held = devices(run)
-        if len(slices) >= 2 and held:
-            found.append((run, cost.step_walls(slices), held))
+        # its latest steps, steps only (no evaluation or checkpoint), its first (the warm-up) left out
+        slices = list(TimelineSlice.objects.filter(run_id=run.pk, step__gt=1).order_by("-seq")
+                      .values_list("step", "spans")[:estimate_rule.HISTORY_STEPS + 1])[::-1]
+        walls, held = cost.step_walls(slices, steps_only=True)[-estimate_rule.HISTORY_STEPS:], devices(run)
+        if walls and held:
+            found.append((run, walls, held))
     if not found:
         return None
     found.reverse()   # oldest first: the latest run's devices are the layout's

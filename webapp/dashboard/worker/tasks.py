@@ -1,7 +1,7 @@
 """The Celery tasks: `train` trains one run (its run's queue, e.g. `training`; one run per worker
 process: in that process, or under torchrun when the run asks for several training processes),
 `estimate` calibrates a run not yet launched on the worker that would train it (a bounded
-`python -m trainer run` of its config, trainer/cli/estimate.py) and `sweep_stale_runs` is Celery
+`python -m trainer run` of its config, trainer/observe/estimate.py) and `sweep_stale_runs` is Celery
 beat's periodic stale-run sweep (RLPILOT_SWEEP_QUEUE, consumed by a small worker on the web
 machine, never by a training worker).
 
@@ -182,18 +182,22 @@ def calibrate_estimate(estimate_id: int) -> str:
     """Calibrate the estimate's run on this worker for at most RLPILOT_ESTIMATE_SECONDS (its
     process group killed past that and a grace, its directory removed) and record the estimate,
     or why there is none (the `estimate` task's body; tests call it). Returns its status."""
-    from trainer.cli import estimate as estimate_rule
-    from trainer.cli.run_files import CostError
+    from trainer.observe import estimate as estimate_rule
+    from trainer.observe.run_files import CostError
     from webapp.dashboard.models import Estimate
     from webapp.dashboard.reports.cost import rates_of
 
-    row = Estimate.objects.filter(pk=estimate_id, status=Estimate.PENDING).first()
-    if row is None:
+    if not actions.claim_estimate(estimate_id):
         return "skipped"
-    Estimate.objects.filter(pk=row.pk).update(status=Estimate.RUNNING)
+    row = Estimate.objects.get(pk=estimate_id)
     seconds = settings.RLPILOT_ESTIMATE_SECONDS
     try:
         cfg = config_mod.from_dict(row.config)
+        refused = validation.config_problems(cfg, on_worker=True)   # this worker's settings, as a run's
+        if refused:
+            actions.finish_estimate(row.pk, error=validation.clip("refused by this worker's settings: " + "; ".join(
+                f"{k}: {v}" for k, v in refused.items()), 2000))
+            return Estimate.FAILED
         with tempfile.TemporaryDirectory(prefix="rlpilot-estimate-config-") as tmp:
             toml = Path(tmp) / "config.toml"
             toml.write_text(config_mod.to_toml(cfg))
