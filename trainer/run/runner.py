@@ -28,6 +28,7 @@ from trainer.algo import objective
 from trainer.algo.learner import TrainSequence
 from trainer.cluster import distributed, training_ranks
 from trainer.engine import generation_device, rollout_precision
+from trainer.engine.pool import GenerationGaveUp
 from trainer.episode.engine import apply_limits
 from trainer.episode.environments import offered_tools
 from trainer.models import lora
@@ -37,13 +38,27 @@ from trainer.observe.timeline import CONTROLLER, rank_lane
 from trainer.rollout import staleness_schedule
 from trainer.rollout.asynchronous import AsyncStall, CollectInterrupted
 from trainer.rollout.base import RolloutResult
-from trainer.run import build, step_record
+from trainer.run import build, checkpoint, step_record
 from trainer.run import state as run_state
 from trainer.run.controls import AUTO, AUTOPILOT, SCHEDULE, ControlSource
 from trainer.run.evaluate import evaluate
 from trainer.run.step_record import StepResults
 
 FINISHED, STOPPED, FAILED = "finished", "stopped", "failed"
+
+
+class RunFailed(RuntimeError):
+    """The run ended for a cause its message says whole, for a person: the CLI prints it and the
+    dashboard shows it as the run's error, word for word."""
+
+
+def _gave_up(e: BaseException) -> GenerationGaveUp | None:
+    """The GenerationGaveUp behind `e` (the asynchronous worker's error wraps it), or None."""
+    while e is not None:
+        if isinstance(e, GenerationGaveUp):
+            return e
+        e = e.__cause__ or e.__context__
+    return None
 
 
 class Runner:
@@ -153,8 +168,14 @@ class Runner:
             raise
         except BaseException as e:
             status = FAILED
-            self.sink.event(self.step, "error", {"message": f"{type(e).__name__}: {e}",
+            with contextlib.suppress(Exception):   # what the engine said on the way (each death)
+                self._relay_engine_warnings()
+            lost = _gave_up(e)
+            message = self.lost_generation(lost) if lost else f"{type(e).__name__}: {e}"
+            self.sink.event(self.step, "error", {"message": message,
                                                  "traceback": traceback.format_exc(limit=8)})
+            if lost:
+                raise RunFailed(message) from e
             raise
         finally:
             with contextlib.suppress(Exception):   # the training ranks leave their loop
@@ -163,6 +184,14 @@ class Runner:
             if self.system is not None:
                 self.system.close()
             self.sink.flush()
+
+    def lost_generation(self, lost: GenerationGaveUp) -> str:
+        """Why the run ends when its generation processes were given up, for a person: which,
+        how, after how many restarts, in which step, and where a resume continues."""
+        saved = checkpoint.latest_step(self.run_dir)
+        resume = (f"resume continues from the checkpoint at step {saved}" if saved is not None
+                  else "no checkpoint was written: a resume starts over")
+        return f"{lost.during(self.step + 1)}; {resume}"
 
     def _cross_boundary(self):
         """The step boundary: the config to go on with (knob changes applied), None to stop;
