@@ -18,47 +18,51 @@ pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 MAX_FAILURES = 3
 
 
-@pytest.fixture
-def kill_loop(monkeypatch):
-    """SIGKILL every generation process the pool steps from the second training step on; the
-    pool gives a process up after MAX_FAILURES failures in a row, with short back-offs.
-    Returns the loop: `armed` starts it, `killed` holds the pids killed."""
-    loop = Loop()
-    killed = loop.killed
-    monkeypatch.setattr(EnginePool.__init__, "__kwdefaults__",
-                        {**EnginePool.__init__.__kwdefaults__, "backoff_s": 0.05,
-                         "backoff_max_s": 0.1, "max_failures": MAX_FAILURES})
-    real = EnginePool.step
-
-    def step(self):
-        if loop.armed:
-            for m in self.members:
-                if m.engine is not None and m.engine.proc.pid not in killed:
-                    killed.append(m.engine.proc.pid)
-                    os.kill(m.engine.proc.pid, signal.SIGKILL)
-        return real(self)
-
-    monkeypatch.setattr(EnginePool, "step", step)
-    return loop
-
-
 class Loop:
     def __init__(self):
         self.armed, self.killed = False, []
 
 
-@pytest.mark.parametrize("preset, checkpoint_every", [("demo", 1), ("async", 0)])
-def test_a_generation_process_that_keeps_dying_ends_the_run_with_a_readable_cause(
-        tmp_path, capsys, kill_loop, monkeypatch, preset, checkpoint_every):
-    from trainer.run import runner as runner_mod
+def arm_kill_loop(monkeypatch) -> Loop:
+    """SIGKILL every generation process the pool steps once step 1 is trained (and checkpointed,
+    with run.checkpoint_every=1); the pool gives a process up after MAX_FAILURES failures in a
+    row, with short back-offs. Returns the loop: `killed` holds the pids killed."""
+    from trainer.run.runner import Runner
 
-    real_after = runner_mod.Runner._after_step
+    loop = Loop()
+    monkeypatch.setattr(EnginePool.__init__, "__kwdefaults__",
+                        {**EnginePool.__init__.__kwdefaults__, "backoff_s": 0.05,
+                         "backoff_max_s": 0.1, "max_failures": MAX_FAILURES})
+    real_step, real_after = EnginePool.step, Runner._after_step
+
+    def step(self):
+        if loop.armed:
+            for m in self.members:
+                if m.engine is not None and m.engine.proc.pid not in loop.killed:
+                    loop.killed.append(m.engine.proc.pid)
+                    os.kill(m.engine.proc.pid, signal.SIGKILL)
+        return real_step(self)
 
     def after_step(self):
         real_after(self)
-        kill_loop.armed = True   # step 1 trained (and checkpointed, with checkpoint_every=1)
+        loop.armed = True
 
-    monkeypatch.setattr(runner_mod.Runner, "_after_step", after_step)
+    monkeypatch.setattr(EnginePool, "step", step)
+    monkeypatch.setattr(Runner, "_after_step", after_step)
+    return loop
+
+
+def sentence(pid: int, resume: str) -> str:
+    return (f"generation process 0 (pid {pid}, restarted {MAX_FAILURES - 1} times) was killed by "
+            "SIGKILL (signal 9) during step 2 and was given up: "
+            f"{MAX_FAILURES} failures in a row (deaths before it delivered a token, or failed "
+            f"restarts) give a generation process up, and none is left; {resume}")
+
+
+@pytest.mark.parametrize("preset, checkpoint_every", [("demo", 1), ("async", 0)])
+def test_a_generation_process_that_keeps_dying_ends_the_run_with_a_readable_cause(
+        tmp_path, capsys, monkeypatch, preset, checkpoint_every):
+    kill_loop = arm_kill_loop(monkeypatch)
     out = tmp_path / "run"
     rc = main(["run", preset, "--out", str(out), *[a for s in TINY_RUN for a in ("--set", s)],
                "--set", "cluster.gen_procs=1", "--set", "run.max_steps=4",
@@ -69,17 +73,13 @@ def test_a_generation_process_that_keeps_dying_ends_the_run_with_a_readable_caus
     assert len(kill_loop.killed) == MAX_FAILURES, kill_loop.killed   # the first process, then each restart
     resume = ("resume continues from the checkpoint at step 1" if checkpoint_every
               else "no checkpoint was written: a resume starts over")
-    sentence = (f"generation process 0 (pid {kill_loop.killed[-1]}, restarted {MAX_FAILURES - 1} times) "
-                "was killed by SIGKILL (signal 9) during step 2 and was given up: "
-                f"{MAX_FAILURES} failures in a row (deaths before it delivered a token, or failed "
-                f"restarts) give a generation process up, and none is left; {resume}")
     line = next(x for x in err.splitlines() if x.startswith("run failed: "))
-    assert line == "run failed: " + sentence, err
+    assert line == "run failed: " + sentence(kill_loop.killed[-1], resume), err
     assert ("(python -m trainer run --resume" in err) == bool(checkpoint_every), err
     assert "Traceback" not in err
     events = [json.loads(x) for x in (out / "events.jsonl").read_text().splitlines()]
     error = [e for e in events if e["kind"] == "error"]
-    assert len(error) == 1 and error[0]["message"] == sentence
+    assert len(error) == 1 and error[0]["message"] == sentence(kill_loop.killed[-1], resume)
     # each death was a warning on the way, with the signal named
     died = [e["message"] for e in events if e["kind"] == "warning"
             and re.match(r"generation process 0 \(pid \d+\) died", e["message"])]
