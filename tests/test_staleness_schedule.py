@@ -157,3 +157,12 @@ def test_with_auto_staleness_the_point_wins_at_its_step_and_auto_moves_eta_betwe
     assert eta_changes(sink) == [(0, "schedule", 2), (1, "auto", 1), (2, "auto", 0),
                                  (2, "schedule", 2), (3, "auto", 1)]
     assert sink.series("async/max_staleness") == [2, 1, 2, 1]
+
+
+def test_a_bad_schedule_sent_mid_run_is_refused_like_any_knob():
+    cfg = C.load("async", ["async.staleness_schedule=0:0, 50:2"])
+    with pytest.raises(C.ConfigError) as e:
+        C.apply_knob_change(cfg, {"async.staleness_schedule": "60:1, 55:0"})
+    assert e.value.errors == {"async.staleness_schedule": "'55:0': steps must increase; step 60 comes before it"}
+    new, changes = C.apply_knob_change(cfg, {"async.staleness_schedule": "60:1"})
+    assert changes == {"async.staleness_schedule": {"old": "0:0, 50:2", "new": "60:1"}}

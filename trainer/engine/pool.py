@@ -46,7 +46,7 @@ from typing import Callable, Iterable
 
 import torch
 
-from trainer.engine.base import ABORT, EngineError, EngineStats, RolloutEngine, Sample
+from trainer.engine.base import ABORT, EngineError, EngineStats, GenerationGaveUp, RolloutEngine, Sample
 
 log = logging.getLogger(__name__)
 
@@ -471,20 +471,6 @@ class EnginePool(RolloutEngine):
     def _warn(self, message: str) -> None:
         log.warning("%s", message)
         self.warnings.append(message)
-
-
-class GenerationGaveUp(EngineError):
-    """Every generation process was given up. `what`: which, with its pid and restarts, and how
-    it last ended; `why`: the rule that gave it up. `during(step)` puts the step between them."""
-
-    def __init__(self, what: str, why: str, processes: int = 1):
-        self.what, self.why, self.processes = what, why, processes
-        super().__init__(self.during(None))
-
-    def during(self, step: int | None) -> str:
-        when = f" during step {step}" if step is not None else ""
-        was = "was" if self.processes == 1 else "were"
-        return f"{self.what}{when} and {was} given up: {self.why}"
 
 
 def _ended(code: int | None) -> str | None:

@@ -28,7 +28,7 @@ from trainer.algo import objective
 from trainer.algo.learner import TrainSequence
 from trainer.cluster import distributed, training_ranks
 from trainer.engine import generation_device, rollout_precision
-from trainer.engine.pool import GenerationGaveUp
+from trainer.engine.base import GenerationGaveUp
 from trainer.episode.engine import apply_limits
 from trainer.episode.environments import offered_tools
 from trainer.models import lora
