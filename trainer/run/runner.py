@@ -54,9 +54,11 @@ class RunFailed(RuntimeError):
 
 def _gave_up(e: BaseException) -> GenerationGaveUp | None:
     """The GenerationGaveUp behind `e` (the asynchronous worker's error wraps it), or None."""
-    while e is not None:
+    seen = set()
+    while e is not None and id(e) not in seen:   # a chain may loop back
         if isinstance(e, GenerationGaveUp):
             return e
+        seen.add(id(e))
         e = e.__cause__ or e.__context__
     return None
 
