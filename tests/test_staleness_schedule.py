@@ -42,6 +42,16 @@ def test_a_bad_schedule_is_refused_quoting_the_bad_part(text, quoted, why):
     assert quoted in e.value.errors["async.staleness_schedule"]
 
 
+def test_a_toml_file_sets_the_schedule_as_a_string(tmp_path):
+    good, bad = tmp_path / "good.toml", tmp_path / "bad.toml"
+    good.write_text('[async]\nenabled = true\nstaleness_schedule = "0:0, 50:2, 200:4"\n')
+    bad.write_text('[async]\nenabled = true\nstaleness_schedule = "0:0, 50:2, 50:4"\n')
+    assert S.parse(C.load(str(good)).async_.staleness_schedule) == (Point(0, 0), Point(50, 2), Point(200, 4))
+    with pytest.raises(C.ConfigError) as e:
+        C.load(str(bad))
+    assert e.value.errors["async.staleness_schedule"].startswith("'50:4': steps must increase")
+
+
 def test_a_schedule_needs_an_asynchronous_run():
     with pytest.raises(C.ConfigError) as e:
         C.load("demo", ["async.staleness_schedule=0:1"])
