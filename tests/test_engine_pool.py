@@ -253,7 +253,7 @@ def test_a_member_that_cannot_restart_is_given_up_with_the_reason(parts):
             drain(pool, deadline_s=60)
         assert isinstance(err.value, GenerationGaveUp)
         assert str(err.value) == (
-            f"generation process 0 (pid {pool.members[0].pid}, restarted 2 times) could not be "
+            f"generation process 0 (pid {pool.members[0].pid}, 2 restarts) could not be "
             "restarted (RuntimeError: no device left) and was given up: 3 failures in a row "
             "(deaths before it delivered a token, or failed restarts) give a generation process "
             "up, and none is left")

@@ -53,7 +53,7 @@ def arm_kill_loop(monkeypatch) -> Loop:
 
 
 def sentence(pid: int, resume: str) -> str:
-    return (f"generation process 0 (pid {pid}, restarted {MAX_FAILURES - 1} times) was killed by "
+    return (f"generation process 0 (pid {pid}, {MAX_FAILURES - 1} restarts) was killed by "
             "SIGKILL (signal 9) during step 2 and was given up: "
             f"{MAX_FAILURES} failures in a row (deaths before it delivered a token, or failed "
             f"restarts) give a generation process up, and none is left; {resume}")

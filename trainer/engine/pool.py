@@ -462,8 +462,8 @@ class EnginePool(RolloutEngine):
     def _check_alive(self) -> None:
         if all(m.retired for m in self.members):
             raise GenerationGaveUp(
-                " and ".join(f"generation process {m.index} (pid {m.pid}, restarted {m.starts} "
-                             f"time{'s' if m.starts != 1 else ''}) {m.ended}" for m in self.members),
+                " and ".join(f"generation process {m.index} (pid {m.pid}, {m.starts} "
+                             f"restart{'s' if m.starts != 1 else ''}) {m.ended}" for m in self.members),
                 f"{self.max_failures} failures in a row (deaths before it delivered a token, or "
                 "failed restarts) give a generation process up, and none is left",
                 len(self.members))
