@@ -15,7 +15,7 @@ from trainer.observe.metrics import MetricsSink
 from trainer.pilot.autopilot import Autopilot, guard_trips, inside
 from trainer.pilot.live import LivePilot
 from trainer.run.boundary import StepBoundary
-from trainer.run.controls import AUTO, AUTOPILOT, SET_KNOBS, Command, ControlSource
+from trainer.run.controls import AUTO, AUTOPILOT, SCHEDULE, SET_KNOBS, Command, ControlSource
 
 ETA = "async.max_staleness"
 
@@ -55,15 +55,21 @@ def starved_row(step: int, eta: int, *, throughput: float, accuracy: float = 0.5
 
 
 def simulate(cfg, steps: int, *, throughput=lambda eta, step: 100.0 * (1 + eta),
-             accuracy=lambda eta, step: 0.5, people: dict | None = None):
+             accuracy=lambda eta, step: 0.5, people: dict | None = None,
+             schedule: dict | None = None):
     """Run `steps` steps: after each, the pilot's move goes through a real StepBoundary (with the
-    person's changes of `people` {after step: knobs}). Returns (events, eta at each step, pilot)."""
+    person's changes of `people` {after step: knobs}, and async.staleness_schedule's points of
+    `schedule` {after step: eta}, as the runner queues them). Returns (events, eta at each step, pilot)."""
     sink, pilot = Events(), LivePilot()
     source = People(dict(people or {}))
     boundary = StepBoundary(source, sink, Driver())
 
     def changed(cmd, applied):
         if cmd.requested_by == AUTO:
+            return
+        if cmd.requested_by == SCHEDULE:
+            if applied:
+                pilot.autopilot.knob_scheduled(list(cmd.knobs))
             return
         if applied:
             pilot.autopilot.knob_applied(list(cmd.knobs), cmd.requested_by == AUTOPILOT)
@@ -74,6 +80,9 @@ def simulate(cfg, steps: int, *, throughput=lambda eta, step: 100.0 * (1 + eta),
     etas = []
     for step in range(1, steps + 1):
         source.step = step - 1
+        if step - 1 in (schedule or {}):
+            boundary.request({ETA: schedule[step - 1]}, {"rule": "staleness_schedule"},
+                             requested_by=SCHEDULE)
         cfg = boundary.cross(step - 1, cfg)
         eta = cfg.async_.max_staleness
         etas.append(eta)
@@ -149,15 +158,33 @@ def test_a_persons_change_wins_and_the_knob_stays_theirs():
     assert pilot.autopilot.persons_knobs == [ETA]
 
 
+def test_a_scheduled_point_resets_eta_and_the_autopilot_moves_it_again_after_pilot_every():
+    # the autopilot raises eta 0 -> 1 after step 5 (watched); the schedule sets eta = 0 after step
+    # 7: the watch ends unjudged, eta stays the autopilot's, which raises it again 3 steps later
+    cfg = cfg_of("async", async__max_staleness=0, pilot__autopilot=["staleness"], pilot__every=3,
+                 pilot__bounds=["async.max_staleness=0..1"])
+    events, etas, pilot = simulate(cfg, 16, schedule={7: 0},
+                                   throughput=lambda eta, step: 100.0 if step <= 7 else 10.0)
+    made = moves(events)
+    assert [(m["step"], m["changes"][ETA]["new"]) for m in made] == [(5, 1), (10, 1)]
+    assert "undo_of" not in made[1]["reason"]   # throughput fell after the point: no undo
+    # etas[i]: step i + 1; without the hold after the point the raise would come after step 8
+    assert etas[5:7] == [1, 1] and etas[7:10] == [0, 0, 0] and etas[10:] == [1] * 6
+    assert ETA not in pilot.autopilot.persons_knobs and pilot.autopilot.scheduled_step == 7
+
+
 def test_at_one_boundary_the_persons_change_applies_last():
     sink = Events()
     b = StepBoundary(People({3: {ETA: 5}}), sink, Driver())
     b.controls.step = 3
     b.interrupted()   # the person's change is read first (a waiting step polls) ...
     b.request({ETA: 2}, {"rule": "staleness"}, requested_by=AUTOPILOT)   # ... the autopilot's later
+    b.request({ETA: 1}, {"rule": "staleness_schedule"}, requested_by=SCHEDULE)
+    b.request({ETA: 3}, {"rule": "auto_staleness"}, requested_by=AUTO)
     cfg = b.cross(3, cfg_of("async"))
     assert cfg.async_.max_staleness == 5
-    assert [e["requested_by"] for e in sink.events] == [AUTOPILOT, "alice"]
+    # the trainer's own first, then the schedule's point (it wins over them), then the person's
+    assert [e["requested_by"] for e in sink.events] == [AUTOPILOT, AUTO, SCHEDULE, "alice"]
 
 
 def test_turning_it_off_leaves_the_values_and_a_refused_move_is_not_watched():

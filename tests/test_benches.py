@@ -70,6 +70,18 @@ def test_bench_async_reports_speedup_and_best_eta():
     assert "sync_1_thread" not in out
 
 
+def test_bench_async_with_a_schedule_compares_it_with_the_fixed_eta_of_its_last_point():
+    out = asynchronous.run(args(preset="demo", etas="1", sync_threads=1, trainer_threads=1,
+                                ceiling=False, schedule="0:0,1:1"), log=lambda *a: None)
+    assert out["schedule"]["admission"]["eta"] == 1   # step 2 trained under the point 1:1
+    assert out["schedule"]["staleness_max"] <= 1
+    r = out["ratio"]
+    assert r["schedule_vs_eta_1"] == asynchronous.ratio(out["schedule"]["trained_tokens_per_s"],
+                                                        out["eta_1"]["trained_tokens_per_s"])
+    assert r["speedup_schedule"] is not None and "schedule_accuracy_delta_vs_eta_1" in r
+    assert r["best_eta"] == 1   # the schedule is no candidate for the best fixed eta
+
+
 def test_overlap_ceiling_by_hand():
     # sync 1.0 s/step on two threads; one thread each: generation 0.72 s, the rest 0.9 s
     assert asynchronous.overlap_ceiling(1.0, 0.72, 0.9) == 1.111

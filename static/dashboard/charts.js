@@ -118,6 +118,24 @@
     return null;
   }
 
+  // async.staleness_schedule's points still ahead of `step` (the run's current knob value, else its
+  // config's), as the η chart's dashed step line: from `step` at the η in force (`eta`), each
+  // point's η from its step (a point applies at the boundary after its step: where its ⚙ lands),
+  // on to run.max_steps. The server refuses a bad schedule (trainer/rollout/staleness_schedule.py);
+  // a part that does not read as STEP:ETA here is skipped. Returns {x, y} or null when none is ahead.
+  function scheduleAhead(state, step, eta) {
+    const cfg = state.config || {}, knobs = state.knobs || {};
+    const text = knobs["async.staleness_schedule"] !== undefined ? knobs["async.staleness_schedule"]
+      : (cfg.async || {}).staleness_schedule;
+    if (typeof text !== "string" || !text.trim() || eta === null) return null;
+    const ahead = text.split(",").map(p => p.trim().match(/^(\d+)\s*:\s*(\d+)$/)).filter(Boolean)
+      .map(m => ({ step: +m[1], eta: +m[2] })).filter(p => p.step > step);
+    if (!ahead.length) return null;
+    const last = ahead[ahead.length - 1].step, end = Math.max(last, Number((cfg.run || {}).max_steps) || last);
+    return { x: [step].concat(ahead.map(p => p.step), [end]),
+             y: [eta].concat(ahead.map(p => p.eta), [ahead[ahead.length - 1].eta]) };
+  }
+
   // The mismatch band of a chart with "band": the ends of [mismatch.lower, mismatch.upper] as the
   // |Δ log p| (|log pi_old - log pi_rollout|, the chart's y2 axis) where a token's ratio
   // ρ = pi_old / pi_rollout leaves it: ln(upper) (ρ above upper) and |ln(lower)| (ρ below lower;
@@ -331,10 +349,13 @@
         if (e !== null && typeof e.value === "number") eta = e.value;
       }
       const band = c.band ? findBand(state) : [];
+      // η's schedule ahead of the latest step drawn (redrawn whole when a point passes or η moves)
+      const now = Math.max.apply(null, cur.map(t => t.s.steps[t.s.steps.length - 1]));
+      const ahead = c.eta ? scheduleAhead(state, now, eta) : null;
       const anns = (state.annotations || []);
       const last = anns[anns.length - 1];
       const laySig = title + "|" + anns.length + "|" + (last ? last.step + last.text : "") + "|" + eta + "|" +
-        band.map(b => b.y + ":" + b.text).join(",");
+        band.map(b => b.y + ":" + b.text).join(",") + "|" + (ahead ? ahead.x.slice(1).join(",") + "/" + ahead.y.join(",") : "");
       let npoints = 0;
       cur.forEach(t => { npoints += t.s.steps.length; });
       const d = c.drawn;
@@ -359,6 +380,9 @@
       // drawn whole, with copies: extendTraces then appends to Plotly's arrays, not ours
       const traces = cur.map(t => ({ type: "scatter", mode: mode(t.s.steps.length), name: plotlyText(t.key),
                                      x: t.s.steps.slice(), y: t.s.values.slice(), yaxis: t.axis, marker: { size: 4 } }));
+      if (ahead)   // after the metrics' traces: extendTraces addresses those by index
+        traces.push({ type: "scatter", mode: "lines", name: "η schedule", x: ahead.x, y: ahead.y, hoverinfo: "x+y",
+                      line: { shape: "hv", dash: "dash", color: "#dc2626", width: 1.5 } });
       const lay = layoutFor(c, title, true);
       if (eta !== null) {
         lay.shapes.push({ type: "line", xref: "paper", x0: 0, x1: 1, y0: eta, y1: eta,

@@ -38,7 +38,7 @@
       const name = el("td");
       name.appendChild(el("code", {}, k.name));
       const range = k.type === "list" ? (k.choices ? "a list of " + k.choices.join(", ") : "a list")
-        : k.choices ? "one of " + k.choices.join(", ") : k.type === "bool" ? "true / false"
+        : k.choices ? "one of " + k.choices.join(", ") : k.type === "bool" ? "true / false" : k.type === "str" ? "text"
         : "[" + (k.min === null ? "-∞" : k.min) + ", " + (k.max === null ? "∞" : k.max) + "]";
       name.appendChild(el("small", {}, range + " — " + k.help));
       tr.appendChild(name);

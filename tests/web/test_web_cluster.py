@@ -119,3 +119,21 @@ def test_too_many_generation_processes_are_refused_by_name(settings):
     assert validation.config_problems(cfg)["cluster.gen_procs"] == (
         "at most 2 generation processes on this server (RLPILOT_MAX_GEN_PROCS); got 3")
     assert "cluster.gen_procs" not in validation.config_problems(config_mod.load("all", ["cluster.gen_procs=2"]))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.django_db(transaction=True)
+def test_a_generation_process_that_keeps_dying_is_the_runs_error_as_the_cli_says_it(user, tiny, monkeypatch):
+    """The real SIGKILL loop of tests/test_generation_lost.py on a dashboard run: its error is
+    the sentence the CLI prints after "run failed: "."""
+    from test_generation_lost import arm_kill_loop, sentence
+
+    loop = arm_kill_loop(monkeypatch)
+    run = queued_run(user, tiny, **{"cluster.gen_procs": 1, "run.max_steps": 4, "run.checkpoint_every": 1})
+    try:
+        assert tasks.execute(Run.objects.get(pk=run.pk)) == Status.FAILED
+    finally:   # run ids are reused by the next tests: their folders must start empty
+        shutil.rmtree(run_dir(run.pk), ignore_errors=True)
+    run.refresh_from_db()
+    assert run.error == sentence(loop.killed[-1], "resume continues from the checkpoint at step 1"), run.error

@@ -10,6 +10,11 @@ dynamic sampling filters; `waiting_tokens_at_end`: queued or generating). Every 
 reported from (so it is optimistic: read every eta), `ratio.best_eta` that setting and
 `ratio.accuracy_delta` its accuracy minus the synchronous loop's (a fraction).
 
+`--schedule "0:0, 10:1, 20:2"` adds a variant whose eta follows that async.staleness_schedule
+(AReaL's curriculum: small first, wider later): `ratio.speedup_schedule` against the synchronous
+loop, and against the fixed eta of its last point when --etas has it
+(`ratio.schedule_vs_eta_K`: trained tokens/s, `ratio.schedule_accuracy_delta_vs_eta_K`).
+
 The synchronous loop uses every core for each phase (torch intra-op threads); the asynchronous
 one gives generation (its own process) and training one thread each by default, so both use
 the same cores. That bounds what overlapping can win: with one thread each, a step takes at
@@ -27,6 +32,7 @@ import argparse
 import os
 
 from trainer.bench.common import accuracy_delta, add_comparison_arguments, compare, ratio
+from trainer.rollout import staleness_schedule
 
 NAME = "async"
 HELP = "synchronous loop vs asynchronous training (eta = 1, 2, 4)"
@@ -39,6 +45,9 @@ def add_arguments(p) -> None:
                    help="torch threads of the synchronous loop (default: every core)")
     p.add_argument("--ceiling", action=argparse.BooleanOptionalAction, default=True,
                    help="also run the synchronous loop on one thread for ratio.overlap_ceiling")
+    p.add_argument("--schedule", default="",
+                   help="also a variant whose eta follows this async.staleness_schedule, "
+                   "e.g. '0:0, 10:1, 20:2'")
     p.add_argument("--trainer-threads", type=int, default=1,
                    help="torch threads of the asynchronous trainer (its engine process has "
                    "async.worker_threads, default 1)")
@@ -55,9 +64,15 @@ def run(args, log=print) -> dict:
         variants.append((f"eta_{eta}", args.preset, [
             "async.prox_logp=loglinear", *args.set, "async.enabled=true",
             f"model.threads={args.trainer_threads}", f"async.max_staleness={eta}"]))
+    schedule = staleness_schedule.parse(getattr(args, "schedule", "") or "")
+    if schedule:
+        variants.append(("schedule", args.preset, [
+            "async.prox_logp=loglinear", *args.set, "async.enabled=true",
+            f"model.threads={args.trainer_threads}",
+            f"async.staleness_schedule={staleness_schedule.text(schedule)}"]))
     out = compare(variants, args, log)
     sync = out["sync"]
-    best = max((k for k in out if k.startswith("eta_")),
+    best = max((k for k in out if k.startswith("eta_")),   # the schedule is reported apart
                key=lambda k: out[k]["trained_tokens_per_s"])
     out["ratio"] = {"speedup": ratio(out[best]["trained_tokens_per_s"],
                                      sync["trained_tokens_per_s"]),
@@ -66,6 +81,15 @@ def run(args, log=print) -> dict:
                     **{f"speedup_{k}": ratio(out[k]["trained_tokens_per_s"],
                                              sync["trained_tokens_per_s"])
                        for k in out if k.startswith("eta_")}}
+    if schedule:
+        out["ratio"]["speedup_schedule"] = ratio(out["schedule"]["trained_tokens_per_s"],
+                                                 sync["trained_tokens_per_s"])
+        fixed = f"eta_{schedule[-1].eta}"
+        if fixed in out:
+            out["ratio"][f"schedule_vs_{fixed}"] = ratio(out["schedule"]["trained_tokens_per_s"],
+                                                         out[fixed]["trained_tokens_per_s"])
+            out["ratio"][f"schedule_accuracy_delta_vs_{fixed}"] = accuracy_delta(out["schedule"],
+                                                                                 out[fixed])
     if one_thread in out:
         one = out[one_thread]
         gen = one["rollout_s"] / one["steps"]

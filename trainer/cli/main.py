@@ -140,7 +140,7 @@ def _run(args) -> int:
     from trainer.observe.metrics import ConsoleSink, JsonlSink, MetricsSink, MultiSink
     from trainer.run import state as run_state
     from trainer.run.controls import ControlSource, FileControlSource
-    from trainer.run.runner import Runner
+    from trainer.run.runner import RunFailed, Runner
     from trainer.run.state import prepare_run_dir
 
     if args.resume:
@@ -184,6 +184,11 @@ def _run(args) -> int:
     except KeyboardInterrupt:
         print("interrupted; resume with: python -m trainer run --resume " + str(run_dir))
         return 130
+    except RunFailed as e:   # e.g. every generation process given up: the cause, whole
+        again = (f"\n(python -m trainer run --resume {run_dir})"
+                 if checkpoint.latest_step(run_dir) is not None else "")
+        print(f"run failed: {e}{again}", file=sys.stderr, flush=True)
+        return 1
     finally:
         sink.close()
     if world.is_main:

@@ -48,6 +48,18 @@ def check(cfg: Config) -> None:
         pilot_bounds(cfg.pilot.bounds)
     except ValueError as e:
         errors["pilot.bounds"] = str(e)
+    if cfg.async_.staleness_schedule.strip():
+        from trainer.rollout import staleness_schedule
+
+        eta = param_spec("async.max_staleness")
+        try:
+            staleness_schedule.parse(cfg.async_.staleness_schedule, (eta.min, eta.max))
+        except ValueError as e:
+            errors["async.staleness_schedule"] = str(e)
+        else:
+            if not cfg.async_.enabled:
+                errors["async.staleness_schedule"] = ("schedules eta, which only an asynchronous "
+                                                      "run has: set async.enabled = true")
     if cfg.april.segment_max_tokens > cfg.rollout.max_response_len:
         errors["april.segment_max_tokens"] = (f"must not exceed rollout.max_response_len "
                                               f"({cfg.rollout.max_response_len})")

@@ -231,6 +231,12 @@ class AsyncConfig:
     max_staleness: int = param(2, min=0, max=64, tunable=True,
                                help="eta: a trained token may come from a policy at most this many "
                                "versions old (0 = the synchronous loop)")
+    staleness_schedule: str = param(
+        "", tunable=True,
+        help="eta by step, 'STEP:ETA, ...' (e.g. '0:0, 50:2, 200:4': eta 0 from the start, 2 after "
+        "step 50, 4 after step 200); each point is a knob change of max_staleness at the boundary "
+        "after its step (by 'schedule'); a person, the autopilot or auto_staleness may move eta "
+        "between points; changed mid-run, only its points after that step apply; empty = none")
     max_inflight: int = param(0, min=0, max=65536, tunable=True,
                               help="most groups generating at once (0 = 2 x rollout_batch_size); "
                               "never more than 4 x rollout.max_slots samples, whatever this says")

@@ -42,6 +42,20 @@ class EngineError(RuntimeError):
     the server and the call; the runner turns it into an `error` event."""
 
 
+class GenerationGaveUp(EngineError):
+    """Every generation process was given up. `what`: which, with its pid and restarts, and how
+    it last ended; `why`: the rule that gave it up. `during(step)` puts the step between them."""
+
+    def __init__(self, what: str, why: str, processes: int = 1):
+        self.what, self.why, self.processes = what, why, processes
+        super().__init__(self.during(None))
+
+    def during(self, step: int | None) -> str:
+        when = f" during step {step}" if step is not None else ""
+        was = "was" if self.processes == 1 else "were"
+        return f"{self.what}{when} and {was} given up: {self.why}"
+
+
 @dataclass
 class SamplingParams:
     temperature: float = 1.0          # 0 = greedy

@@ -22,7 +22,9 @@ weights the live members hold (or the last ones pushed), brought to the current 
 before it takes work, and used again. With every member dead, step() waits for a restart
 (a warning says generation is paused); a member that fails `max_failures` times in a row (a
 restart that fails, or a death before it delivered anything) is given up, and when none is left
-the pool raises EngineError with the last errors.
+the pool raises GenerationGaveUp: which process, how it last ended (its signal or exit status),
+how many restarts it had, and why it was given up (the runner adds the step and where a resume
+continues: trainer/run/runner.py).
 
 Tokens: `stats.generated_tokens` counts the tokens delivered to the parent only, those in the
 parent's samples (the token ledger, trainer/rollout/ledger.py, balances: every delivered token
@@ -44,7 +46,7 @@ from typing import Callable, Iterable
 
 import torch
 
-from trainer.engine.base import ABORT, EngineError, EngineStats, RolloutEngine, Sample
+from trainer.engine.base import ABORT, EngineError, EngineStats, GenerationGaveUp, RolloutEngine, Sample
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +91,8 @@ class _Member:
         self.restarting = False
         self.retired = False
         self.last_error = ""
+        self.pid: int | None = None              # of its last process
+        self.ended = ""                          # how it last ended, in words ("was killed by ...")
 
 
 class EnginePool(RolloutEngine):
@@ -362,7 +366,9 @@ class EnginePool(RolloutEngine):
                                                                  engine.stats.astuple())))
         lost = max(0, engine.stats.generated_tokens - m.delivered)
         self.lost_tokens += lost
-        m.last_error = _describe(err, _exit_code(engine.proc))
+        code = _exit_code(engine.proc)
+        m.last_error = _describe(err, code)
+        m.ended = _ended(code) or f"died ({_describe(err)})"
         try:
             engine.kill()
         except Exception as e:  # already gone: nothing more to release
@@ -445,22 +451,38 @@ class EnginePool(RolloutEngine):
         m.failures += 1
         m.retry_at = time.monotonic() + self._backoff(m.failures)
         m.last_error = _describe(err)
+        m.ended = f"could not be restarted ({m.last_error})"
         self._warn(f"generation process {m.index} could not be restarted: {m.last_error}")
         self._wake.set()
 
     def _join(self, m: _Member, engine) -> None:
-        m.engine = engine
+        m.engine, m.pid = engine, engine.proc.pid
         self.processes.append(engine.proc)
 
     def _check_alive(self) -> None:
         if all(m.retired for m in self.members):
-            errors = "; ".join(f"process {m.index}: {m.last_error}" for m in self.members)
-            raise EngineError(f"every generation process failed {self.max_failures} times in a "
-                              f"row and was given up ({errors})")
+            raise GenerationGaveUp(
+                " and ".join(f"generation process {m.index} (pid {m.pid}, {m.starts} "
+                             f"restart{'s' if m.starts != 1 else ''}) {m.ended}" for m in self.members),
+                f"{self.max_failures} failures in a row (deaths before it delivered a token, or "
+                "failed restarts) give a generation process up, and none is left",
+                len(self.members))
 
     def _warn(self, message: str) -> None:
         log.warning("%s", message)
         self.warnings.append(message)
+
+
+def _ended(code: int | None) -> str | None:
+    """How a process with exit code `code` ended, in words (None: unknown)."""
+    if code is None:
+        return None
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name} (signal {-code})"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with status {code}"
 
 
 def _exit_code(proc) -> int | None:

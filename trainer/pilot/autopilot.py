@@ -18,7 +18,8 @@ mid-run; off leaves the values as they are). After each step `decide` returns at
 3. A person's change wins: a knob a person (dashboard, CLI) changed during the run is theirs from
    then on -- the autopilot does not move it again; and a change of the autopilot's being watched
    when a person changes any knob is kept unjudged (the guards could no longer tell whose change
-   moved the figures).
+   moved the figures). A point of async.staleness_schedule sets eta at its step (a watched change
+   of eta then ends unjudged); the autopilot may move eta again `pilot.every` steps later.
 
 Each move is a knob change like a person's (the step boundary validates, applies between two steps
 and records it as a `knob_applied` event, requested by "autopilot", with the advice and its
@@ -72,6 +73,7 @@ class Autopilot:
     undone: list[str] = field(default_factory=list)     # evidence keys of moves it undid
     persons_knobs: list[str] = field(default_factory=list)   # knobs a person changed: theirs
     persons_step: int | None = None      # the step after which a person last changed a knob
+    scheduled_step: int | None = None    # ... and after which async.staleness_schedule did
     last_seen_step: int = 0
     # knob -> (old, new, evidence key) of its latest move: a move back cancels that move for good
     last_moves: dict[str, list] = field(default_factory=dict)
@@ -91,6 +93,14 @@ class Autopilot:
         # is no longer our change's effect alone (seen: a person's lr change collapsed accuracy,
         # and the guard undid the autopilot's eta change for it): keep our change, unjudged
         self.watched = None
+
+    def knob_scheduled(self, knobs: Sequence[str]) -> None:
+        """async.staleness_schedule set a knob at its point: the knob stays the autopilot's to
+        move, after pilot.every steps to settle (as after a person's change); a change of ours
+        to it being watched is replaced, so it is not judged."""
+        self.scheduled_step = self.last_seen_step
+        if self.watched is not None and self.watched.knob in knobs:
+            self.watched = None
 
     def knob_refused(self, knobs: Sequence[str]) -> None:
         """The boundary refused the autopilot's change (the config's cross-field rules)."""
@@ -113,7 +123,8 @@ class Autopilot:
             undo = self._judge(step, rows, cfg)
             if undo is not None:
                 return undo
-        if any(s is not None and step - s < pc.every for s in (self.last_move_step, self.persons_step)):
+        if any(s is not None and step - s < pc.every
+               for s in (self.last_move_step, self.persons_step, self.scheduled_step)):
             return None
         bounds = config_mod.pilot_bounds(pc.bounds)
         for a in advice:
@@ -161,6 +172,7 @@ class Autopilot:
     def state_dict(self) -> dict:
         return {"last_move_step": self.last_move_step, "undone": list(self.undone),
                 "persons_knobs": list(self.persons_knobs), "persons_step": self.persons_step,
+                "scheduled_step": self.scheduled_step,
                 "last_seen_step": self.last_seen_step, "last_moves": dict(self.last_moves),
                 "watched": asdict(self.watched) if self.watched else None}
 
@@ -169,6 +181,7 @@ class Autopilot:
         self.undone = list(d.get("undone") or [])
         self.persons_knobs = list(d.get("persons_knobs") or [])
         self.persons_step = d.get("persons_step")
+        self.scheduled_step = d.get("scheduled_step")
         self.last_seen_step = int(d.get("last_seen_step") or 0)
         self.last_moves = {k: list(v) for k, v in (d.get("last_moves") or {}).items()}
         self.watched = Watched(**d["watched"]) if d.get("watched") else None

@@ -4,7 +4,9 @@ Commands arrive from a `ControlSource` (trainer/run/controls.py) at any time but
 here, between two steps, so a change never lands in the middle of one. Every knob change goes
 this one way, whoever asks: a person (dashboard, CLI) or the trainer itself (`request`, e.g.
 `async.auto_staleness` moving eta, `requested_by="auto"`; the autopilot, `requested_by="autopilot"`).
-At a boundary the trainer's own changes apply first, so a person's change to the same knob wins.
+At a boundary the trainer's own changes apply first, then a scheduled one (async.staleness_schedule,
+`requested_by="schedule"`: it wins over the trainer's own at its step), then people's, so a person's
+change to the same knob wins.
 A change is validated as a whole
 (every key or none, the config's cross-field rules) and recorded as
 a `knob_applied` or `knob_rejected` event with who asked, as is every pause, resume and stop.
@@ -23,7 +25,7 @@ from typing import Callable
 from trainer import config as config_mod
 from trainer.observe.metrics import MetricsSink
 from trainer.rollout.base import Driver
-from trainer.run.controls import AUTO, AUTOMATIC, PAUSE, RESUME, SET_KNOBS, STOP, Command, ControlSource
+from trainer.run.controls import AUTO, AUTOMATIC, PAUSE, RESUME, SCHEDULE, SET_KNOBS, STOP, Command, ControlSource
 
 PAUSED_POLL_S = 0.2      # how often a paused run looks for resume/stop
 INTERRUPT_POLL_S = 0.25  # how often a waiting step reads the controls
@@ -60,7 +62,7 @@ class StepBoundary:
         paused = False
         while True:
             commands, self.pending = self.pending + self.controls.poll(), []
-            commands.sort(key=lambda c: c.requested_by not in AUTOMATIC)   # stable: people's last
+            commands.sort(key=_order)   # stable: automatic, then scheduled, then people's
             for cmd in commands:
                 if cmd.kind == SET_KNOBS:
                     cfg = self.apply_knobs(step, cfg, cmd)
@@ -103,3 +105,10 @@ class StepBoundary:
 
     def _record(self, step: int, cmd: Command, kind: str) -> None:
         self.sink.event(step, kind, {"requested_by": cmd.requested_by})
+
+
+def _order(cmd: Command) -> int:
+    """Who applies first at a boundary (the last change of a knob stands)."""
+    if cmd.requested_by == SCHEDULE:
+        return 1
+    return 0 if cmd.requested_by in AUTOMATIC else 2

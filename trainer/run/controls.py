@@ -5,7 +5,8 @@ asynchronous step waits for groups, so a stop or pause is seen within a second) 
 what it gets at the boundary, so a change never lands in the middle of a step. The web app
 supplies a database-backed source; the CLI uses `FileControlSource`, a folder of JSON command
 files that `python -m trainer control RUN_DIR ...` writes. The trainer's own knob changes
-(`async.auto_staleness`) are commands too, from `requested_by="auto"`, queued at the boundary.
+(`async.auto_staleness`) are commands too, from `requested_by="auto"`, queued at the boundary, and
+so are the autopilot's ("autopilot") and async.staleness_schedule's points ("schedule").
 """
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ SET_KNOBS, PAUSE, RESUME, STOP = "set_knobs", "pause", "resume", "stop"
 COMMANDS = (SET_KNOBS, PAUSE, RESUME, STOP)
 AUTO = "auto"  # requested_by of the trainer's own knob changes (async.auto_staleness)
 AUTOPILOT = "autopilot"  # requested_by of the autopilot's (trainer/pilot/autopilot.py)
-AUTOMATIC = (AUTO, AUTOPILOT)   # not a person's
+SCHEDULE = "schedule"  # requested_by of async.staleness_schedule's points
+AUTOMATIC = (AUTO, AUTOPILOT, SCHEDULE)   # not a person's
 
 
 @dataclass

@@ -28,21 +28,39 @@ from trainer.algo import objective
 from trainer.algo.learner import TrainSequence
 from trainer.cluster import distributed, training_ranks
 from trainer.engine import generation_device, rollout_precision
+from trainer.engine.base import GenerationGaveUp
 from trainer.episode.engine import apply_limits
 from trainer.episode.environments import offered_tools
 from trainer.models import lora
 from trainer.observe import cost, trackers
 from trainer.observe.metrics import MetricsSink, MultiSink
 from trainer.observe.timeline import CONTROLLER, rank_lane
+from trainer.rollout import staleness_schedule
 from trainer.rollout.asynchronous import AsyncStall, CollectInterrupted
 from trainer.rollout.base import RolloutResult
-from trainer.run import build, step_record
+from trainer.run import build, checkpoint, step_record
 from trainer.run import state as run_state
-from trainer.run.controls import AUTO, AUTOPILOT, ControlSource
+from trainer.run.controls import AUTO, AUTOPILOT, SCHEDULE, ControlSource
 from trainer.run.evaluate import evaluate
 from trainer.run.step_record import StepResults
 
 FINISHED, STOPPED, FAILED = "finished", "stopped", "failed"
+
+
+class RunFailed(RuntimeError):
+    """The run ended for a cause its message says whole, for a person: the CLI prints it and the
+    dashboard shows it as the run's error, word for word."""
+
+
+def _gave_up(e: BaseException) -> GenerationGaveUp | None:
+    """The GenerationGaveUp behind `e` (the asynchronous worker's error wraps it), or None."""
+    seen = set()
+    while e is not None and id(e) not in seen:   # a chain may loop back
+        if isinstance(e, GenerationGaveUp):
+            return e
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return None
 
 
 class Runner:
@@ -75,6 +93,8 @@ class Runner:
         self.phase: str | None = None
         # tokens the engine generated for evaluations: the token ledger counts rollouts only
         self.eval_tokens = 0
+        # async.staleness_schedule: the last step boundary it looked at (a checkpoint keeps it)
+        self.schedule_through = -1
 
         # rank 0's config (knob values resumed) and checkpoint, for every rank
         resumed, ckpt_state, ckpt_tensors = build.checkpoint_and_config(self, resume, keep_knobs)
@@ -153,8 +173,14 @@ class Runner:
             raise
         except BaseException as e:
             status = FAILED
-            self.sink.event(self.step, "error", {"message": f"{type(e).__name__}: {e}",
+            with contextlib.suppress(Exception):   # what the engine said on the way (each death)
+                self._relay_engine_warnings()
+            lost = _gave_up(e)
+            message = self.lost_generation(lost) if lost else f"{type(e).__name__}: {e}"
+            self.sink.event(self.step, "error", {"message": message,
                                                  "traceback": traceback.format_exc(limit=8)})
+            if lost:
+                raise RunFailed(message) from e
             raise
         finally:
             with contextlib.suppress(Exception):   # the training ranks leave their loop
@@ -164,9 +190,18 @@ class Runner:
                 self.system.close()
             self.sink.flush()
 
+    def lost_generation(self, lost: GenerationGaveUp) -> str:
+        """Why the run ends when its generation processes were given up, for a person: which,
+        how, after how many restarts, in which step, and where a resume continues."""
+        saved = checkpoint.latest_step(self.run_dir)
+        resume = (f"resume continues from the checkpoint at step {saved}" if saved is not None
+                  else "no checkpoint was written: a resume starts over")
+        return f"{lost.during(self.step + 1)}; {resume}"
+
     def _cross_boundary(self):
         """The step boundary: the config to go on with (knob changes applied), None to stop;
         the time it held the run paused goes to the timeline."""
+        self._schedule_point()
         cfg = self.boundary.cross(self.step, self.cfg)
         for start, end in self.boundary.pauses:
             self.timeline.add(CONTROLLER, "paused", start, end)
@@ -325,6 +360,18 @@ class Runner:
             self.boundary.request({k: ch["new"] for k, ch in changes.items()},
                                   reason={"rule": proposal.pop("kind"), **proposal})
 
+    def _schedule_point(self) -> None:
+        """async.staleness_schedule's point due at this boundary, if any, queued like any knob
+        change (trainer/rollout/staleness_schedule.py: each point once, also across a resume)."""
+        text = self.cfg.async_.staleness_schedule
+        point = staleness_schedule.due(staleness_schedule.parse(text), self.schedule_through,
+                                       self.step) if text.strip() else None
+        self.schedule_through = self.step
+        if point is not None:
+            self.boundary.request({"async.max_staleness": point.eta}, requested_by=SCHEDULE,
+                                  reason={"rule": "staleness_schedule", "point": f"{point.step}:{point.eta}",
+                                          "schedule": text})
+
     def _pilot_after_step(self, m: dict) -> None:
         """Announce new advice; queue the autopilot's move for the next boundary."""
         advice, move = self.pilot.after_step(self.step, m, self.cfg)
@@ -335,6 +382,10 @@ class Runner:
 
     def _knobs_changed(self, cmd, applied: bool) -> None:
         if cmd.requested_by == AUTO:   # async.auto_staleness: neither a person nor the autopilot
+            return
+        if cmd.requested_by == SCHEDULE:   # a point set at launch: not a person's knob from now on
+            if applied:
+                self.pilot.autopilot.knob_scheduled(list(cmd.knobs))
             return
         if applied:
             self.pilot.autopilot.knob_applied(list(cmd.knobs), cmd.requested_by == AUTOPILOT)

@@ -100,7 +100,8 @@ def save(runner) -> Path:
              "totals": runner.totals, "best_eval": runner.best_eval, "last_eval": runner.last_eval,
              "device_s": runner.device_seconds_now(), "config": runner.cfg.to_dict(), "knobs": runner.cfg.knob_values(),
              "ledger": runner.rollout.ledger.state_dict(),
-             "pilot": runner.pilot.state_dict(runner.cfg)}
+             "pilot": runner.pilot.state_dict(runner.cfg),
+             "schedule_through": runner.schedule_through}
     tensors = {"rng": checkpoint.rng_state(runner.engine.generator),
                "rollout": runner.rollout.state_dict(), "greso": runner.greso.state_dict()}
     shards = None
@@ -126,6 +127,9 @@ def restore(runner, state: dict, tensors: dict) -> None:
     runner.rollout.load_state_dict(tensors.get("rollout", {}), runner.version)
     runner.rollout.ledger.load_state_dict(state.get("ledger", {}))
     runner.pilot.load_state_dict(state.get("pilot", {}))   # absent in a checkpoint before the pilot
+    # async.staleness_schedule: its points up to here were applied (before the schedule, the
+    # checkpoint at step N was written before the boundary after step N)
+    runner.schedule_through = state.get("schedule_through", runner.step - 1)
     if "greso" in tensors:
         runner.greso.load_state_dict(tensors["greso"])
     runner.engine.version = runner.version

@@ -7,7 +7,7 @@ import json
 from decimal import Decimal
 from typing import Any
 
-from trainer.run.controls import AUTOPILOT  # requested_by of the autopilot's knob changes
+from trainer.run.controls import AUTOPILOT, SCHEDULE  # requested_by of the autopilot's, the schedule's
 
 MISSING = "—"   # a figure a run does not have (summary tables, comparisons)
 # the trainer's events that open a run's training (a start, a resume): they carry its sizes (`trains`)
@@ -141,6 +141,8 @@ def _applied(d: dict) -> str:
     if d.get("requested_by") == AUTOPILOT and reason.get("rule"):
         why = f"{reason['rule']}: {reason['message']}" if reason.get("message") else str(reason["rule"])
         return f"autopilot: {changes(d, sep=' ')} ({why})"
+    if d.get("requested_by") == SCHEDULE and reason.get("point"):   # async.staleness_schedule
+        return f"{changes(d)} (by the schedule: point {reason['point']})"
     if reason.get("evidence_key") and reason.get("rule") and d.get("requested_by"):
         return f"{changes(d)} (by {d['requested_by']}, from {reason['rule']} advice)"
     by = f" (by {d['requested_by']})" if d.get("requested_by") else ""

@@ -27,7 +27,7 @@ from django.utils import timezone
 from trainer import config as config_mod
 from trainer.cluster import launch
 from trainer.run import checkpoint
-from trainer.run.runner import Runner  # imported in the worker's parent: forked children start fast
+from trainer.run.runner import RunFailed, Runner  # imported in the worker's parent: forked children start fast
 from webapp.dashboard import actions, lifecycle
 from webapp.dashboard.access import validation
 from webapp.dashboard.actions import run_dir
@@ -118,7 +118,8 @@ def train_here(rid: int, cfg: config_mod.Config, directory, resume_from_ckpt: bo
         final = Status.FINISHED if status == "finished" else Status.STOPPED
     except BaseException as e:  # the runner has already recorded an `error` event
         log.exception("run %s failed", rid)
-        summary, error = None, f"{type(e).__name__}: {e}"[:2000]
+        # a RunFailed says its cause whole, as the CLI prints it (e.g. generation given up)
+        summary, error = None, (str(e) if isinstance(e, RunFailed) else f"{type(e).__name__}: {e}")[:2000]
         if not isinstance(e, Exception):
             raise
     finally:
