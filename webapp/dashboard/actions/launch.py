@@ -85,6 +85,24 @@ def config_problems(user, cfg) -> dict[str, str]:
     return errors
 
 
+def warm_start_problems(user, cfg, errors: dict[str, str]) -> dict[str, str]:
+    """What is wrong with a new run's greso.warm_start (a run folder here, checked already by
+    config_problems): another owner's run (its statistics are theirs, as its weights are), no
+    checkpoint, problem ids that mean other problems (trainer/run/warm_start.py)."""
+    if not cfg.greso.warm_start or "greso.warm_start" in errors:
+        return {}
+    problem = policy.model_source_problem(user, cfg.greso.warm_start)
+    if problem:
+        return {"greso.warm_start": problem}
+    from trainer.run import warm_start  # (imported here: it reads checkpoints, with torch)
+
+    try:
+        warm_start.check(cfg)
+    except config_mod.ConfigError as e:
+        return dict(e.errors)
+    return {}
+
+
 def launch_run(user, name: Any, preset: Any = None, overrides: Any = None, toml: str | None = None,
                queue: Any = None) -> Run:
     """Validate and queue a run. Raises Invalid (400: per-field errors, including what the
@@ -112,6 +130,7 @@ def launch_run(user, name: Any, preset: Any = None, overrides: Any = None, toml:
         errors.update(e.errors)
     else:
         errors.update(config_problems(user, cfg))
+        errors.update(warm_start_problems(user, cfg, errors))
     if errors:
         raise Invalid("the run was not launched", validation.clip_errors(errors))
     with transaction.atomic():
