@@ -114,3 +114,47 @@ def test_the_drift_task_shifts_even_rows_at_its_step_under_the_same_ids():
 def test_drift_step_without_the_drift_task_is_refused():
     with pytest.raises(C.ConfigError, match="data.drift_step.*only the drift task shifts"):
         C.load("demo", ["data.drift_step=5"])
+
+
+class _Group:
+    def __init__(self, problem, rewards):
+        self.problem, self.rewards = problem, rewards
+
+
+def drift_run(half_life: float, seed: int, steps: int = 40, drift_step: int = 10):
+    """GRESO's real selector on the drift task for `steps` steps of 4 prompts, with a scripted
+    policy in place of the model (a long list: every answer wrong; a short one: half right), so
+    that the outcome of a prompt is its list's alone. Returns (wrong, right) skips judged from
+    the shift on."""
+    import threading
+
+    from trainer.rollout.base import PromptSource, StepCounts
+    from trainer.rollout.selection import PromptSelector
+
+    cfg = C.load("greso", ["data.task=drift", f"data.drift_step={drift_step}", "data.train_size=32",
+                           "rollout.rollout_batch_size=4", f"greso.forget_half_life={half_life}",
+                           f"run.seed={seed}"])
+    task = build_task(cfg)
+    selector = PromptSelector(PromptSource(task), task.train_size, cfg, threading.RLock())
+    wrong = right = 0
+    for step in range(1, steps + 1):
+        task.begin_step(step)
+        counts, groups = StepCounts(), []
+        for _ in range(4):
+            _, problem = selector(cfg, counts)
+            short = problem.prompt.count(",") + 1 <= 2
+            groups.append(_Group(problem, MIXED if short else WRONG))
+        selector.observe(cfg, step, groups)
+        w, r = selector.filter.take_skip_judgements()
+        if step >= drift_step:
+            wrong, right = wrong + w, right + r
+    return wrong, right
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_forgetting_lowers_the_wrong_skip_ratio_on_the_drift_task(seed):
+    wrong, right = drift_run(0, seed)
+    assert wrong >= 10 and right >= 10               # the stale "hard" records do mislead
+    wrong_f, right_f = drift_run(4, seed)
+    assert right_f > 0                                # forgetting still skips the still-hard rows
+    assert wrong_f / (wrong_f + right_f) < wrong / (wrong + right) - 0.1
