@@ -41,7 +41,7 @@ such prompts tend to stay that way. GRESO skips them *before* generation, probab
 
 5. Warm start (`import_history`). A new run can start from another run's filter state (its
    `state_dict`): p_easy / p_hard, and the traces of the prompts both runs share (by problem
-   id), their steps moved so that the source's last step is this filter's clock: ages, and so
+   id), their steps moved so that the source's clock is this filter's: ages, and so
    the first decisions, are the source's at its end. The RNG and the pending skip judgements
    stay this run's own. Whether the two runs' problem ids name the same problems is the
    caller's business (trainer/run/warm_start.py).
@@ -51,7 +51,8 @@ DAPO dynamic sampling, which drops zero-variance groups after generation instead
 
 This module is pure logic: no model, no config object of its own (`cfg` is the `greso` config
 section), no metrics. Whether GRESO is enabled is the caller's business. Unit tests with
-hand-computed cases: tests/test_greso.py.
+hand-computed cases: tests/test_greso.py, tests/test_greso_forget.py (forgetting, the drift task),
+tests/test_greso_warm.py (warm start).
 """
 from __future__ import annotations
 
