@@ -213,3 +213,28 @@ def test_bench_pilot_compares_the_autopilot_with_the_poor_setting_and_the_grid()
     # guard: at eta = 0 the trainer waits on generation from the first steps, so the autopilot moved
     # eta (the bound checks above saw a change)
     assert any(knob == "async.max_staleness" for _, knob, *_ in out["async_eta0"]["autopilot"]["autopilot_changes"])
+
+
+def test_bench_greso_warm_start_compares_the_first_epoch_cold_and_warm():
+    out = greso.run(args(preset="greso", warm_start=True, source_steps=2, eval_size=0,
+                         set=[*TINY, "data.train_size=8"]), log=lambda *a: None)
+    assert out["ratio"]["first_epoch_steps"] == 2 == out["cold"]["steps"] == out["warm"]["steps"]
+    assert out["cold"]["samples_generated"] > 0
+    assert out["ratio"]["warm_samples_saving"] == round(
+        1 - out["warm"]["samples_generated"] / out["cold"]["samples_generated"], 3)
+
+
+def test_bench_greso_drift_reports_the_wrong_skip_ratio_after_the_shift():
+    out = greso.run(args(preset="greso", drift=True, drift_step=2, half_life=2.0, steps=3,
+                         eval_size=0, set=[*TINY, "data.train_size=8"]), log=lambda *a: None)
+    for v in (out["never_forgets"], out["forgets"]):
+        assert {"wrong_skip_ratio_after_shift", "train_accuracy_after_shift", "prompts_skipped"} <= set(v)
+    assert out["ratio"]["drift_step"] == 2
+
+
+def test_judged_skips_by_hand():
+    rows = [{"step": 1, "greso/skips_judged": 4, "greso/wrong_skip_ratio": 0.25},
+            {"step": 2, "greso/skips_judged": 0},
+            {"step": 3, "greso/skips_judged": 5, "greso/wrong_skip_ratio": 0.6}]
+    assert greso.judged_skips(rows) == (4, 5)
+    assert greso.judged_skips(rows, first_step=2) == (3, 2)

@@ -17,7 +17,7 @@ ADD = {"tests": "assert add(1, 2) == 3", "entry_point": "add"}
 
 
 def test_the_registry_names_exactly_the_tasks_the_config_allows():
-    assert set(TASKS) == set(C.param_spec("data.task").choices) == {"sum", "arith", "math", "code", "calc"}
+    assert set(TASKS) == set(C.param_spec("data.task").choices) == {"sum", "arith", "math", "code", "calc", "drift"}
 
 
 def _config(name, tmp_path):
@@ -31,10 +31,11 @@ def _config(name, tmp_path):
     return C.load("demo", [f"data.task={name}", *extra])
 
 
-RIGHT = {"sum": lambda a: f">{a}", "calc": lambda a: f">{a}",
+RIGHT = {"sum": lambda a: f">{a}", "calc": lambda a: f">{a}", "drift": lambda a: f">{a}",
          "arith": lambda a: f"so \\boxed{{{a}}}", "math": lambda a: f"\\boxed{{{a}}}",
          "code": lambda a: "def add(a, b):\n    return a + b"}
-WRONG = {"sum": lambda a: f">{a + 1}", "calc": lambda a: f">{a + 1}", "arith": lambda a: f"\\boxed{{{int(a) + 1}}}",
+WRONG = {"sum": lambda a: f">{a + 1}", "calc": lambda a: f">{a + 1}",
+         "drift": lambda a: f">{a + 1}", "arith": lambda a: f"\\boxed{{{int(a) + 1}}}",
          "math": lambda a: "\\boxed{41}", "code": lambda a: "def add(a, b):\n    return a - b"}
 
 
@@ -56,7 +57,8 @@ def test_the_verifiers_are_the_ones_each_task_needs():
 
 
 def test_an_unknown_task_is_refused_naming_the_known_ones():
-    with pytest.raises(ValueError, match="unknown task 'poetry'; the known tasks are sum, arith, math, code, calc"):
+    with pytest.raises(ValueError,
+                       match="unknown task 'poetry'; the known tasks are sum, arith, math, code, calc, drift"):
         task_spec("poetry")
     cfg = C.load("demo")
     cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, task="poetry"))  # past check()

@@ -163,6 +163,8 @@ def _run(args) -> int:
         cfg = config_mod.load(args.config, args.set)
         from trainer.models.loading import require_model_dir
         require_model_dir(cfg.model.path, engine=cfg.rollout.engine)  # before any run directory
+        from trainer.run import warm_start
+        warm_start.check(cfg)   # a greso.warm_start source that cannot be used: refused by name
         world = distributed.init(cfg.model.device)  # torchrun: one of K processes
         out = args.out or f"runs/{Path(args.config).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
         # rank 0 prepares the directory (and names it: the default holds the time)

@@ -14,8 +14,11 @@ def check(cfg: Config) -> None:
     errors: dict[str, str] = {}
     if cfg.data.task in ("math", "code") and not cfg.data.path:
         errors["data.path"] = f"task={cfg.data.task!r} needs a JSONL file in data.path"
-    if cfg.data.task in ("sum", "arith") and cfg.data.path:
+    if cfg.data.task in ("sum", "arith", "drift") and cfg.data.path:
         errors["data.path"] = f"the built-in {cfg.data.task} task reads no file; leave data.path empty"
+    if cfg.data.drift_step and cfg.data.task != "drift":
+        errors["data.drift_step"] = (f"only the drift task shifts; data.task is {cfg.data.task!r} "
+                                     "(set data.task = 'drift', or data.drift_step = 0)")
     try:
         stop_strings(cfg.rollout.stop)
     except ValueError as e:

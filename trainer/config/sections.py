@@ -47,10 +47,11 @@ class LoraConfig:
 
 @dataclass
 class DataConfig:
-    task: str = param("sum", choices=["sum", "math", "code", "arith", "calc"],
+    task: str = param("sum", choices=["sum", "math", "code", "arith", "calc", "drift"],
                       help="built-in list-sum task, a JSONL file of math or code problems, "
                       "arith: built-in arithmetic and word problems scored as math (\\boxed{} "
-                      "answers), or calc: list sums with a calculator tool (multi-turn)")
+                      "answers), calc: list sums with a calculator tool (multi-turn), or drift: "
+                      "list sums that get easier at data.drift_step under the same ids")
     path: str = param("", help="JSONL file for task=math ({prompt, answer}) or task=code "
                       "({prompt, tests, entry_point})")
     eval_path: str = param("", help="math/code: JSONL of held-out problems (empty = evaluate on "
@@ -62,6 +63,9 @@ class DataConfig:
                                 help="sum task: Pareto shape of the list length (smaller = heavier tail)")
     max_operand: int = param(9, min=1, max=999, help="sum task: largest list element; arith: "
                              "largest operand")
+    drift_step: int = param(0, min=0, max=10_000_000,
+                            help="drift task: the first training step whose problems are drawn "
+                            "shifted (every even row a short list; 0 = never shifts)")
     prompt_template: str = param("{prompt}", help="how a problem becomes a prompt; "
                                  "'{prompt}' is replaced by the problem text (inside the chat "
                                  "template's user turn when one applies)")
@@ -216,6 +220,14 @@ class GresoConfig:
                            help="a skippable prompt is still kept with at least this probability")
     p_easy: float = param(0.5, min=0.0, max=1.0, help="initial exploration probability of easy prompts")
     p_hard: float = param(0.5, min=0.0, max=1.0, help="initial exploration probability of hard prompts")
+    forget_half_life: float = param(0.0, min=0.0, max=1_000_000.0, tunable=True,
+                                    help="forgetting: a zero-variance record this many steps old "
+                                    "skips half as often (its keep probability moves back toward "
+                                    "1 as it ages); 0 = never forgets")
+    warm_start: str = param("", help="a run directory whose latest checkpoint's GRESO statistics "
+                            "a new run starts from (p_easy, p_hard, the history of the prompts "
+                            "both share by problem id); empty = a cold start. A resume keeps its "
+                            "own")
 
 
 @dataclass

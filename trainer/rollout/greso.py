@@ -15,6 +15,17 @@ such prompts tend to stay that way. GRESO skips them *before* generation, probab
    probability max(p**z, p_floor), p = p_easy or p_hard, and skipped otherwise. A prompt with
    no history, or whose last group was mixed, is always kept. One draw from the filter's own
    seeded RNG per easy/hard prompt, none for the others.
+   Forgetting (`forget_half_life` h > 0, in training steps; 0 = never, the paper's rule): a
+   record ages, and the keep probability goes back toward 1 (exploration) as it does,
+
+       keep = 1 - (1 - max(p**z, p_floor)) * 2**(-age / h)
+
+   with age = the filter's clock (the latest step it recorded) minus the step of the prompt's
+   last group. A record h steps old skips half as often as a fresh one, 2h steps old a quarter
+   as often. A half-life rather than a window: the skip probability fades smoothly (a window
+   drops a whole record at once, and a long streak and a short one would vanish together),
+   one number sets it, and age 0 is the unforgetting rule exactly, so h is safe to change
+   mid-run. Whatever h, a prompt is still skipped only by its own zero-variance streak.
 3. Adapt (`adapt`, once per step). With alpha the target zero-variance ratio: if the share of
    all-correct groups among the groups rolled out this step is >= alpha/3, p_easy falls by
    delta_p (explore easy prompts less), else it rises; the same for all-wrong groups against
@@ -28,12 +39,20 @@ such prompts tend to stay that way. GRESO skips them *before* generation, probab
    (the skipped rollout would have had signal), right otherwise (`take_skip_judgements`, the
    `greso/wrong_skip_ratio` metric the pilot reads).
 
+5. Warm start (`import_history`). A new run can start from another run's filter state (its
+   `state_dict`): p_easy / p_hard, and the traces of the prompts both runs share (by problem
+   id), their steps moved so that the source's clock is this filter's: ages, and so
+   the first decisions, are the source's at its end. The RNG and the pending skip judgements
+   stay this run's own. Whether the two runs' problem ids name the same problems is the
+   caller's business (trainer/run/warm_start.py).
+
 DAPO dynamic sampling, which drops zero-variance groups after generation instead, is
 `trainer/rollout/dynamic.py`.
 
 This module is pure logic: no model, no config object of its own (`cfg` is the `greso` config
 section), no metrics. Whether GRESO is enabled is the caller's business. Unit tests with
-hand-computed cases: tests/test_greso.py.
+hand-computed cases: tests/test_greso.py, tests/test_greso_forget.py (forgetting, the drift task),
+tests/test_greso_warm.py (warm start).
 """
 from __future__ import annotations
 
@@ -57,7 +76,8 @@ class Decision:
     skip: bool
     kind: str | None      # "easy", "hard" or None
     streak: int           # z: consecutive all-correct (easy) or all-wrong (hard) groups at the end
-    keep_prob: float      # max(p**z, p_floor); 1.0 for non-skippable prompts
+    keep_prob: float      # max(p**z, p_floor), aged when forgetting; 1.0 for non-skippable prompts
+    age: int = 0          # steps since the prompt's last group (the filter's clock)
 
 
 def classify(rewards: list[float]) -> str:
@@ -70,9 +90,14 @@ def classify(rewards: list[float]) -> str:
     return ALL_CORRECT if lo >= 1.0 - _TOL else ALL_WRONG
 
 
-def keep_probability(p: float, streak: int, p_floor: float) -> float:
-    """max(p**z, p_floor), capped at 1."""
-    return min(1.0, max(p ** streak, p_floor))
+def keep_probability(p: float, streak: int, p_floor: float, age: int = 0,
+                     half_life: float = 0) -> float:
+    """max(p**z, p_floor), capped at 1; with a half-life h > 0, moved back toward 1 by the
+    record's age: 1 - (1 - that) * 2**(-age / h)."""
+    keep = min(1.0, max(p ** streak, p_floor))
+    if half_life > 0 and age > 0:
+        keep = 1.0 - (1.0 - keep) * 2.0 ** (-age / half_life)
+    return keep
 
 
 class GresoFilter:
@@ -90,6 +115,7 @@ class GresoFilter:
         self._traces: dict[str, deque[tuple[int, float, str]]] = {}
         self._skipped: dict[str, int] = {}   # problem_id -> skips since its last rollout
         self._judged = [0, 0]                # [wrong, right] skips judged since the last take
+        self.clock = 0                       # the latest step recorded: "now" for a record's age
 
     # -- traces -------------------------------------------------------------------------------
 
@@ -103,6 +129,7 @@ class GresoFilter:
         if trace is None:
             trace = self._traces[problem_id] = deque(maxlen=self.max_trace)
         trace.append((int(step), float(mean), kind))
+        self.clock = max(self.clock, int(step))
         return kind
 
     def trace(self, problem_id: str) -> list[tuple[int, float]]:
@@ -133,11 +160,17 @@ class GresoFilter:
         if kind is None:
             return Decision(skip=False, kind=None, streak=0, keep_prob=1.0)
         p = self.p_easy if kind == "easy" else self.p_hard
-        keep_prob = keep_probability(p, z, cfg.p_floor)
+        age = self.age(problem_id)
+        keep_prob = keep_probability(p, z, cfg.p_floor, age, cfg.forget_half_life)
         skip = self._rng.random() >= keep_prob     # P(skip) = 1 - keep_prob
         if skip:
             self._skipped[problem_id] = self._skipped.get(problem_id, 0) + 1
-        return Decision(skip=skip, kind=kind, streak=z, keep_prob=keep_prob)
+        return Decision(skip=skip, kind=kind, streak=z, keep_prob=keep_prob, age=age)
+
+    def age(self, problem_id: str) -> int:
+        """Steps from the prompt's last recorded group to the filter's clock (0 without one)."""
+        trace = self._traces.get(problem_id)
+        return self.clock - trace[-1][0] if trace else 0
 
     def take_skip_judgements(self) -> tuple[int, int]:
         """(wrong, right): skips judged since the last call -- a skipped prompt's next group was
@@ -185,22 +218,52 @@ class GresoFilter:
                        for pid, trace in self._traces.items()},
             "rng": [version, list(internal), gauss_next],
             "skipped": dict(self._skipped),
+            "clock": self.clock,
         }
+
+    def import_history(self, state: dict, problem_ids) -> int:
+        """Start warm from another run's filter state (its `state_dict`): its p_easy / p_hard,
+        and the traces of the prompts in `problem_ids` that it has, with their steps moved so
+        that its clock is this filter's. Returns how many prompts came warm."""
+        self.p_easy = float(state["p_easy"])
+        self.p_hard = float(state["p_hard"])
+        source = _parse_traces(state["traces"], self.max_trace)
+        shift = self.clock - int(state.get("clock", _clock_of(source)))
+        n = 0
+        for pid in problem_ids:
+            trace = source.get(pid)
+            if trace:
+                self._traces[pid] = deque(((step + shift, mean, kind) for step, mean, kind in trace),
+                                          maxlen=self.max_trace)
+                n += 1
+        return n
 
     def load_state_dict(self, state: dict) -> None:
         self.p_easy = float(state["p_easy"])
         self.p_hard = float(state["p_hard"])
         self.max_trace = int(state.get("max_trace", self.max_trace))
-        traces: dict[str, deque[tuple[int, float, str]]] = {}
-        for pid, entries in state["traces"].items():
-            trace: deque[tuple[int, float, str]] = deque(maxlen=self.max_trace)
-            for step, mean, kind in entries:
-                if kind not in _KINDS:
-                    raise ValueError(f"unknown outcome kind {kind!r} in the trace of {pid!r}")
-                trace.append((int(step), float(mean), kind))
-            traces[pid] = trace
-        self._traces = traces
+        self._traces = _parse_traces(state["traces"], self.max_trace)
+        # a checkpoint from before forgetting has no clock: its latest recorded step is one
+        self.clock = int(state.get("clock", _clock_of(self._traces)))
         self._skipped = {str(k): int(v) for k, v in (state.get("skipped") or {}).items()}
         version, internal, gauss_next = state["rng"]
         self._rng.setstate((version, tuple(internal), gauss_next))
 
+
+
+def _parse_traces(entries_by_pid: dict, max_trace: int) -> dict[str, deque[tuple[int, float, str]]]:
+    """A state_dict's traces as the filter holds them (the `max_trace` latest of each)."""
+    traces: dict[str, deque[tuple[int, float, str]]] = {}
+    for pid, entries in entries_by_pid.items():
+        trace: deque[tuple[int, float, str]] = deque(maxlen=max_trace)
+        for step, mean, kind in entries:
+            if kind not in _KINDS:
+                raise ValueError(f"unknown outcome kind {kind!r} in the trace of {pid!r}")
+            trace.append((int(step), float(mean), kind))
+        traces[str(pid)] = trace
+    return traces
+
+
+def _clock_of(traces: dict) -> int:
+    """The latest step recorded in `traces` (each trace keeps its latest entry); 0 for none."""
+    return max((trace[-1][0] for trace in traces.values() if trace), default=0)

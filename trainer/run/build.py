@@ -35,6 +35,7 @@ from trainer.rollout import PromptSource, build_driver
 from trainer.rollout.scoring import Scorer
 from trainer.rollout.selection import PromptSelector
 from trainer.run import state as run_state
+from trainer.run import warm_start
 from trainer.run.boundary import StepBoundary
 from trainer.tasks import build_task
 
@@ -138,12 +139,14 @@ def _rollout(run, system_telemetry: bool) -> None:
 
 
 def resume_state(run, resumed, state, tensors) -> None:
-    """Every rank: the checkpoint's state (rank 0; a new run writes its config instead), the
-    optimizer's, and the generators' first weights."""
+    """Every rank: the checkpoint's state (rank 0; a new run writes its config instead, and
+    takes another run's GRESO statistics with greso.warm_start), the optimizer's, and the
+    generators' first weights."""
     if run.dist.is_main:
         if state is not None:
             run_state.restore(run, state, tensors)
         else:
+            run.greso_warm = warm_start.apply(run.greso, run.task, run.cfg)
             (run.run_dir / "config.toml").write_text(config_mod.to_toml(run.cfg))
     _restore_optimizer(run, resumed, tensors)
     only_changed = lora.engine_holds_base(run.cfg)   # LoRA: the factors alone

@@ -95,6 +95,8 @@ class Runner:
         self.eval_tokens = 0
         # async.staleness_schedule: the last step boundary it looked at (a checkpoint keeps it)
         self.schedule_through = -1
+        # what a new run took from greso.warm_start (trainer/run/warm_start.py); None otherwise
+        self.greso_warm: dict | None = None
 
         # rank 0's config (knob values resumed) and checkpoint, for every rank
         resumed, ckpt_state, ckpt_tensors = build.checkpoint_and_config(self, resume, keep_knobs)
@@ -135,12 +137,15 @@ class Runner:
                          # what trains: every parameter, or LoRA's adapters (their file's bytes)
                          **lora.sizes(self.model),
                          # what each process holds, for the cost account (trainer/observe/cost.py)
-                         "devices": self._held_devices()})
+                         "devices": self._held_devices(),
+                         # how many prompts' GRESO history came from another run
+                         **({"greso_warm_start": self.greso_warm} if self.greso_warm else {})})
         status = FINISHED
         try:
             if self.step == 0 and self.cfg.run.eval_every:
                 self.evaluate()
             step_record.observe_generation(self)  # the ledger's baseline: this engine's counter so far
+            self.task.begin_step(self.step + 1)   # an asynchronous worker draws from here on
             self.rollout.start(self.cfg, self.version)
             while self.step < self.cfg.run.max_steps:
                 cfg = self._cross_boundary()
@@ -280,6 +285,7 @@ class Runner:
         """This step's groups from the rollout driver, scored (the scorer counts per step); what
         the driver and the engine say about them as events."""
         self.scorer.new_step()
+        self.task.begin_step(self.step + 1)   # a drifting task draws by the step it is on
         # an asynchronous step waits for the generation worker's groups; a synchronous one generates
         with self.timeline.span(CONTROLLER, "waiting" if self.rollout.concurrent else "generating"):
             result = self.rollout.collect(cfg, self.version)

@@ -19,6 +19,7 @@ from trainer.rewards.verifiers import Verdict, check_code, score_code, score_mat
 from trainer.tasks.arith import ArithTask
 from trainer.tasks.base import Problem, Task
 from trainer.tasks.calc import CalcTask
+from trainer.tasks.drift import DriftTask
 from trainer.tasks.jsonl import JsonlTask
 from trainer.tasks.prompts import PromptRenderer
 from trainer.tasks.sum import SumTask, score_sum
@@ -52,6 +53,12 @@ def _calc(cfg, renderer: PromptRenderer) -> Task:
                     seed=cfg.run.seed, renderer=renderer)
 
 
+def _drift(cfg, renderer: PromptRenderer) -> Task:
+    d = cfg.data
+    return DriftTask(drift_step=d.drift_step, max_operand=d.max_operand, train_size=d.train_size,
+                     seed=cfg.run.seed, renderer=renderer)
+
+
 def _jsonl(cfg, renderer: PromptRenderer) -> Task:
     d = cfg.data
     return JsonlTask(d.path, kind=d.task, template=d.prompt_template, eval_path=d.eval_path,
@@ -64,6 +71,7 @@ TASKS: dict[str, TaskSpec] = {
     "math": TaskSpec(_jsonl, score_math, preload=warm_math),
     "code": TaskSpec(_jsonl, score_code, check_within=check_code),
     "calc": TaskSpec(_calc, score_sum),   # sum a list with a calculator tool (multi-turn episodes)
+    "drift": TaskSpec(_drift, score_sum),  # list sums that get easier at data.drift_step (GRESO)
 }
 
 

@@ -55,6 +55,13 @@ class Task:
         """n held-out problems, the same every call."""
         raise NotImplementedError
 
+    def begin_step(self, step: int) -> None:
+        """The run is about to collect training step `step` (a task that drifts reads it)."""
+
+    def problem_ids(self) -> list[str]:
+        """The ids of the training rows (GRESO's warm start carries the history of these)."""
+        return [self.problem(row).id for row in range(self.train_size)]
+
     def max_sequence_len(self, tokenizer, cfg) -> int:
         """Positions an engine slot needs: twice the longest prompt seen (or possible, for the
         list task) plus the response budget, with a little room."""

@@ -76,6 +76,9 @@ class JsonlTask(Task):
         rows = self._eval if self._eval is not None else self._train
         return [self._make(r) for r in rows[:max(0, n)]]
 
+    def problem_ids(self) -> list[str]:
+        return [r.id for r in self._train]   # without rendering every prompt
+
     # -- helpers -------------------------------------------------------------------------------
 
     @property

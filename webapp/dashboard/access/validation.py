@@ -264,6 +264,10 @@ def config_problems(cfg: config_mod.Config, on_worker: bool = False) -> dict[str
             problems = check_model_dir(cfg.model.path, engine=r.engine)
             if problems:
                 errors["model.path"] = "; ".join(problems)
+    if cfg.greso.warm_start:   # another run's statistics: a run folder of this server only
+        problem = path_problem(cfg.greso.warm_start, [str(settings.RUNS_DIR)], "RLPILOT_RUNS_DIR")
+        if problem:
+            errors["greso.warm_start"] = problem + " (a run's folder)"
     for key in ("data.path", "data.eval_path"):
         value = cfg.get(key)
         if value:

@@ -85,11 +85,29 @@ def config_problems(user, cfg) -> dict[str, str]:
     return errors
 
 
+def warm_start_problems(user, cfg, errors: dict[str, str]) -> dict[str, str]:
+    """What is wrong with a new run's greso.warm_start (a run folder here, checked already by
+    config_problems): another owner's run (its statistics are theirs, as its weights are), no
+    checkpoint, problem ids that mean other problems (trainer/run/warm_start.py)."""
+    if not cfg.greso.warm_start or "greso.warm_start" in errors:
+        return {}
+    problem = policy.model_source_problem(user, cfg.greso.warm_start)
+    if problem:
+        return {"greso.warm_start": problem}
+    from trainer.run import warm_start  # (imported here: it reads checkpoints, with torch)
+
+    try:
+        warm_start.check(cfg)
+    except config_mod.ConfigError as e:
+        return dict(e.errors)
+    return {}
+
+
 def checked_config(user, preset: Any = None, overrides: Any = None, toml: Any = None,
                    queue: Any = None) -> tuple[config_mod.Config | None, str | None, dict[str, str]]:
     """(config, queue, errors by field) of a run as a person asked for it: the queue, the
     preset or TOML text, the overrides, and what the config may not reach on this server
-    (validation.config_problems). The launch and the estimate both ask this."""
+    (validation.config_problems, greso.warm_start's source). The launch and the estimate both ask this."""
     errors: dict[str, str] = {}
     try:
         queue = validate_queue(queue)
@@ -112,6 +130,7 @@ def checked_config(user, preset: Any = None, overrides: Any = None, toml: Any = 
         errors.update(e.errors)
     else:
         errors.update(config_problems(user, cfg))
+        errors.update(warm_start_problems(user, cfg, errors))
     return cfg, queue, errors
 
 

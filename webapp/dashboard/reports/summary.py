@@ -32,6 +32,7 @@ SUMMARY = [
     ("trained_token_share", "share of generated tokens trained", True),
     ("samples_generated", "samples generated", None),
     ("samples_skipped", "samples skipped (GRESO)", None),
+    ("greso_warm_prompts", "prompts that started with GRESO history (warm start)", None),
     ("accuracy_final", "accuracy (final)", True),
     ("accuracy_best", "accuracy (best)", True),
     ("reward_final", "reward (final)", True),
@@ -136,6 +137,7 @@ def summary(run: Run, account: dict[str, Any] | None | object = _READ) -> dict[s
         skipped_prompts = sum((sampled[s] or 0) * (rates.get(s) or 0) for s in sampled)
     n = ((run.config or {}).get("rollout") or {}).get("n_samples_per_prompt") or 1
     out["samples_skipped"] = round(skipped_prompts * n) if skipped_prompts is not None else None
+    out["greso_warm_prompts"] = greso_warm_prompts(run)
     for name, key in (("accuracy", "reward/accuracy"), ("reward", "reward/mean"),
                       ("eval_accuracy", "eval/accuracy")):
         out[f"{name}_final"], out[f"{name}_best"] = last(key), best(key)
@@ -175,6 +177,16 @@ def training_sizes(run: Run) -> dict[str, Any] | None:
         if isinstance(data, dict) and "trainable_params" in data:
             return data
     return None
+
+
+def greso_warm_prompts(run: Run) -> int | None:
+    """How many prompts the run took GRESO history for from another run (greso.warm_start: its
+    run_started event says); None for a cold start."""
+    data = (RunEvent.objects.filter(run_id=run.pk, kind="run_started").order_by("-seq")
+            .values_list("data", flat=True).first())
+    warm = data.get("greso_warm_start") if isinstance(data, dict) else None
+    prompts = warm.get("prompts") if isinstance(warm, dict) else None
+    return prompts if isinstance(prompts, int) and not isinstance(prompts, bool) else None
 
 
 def trains(run: Run) -> str:
