@@ -123,8 +123,13 @@
       const longest = Math.max(0, ...values("rollout/response_len/max")), p90 = values("rollout/response_len/p90").pop();
       parts.push("segment limit " + segment + (longest ? " against responses of p90 " + fmt(p90) + ", longest " + fmt(longest)
         + " tokens (first at half the longest: " + Math.ceil(longest / 2) + ", then from the idle slots)" : " (no response lengths yet)"));
-      const buffer = values("april/buffer_tokens").pop();
-      if (buffer !== undefined) parts.push("buffer " + fmt(buffer) + " tokens");
+      const buffer = values("april/buffer_tokens").pop(), mean = values("rollout/response_len/mean").pop();
+      // the write-up's sizing: mean length x the over-sampled samples / the throughput gain (not
+      // measured on a live run: taken as 1, which sizes the buffer at its largest)
+      const extra = Math.max(0, nPrime - batch) * Number(rollout.n_samples_per_prompt || 1);
+      if (buffer !== undefined) parts.push("buffer " + fmt(buffer) + " tokens" + (mean !== undefined && extra ?
+        " against the sizing rule's " + fmt(Math.round(mean * extra)) + " (mean length " + fmt(mean) + " × " + extra +
+        " over-sampled samples ÷ the throughput gain, taken as 1)" : ""));
       aprilBox.textContent = "APRIL's rules of thumb: " + parts.join(" · ");
     }
 

@@ -1,6 +1,6 @@
 """APRIL's rules of thumb on the live run page, in headless Chromium: beside the key knobs, the
 over-sampling ratio, the segment limit against the response lengths so far and the buffer in
-tokens, as a person reads them, updated by a new step's metrics."""
+tokens against the write-up's sizing rule, as a person reads them, updated by a new step's metrics."""
 import shutil
 
 import pytest
@@ -12,7 +12,7 @@ def points(step: int, longest: float, buffer: float):
     from webapp.dashboard.actions import Record
 
     return Record("points", step, "", {"rollout/response_len/max": longest,
-                                       "rollout/response_len/p90": 50.0,
+                                       "rollout/response_len/p90": 50.0, "rollout/response_len/mean": 20.0,
                                        "april/buffer_tokens": buffer})
 
 
@@ -39,11 +39,13 @@ def test_the_live_page_shows_aprils_rules_of_thumb_beside_the_runs_values(live_a
         page.goto(f"{live_asgi}/runs/{run.pk}/")
         expect(page.locator("#conn")).to_have_text("live")
         context = page.locator('[data-group="key"] #april-context')
-        # N' 8 over a batch of 4; half of the longest response so far (202) is 101
+        # N' 8 over a batch of 4; half of the longest response so far (202) is 101; the sizing rule:
+        # 20 tokens x (8 - 4) groups x 4 samples
         expect(context).to_have_text(
             "APRIL's rules of thumb: N′ 8 is 2.0x the batch of 4 (1.5–2x) · segment limit 4 against "
             "responses of p90 50, longest 202 tokens (first at half the longest: 101, then from the "
-            "idle slots) · buffer 313 tokens")
+            "idle slots) · buffer 313 tokens against the sizing rule's 320 (mean length 20 × 16 over-sampled "
+            "samples ÷ the throughput gain, taken as 1)")
         actions.append(run.pk, [points(3, 250.0, 40.0)], {"step": 3})   # a new step, live
         expect(context).to_contain_text("longest 250 tokens (first at half the longest: 125")
         expect(context).to_contain_text("buffer 40 tokens")
