@@ -16,13 +16,12 @@ machine, and read one run's error as one draw, not a property of the preset.
 from __future__ import annotations
 
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 from trainer import config as config_mod
 from trainer.observe import cost
-from trainer.observe.estimate import calibrate, from_steps
+from trainer.observe.estimate import calibrate, from_steps, steps_only_command
 from trainer.observe.run_files import read_slices
 
 NAME = "estimate"
@@ -46,10 +45,7 @@ def measure(preset: str, sets: list[str], steps: list[int], seconds: float, log=
     log(f"{preset}: calibrated on {len(walls)} steps in {seconds:g} s; running {max(steps)} steps")
     with tempfile.TemporaryDirectory(prefix="rlpilot-bench-estimate-") as tmp:
         out = Path(tmp) / "run"
-        cmd = [sys.executable, "-m", "trainer", "run", preset, "--out", str(out)]
-        for s in [*sets, f"run.max_steps={max(steps)}", "run.eval_every=0", "run.checkpoint_every=0",
-                  "run.report_to=[]"]:
-            cmd += ["--set", s]
+        cmd = steps_only_command(preset, out, [*sets, f"run.max_steps={max(steps)}"])
         done = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                               timeout=RUN_LIMIT_S)
         if done.returncode:

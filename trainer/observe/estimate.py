@@ -60,14 +60,20 @@ def history(cfg: config_mod.Config, runs_dir: Path) -> list[tuple[Path, list[flo
     return found
 
 
+def steps_only_command(source: str, out: Path, sets: list[str]) -> list[str]:
+    """`python -m trainer run SOURCE --out OUT` with `sets`, its evaluations, checkpoints and
+    trackers off: the steps the estimate is about, and nothing else."""
+    cmd = [sys.executable, "-m", "trainer", "run", source, "--out", str(out)]
+    for s in [*sets, "run.eval_every=0", "run.checkpoint_every=0", "run.report_to=[]"]:
+        cmd += ["--set", s]
+    return cmd
+
+
 def calibrate(source: str, sets: list[str], seconds: float) -> tuple[list[float], dict]:
     """Step times and devices of the configured run itself, trained for at most `seconds`."""
     with tempfile.TemporaryDirectory(prefix="rlpilot-estimate-") as tmp:
         out = Path(tmp) / "run"
-        cmd = [sys.executable, "-m", "trainer", "run", source, "--out", str(out)]
-        for s in [*sets, f"run.time_budget_s={seconds:g}", "run.eval_every=0", "run.checkpoint_every=0",
-                  "run.report_to=[]"]:
-            cmd += ["--set", s]
+        cmd = steps_only_command(source, out, [*sets, f"run.time_budget_s={seconds:g}"])
         # its own process group (killed whole below), and killed with the process that started it
         # (a worker killed mid-calibration leaves nothing behind)
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
