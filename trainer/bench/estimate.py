@@ -22,7 +22,7 @@ from pathlib import Path
 from trainer import config as config_mod
 from trainer.observe import cost
 from trainer.observe.estimate import calibrate, from_steps, steps_only_command
-from trainer.observe.run_files import read_slices
+from trainer.observe.run_files import CostError, read_slices
 
 NAME = "estimate"
 HELP = "the estimate before a run against the run, per preset (50 and 200 steps)"
@@ -76,5 +76,11 @@ def run(args, log=print) -> dict:
         raise SystemExit("bench estimate: --steps: step counts of at least 1")
     if not 0 < args.seconds <= 3600:
         raise SystemExit(f"bench estimate: --seconds: a calibration takes 0 < seconds <= 3600; got {args.seconds:g}")
-    return {"bench": NAME, "seconds": args.seconds, "set": args.set,
-            "presets": [measure(p, args.set, sorted(args.steps), args.seconds, log) for p in args.presets]}
+    out = []
+    for preset in args.presets:   # one preset that cannot run says why; the others go on
+        try:
+            out.append(measure(preset, args.set, sorted(args.steps), args.seconds, log))
+        except (CostError, RuntimeError, subprocess.TimeoutExpired) as e:
+            log(f"{preset}: no figure: {e}")
+            out.append({"preset": preset, "error": str(e)})
+    return {"bench": NAME, "seconds": args.seconds, "set": args.set, "presets": out}
