@@ -370,6 +370,15 @@ def test_the_estimate_calibrates_on_the_run_itself_within_its_time_and_leaves_no
     assert not set(Path(__import__("tempfile").gettempdir()).glob("rlpilot-estimate-*")) - dirs_before
 
 
+def test_a_calibration_that_cannot_run_says_why_not_that_it_was_short(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "trainer", "estimate", "demo", "--set", "model.path=/nowhere/m",
+                           "--runs", str(tmp_path), "--seconds", "5"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 2
+    assert "the calibration run failed (exit status 2): error: model.path: no model directory at /nowhere/m" \
+        in done.stderr, done.stderr
+
+
 def test_a_bad_estimate_request_is_refused_by_name(tmp_path):
     for args, words in ((["--seconds", "0"], "--seconds"), (["--set", "run.max_steps=-3"], "run.max_steps"),
                         (["--rate", "tpu=1"], "KIND one of gpu, cpu")):

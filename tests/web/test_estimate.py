@@ -15,7 +15,8 @@ from webapp.dashboard.models import Estimate
 
 pytestmark = pytest.mark.django_db
 
-ASK = {"preset": "demo", "overrides": {**TINY, "run.max_steps": 10}}
+# a target accuracy with evaluations, as a person sets one: the calibration turns both off
+ASK = {"preset": "demo", "overrides": {**TINY, "run.max_steps": 10, "run.eval_every": 5, "run.target_accuracy": 0.6}}
 
 
 @pytest.fixture

@@ -64,7 +64,8 @@ def steps_only_command(source: str, out: Path, sets: list[str]) -> list[str]:
     """`python -m trainer run SOURCE --out OUT` with `sets`, its evaluations, checkpoints and
     trackers off: the steps the estimate is about, and nothing else."""
     cmd = [sys.executable, "-m", "trainer", "run", source, "--out", str(out)]
-    for s in [*sets, "run.eval_every=0", "run.checkpoint_every=0", "run.report_to=[]"]:
+    # (no target accuracy either: it needs evaluations)
+    for s in [*sets, "run.eval_every=0", "run.target_accuracy=0", "run.checkpoint_every=0", "run.report_to=[]"]:
         cmd += ["--set", s]
     return cmd
 
@@ -79,8 +80,10 @@ def calibrate(source: str, sets: list[str], seconds: float) -> tuple[list[float]
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                                 start_new_session=True,
                                 preexec_fn=lambda: set_parent_death_signal(signal.SIGKILL))
+        failed = None   # the run's own exit status when it ended by itself, unsuccessfully
         try:
             _, err = proc.communicate(timeout=seconds + GRACE_S)
+            failed = proc.returncode or None
         except subprocess.TimeoutExpired:
             err = "it overstayed its time"
         finally:   # the run's whole group, whether it ended or not: torchrun, ranks, generators
@@ -93,6 +96,8 @@ def calibrate(source: str, sets: list[str], seconds: float) -> tuple[list[float]
             walls, devices = step_times(out)
         except (OSError, ValueError):
             walls, devices = [], None
+        if failed and not walls:   # it could not run: say why, not "too short"
+            raise CostError(f"the calibration run failed (exit status {failed}): {(err or '').strip()[-600:]}")
         if not walls or devices is None:
             raise CostError(f"the calibration run trained {len(walls)} step(s) past its first in {seconds:g} s, "
                             f"too few to estimate from (give it longer: --seconds, or RLPILOT_ESTIMATE_SECONDS "
