@@ -610,7 +610,10 @@ def test_multi_turn_episodes_generate_each_turn_on_the_server(model_dir, server,
     # response limit without ending its turn)
     cfg = run_config(model_dir, server.url, "run.max_steps=1", "episode.max_turns=2",
                      "rollout.rollout_batch_size=4", "rollout.n_samples_per_prompt=4", "rollout.max_slots=16",
-                     "episode.feedback=true", "episode.tools=calculator", "rollout.max_response_len=64",
+                     "episode.feedback=true", "episode.tools=calculator", "rollout.max_response_len=96",
+                     # every group recorded (not 2 drawn at random): a second model turn is
+                     # looked for among all of them; 96 tokens leave room for one after the feedback
+                     "run.log_samples=16",
                      "data.system_prompt=Reply with one short sentence.", *modes[mode])
     sink = MemorySink()
     with Runner(cfg, tmp_path, sink=sink, system_telemetry=False) as r:
