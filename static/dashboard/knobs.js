@@ -120,7 +120,7 @@
       const segment = knob("segment_max_tokens") || Math.max(1, Math.floor(Number(rollout.max_response_len || 0) / 2));
       const parts = [];
       if (batch) parts.push("N′ " + nPrime + " is " + (nPrime / batch).toFixed(1) + "x the batch of " + batch + " (1.5–2x)");
-      const longest = Math.max(0, ...values("rollout/response_len/max")), p90 = values("rollout/response_len/p90").pop();
+      const longest = values("rollout/response_len/max").reduce((a, v) => Math.max(a, v), 0), p90 = values("rollout/response_len/p90").pop();
       parts.push("segment limit " + segment + (longest ? " against responses of p90 " + fmt(p90) + ", longest " + fmt(longest)
         + " tokens (first at half the longest: " + Math.ceil(longest / 2) + ", then from the idle slots)" : " (no response lengths yet)"));
       const buffer = values("april/buffer_tokens").pop(), mean = values("rollout/response_len/mean").pop();

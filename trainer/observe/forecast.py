@@ -22,6 +22,8 @@ from __future__ import annotations
 import math
 import statistics
 
+from trainer.observe import cost
+
 WINDOW = 20        # recent steps the pace is taken from
 MIN_WINDOW = 3     # fewer steps than this since a knob change: the window before it is used
 TREND_EVALS = 5    # the latest evaluations the accuracy trend is drawn through
@@ -48,15 +50,6 @@ def time_left(recent: list[float], steps_left: int) -> dict | None:
             "low_s": max(est - 2 * spread, 0.0), "high_s": est + 2 * spread, "window": len(recent)}
 
 
-def _per_second(devices: dict[str, dict], rates: dict[str, float]) -> tuple[dict[str, int], float | None]:
-    """Devices held per kind, and money per wall second for all of them (None: no rate applies)."""
-    held: dict[str, int] = {}
-    for d in devices.values():
-        held[d["kind"]] = held.get(d["kind"], 0) + int(d["count"])
-    priced = any(rates.get(k) for k in held)
-    return held, (sum(n / 3600 * rates[k] for k, n in held.items() if rates.get(k)) if priced else None)
-
-
 def with_price(f: dict | None, devices: dict[str, dict], rates: dict[str, float]) -> dict | None:
     """The forecast's device-seconds per kind and, where rates are set, its price and range."""
     if f is None:
@@ -69,7 +62,8 @@ def with_price_range(f: dict, devices: dict[str, dict], rates: dict[str, float])
     forecast without seconds (reached, or a flat trend) is returned as it is."""
     if f.get("seconds") is None:
         return f
-    held, per_s = _per_second(devices, rates)
+    held = {k: n for k, n in cost.kind_counts(devices).items() if n}
+    per_s = cost.price(held, rates)   # n devices held for a second: their price per wall second
 
     def money(s):
         return None if per_s is None or s is None else s * per_s
