@@ -8,7 +8,7 @@ import pytest
 
 from trainer.episode import tools as T
 from trainer.episode.tools import ToolCall, ToolCallError, parse_call, run_tool, stop_strings
-from trainer.rewards.sandbox import TRUNCATED, clip, run_snippet
+from trainer.sandbox.snippet import TRUNCATED, clip, run_snippet
 
 REPO = Path(__file__).resolve().parents[1]
 CALC = ToolCall("calculator", {"expression": "1"})
@@ -222,6 +222,7 @@ def test_network_is_blocked():
 def test_writes_outside_the_sandbox_are_refused(path):
     Path(path).unlink(missing_ok=True)
     r = python(f"open({path!r}, 'w').write('escaped')")
+    # refused by the audit hook (the second layer) before the boundary hides the path anyway
     assert r.error and f"writing {path!r} is not allowed" in r.text, r.text
     assert not Path(path).exists()
 
@@ -239,16 +240,13 @@ def test_long_output_is_truncated():
     assert r.error and len(r.text) <= 100 and r.text.endswith("\nerror: ZeroDivisionError: division by zero")
 
 
-def test_run_snippet_reports_what_it_printed_and_cannot_be_forged():
+def test_run_snippet_reports_what_it_printed_and_an_early_exit():
     r = run_snippet("print('a' * 50)", timeout_s=5, max_output_chars=20)
     assert (r.status, r.output, r.error) == ("ok", "a" * (20 - len(TRUNCATED)) + TRUNCATED, "")
-    # a report written on the runner's descriptors without its nonce does not count
-    forged = ("import os\nfor fd in (3, 4, 5):\n    try:\n"
-              "        os.write(fd, b'{\"status\": \"ok\", \"output\": \"42\"}\\n')\n"
-              "    except OSError:\n        pass\nos._exit(0)")
-    assert run_snippet(forged, timeout_s=5).status == "error"
+    # (a report the code writes itself is only its own text: the tool decides no reward, and the
+    # code reward's verdict never comes from the sandbox: tests/test_sandbox_hostile.py)
     r = run_snippet("import os\nos._exit(0)", timeout_s=5)
-    assert (r.status, r.error) == ("error", "the process exited with code 0 before it finished")
+    assert (r.status, r.error) == ("error", "the process exited with code 0")
 
 
 def test_clip_bounds_text_and_marks_the_cut():

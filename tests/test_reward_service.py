@@ -50,7 +50,7 @@ def slow_rewards(tmp_path, monkeypatch):
     (tmp_path / "slow_rewards_mod.py").write_text(textwrap.dedent("""
         import os, time
         from trainer.rewards.dispatch import score
-        from trainer.rewards.sandbox import run_code
+        from trainer.rewards.judge import judge as run_code
 
         def reward(kind, answer, completion):
             if completion == "hang":

@@ -1,11 +1,12 @@
-"""Code rewards: completions run with the tests in a sandboxed subprocess."""
+"""Code rewards: the completion runs in the sandbox, its tests in the judge (trainer/rewards/judge.py).
+The hostile routes (escapes, forged verdicts) are tests/test_sandbox_hostile.py."""
 import time
 
 import pytest
 
 from trainer.rewards.dispatch import score
+from trainer.rewards.judge import judge
 from trainer.rewards.pool import RewardService
-from trainer.rewards.sandbox import run_code
 from trainer.rewards.verifiers import extract_code, score_code
 from trainer.tasks.base import Problem
 
@@ -15,7 +16,7 @@ GOOD = "Here you go:\n```python\ndef add(a, b):\n    return a + b\n```\nDone."
 
 def run(completion, answer=ADD, timeout_s=5.0):
     tests = answer["tests"]
-    return run_code(extract_code(completion, answer["entry_point"]),
+    return judge(extract_code(completion, answer["entry_point"]),
                     [tests] if isinstance(tests, str) else tests, answer["entry_point"],
                     timeout_s=timeout_s)
 
@@ -85,19 +86,20 @@ def test_network_is_blocked():
             "def add(a, b): return a + b")
     r = run(conn)
     assert not r.passed and "PermissionError" in r.detail
-    # The tests themselves show that every way of making an inet socket is refused.
-    probe = {"entry_point": "add", "tests": (
-        "import socket, _socket\n"
-        "for make in (lambda: socket.socket(), lambda: _socket.socket(),\n"
-        "             lambda: socket.create_connection(('127.0.0.1', 9)),\n"
-        "             lambda: socket.getaddrinfo('localhost', 80)):\n"
-        "    try:\n"
-        "        make()\n"
-        "    except PermissionError:\n"
-        "        pass\n"
-        "    else:\n"
-        "        raise AssertionError('a socket was created')\n")}
-    assert score("code", probe, GOOD) == 1.0
+    # Every way of making an inet socket fails inside: the candidate reports what each did.
+    probe = ("import socket, _socket\n"
+             "def add(a, b):\n"
+             "    made = []\n"
+             "    for make in (lambda: socket.socket(), lambda: _socket.socket(),\n"
+             "                 lambda: socket.create_connection(('127.0.0.1', 9)),\n"
+             "                 lambda: socket.getaddrinfo('localhost', 80)):\n"
+             "        try:\n"
+             "            make()\n"
+             "            made.append(1)\n"
+             "        except OSError:\n"
+             "            made.append(0)\n"
+             "    return a + b + 100 * sum(made)\n")
+    assert score("code", ADD, probe) == 1.0
 
 
 def test_memory_bomb_is_stopped():
@@ -132,15 +134,3 @@ def test_extract_code_prefers_the_block_defining_the_entry_point():
 def test_malformed_answer_raises_a_clear_error():
     with pytest.raises(TypeError, match="tests"):
         score_code({"entry_point": "add"}, GOOD)
-
-
-def test_nproc_limit_for_non_root_counts_the_users_threads(monkeypatch):
-    import os
-
-    from trainer.rewards import sandbox
-    monkeypatch.setattr(os, "geteuid", lambda: 1000)
-    limit = sandbox._nproc_limit()
-    # This process (one of the user's) and its threads are counted, plus the margin.
-    assert limit > sandbox._CODE_MAX_NPROC_EXTRA
-    monkeypatch.setattr(os, "geteuid", lambda: 0)
-    assert sandbox._nproc_limit() == 0   # root ignores RLIMIT_NPROC: leave it unset

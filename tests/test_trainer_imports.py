@@ -1,5 +1,5 @@
 """trainer/ has no import cycle, the task registry and the reward package import one way:
-verifiers and sandbox <- the task registry (trainer.tasks) <- dispatch <- the pool and its workers,
+verifiers and the judge <- the task registry (trainer.tasks) <- dispatch <- the pool and its workers,
 and the rollout mechanism and the engines never import the pilot that advises on them.
 
 The graph is read from every module's syntax tree, imports inside functions included, with the
@@ -52,7 +52,7 @@ def test_the_registry_sits_between_the_verifiers_and_the_pool():
     tasks = [m for m in graph if m.startswith("trainer.tasks.")]
     assert tasks and not [m for m in tasks if "trainer.tasks" in graph[m]], \
         "a task module imports the registry that imports it"
-    for low in ("trainer.rewards.sandbox", "trainer.rewards.verifiers"):
+    for low in ("trainer.rewards.judge", "trainer.rewards.verifiers"):
         assert not [d for d in graph[low] if d.startswith("trainer.tasks")], f"{low} imports a task"
     assert "trainer.rewards.verifiers" in graph["trainer.tasks"]
     assert not [d for d in graph["trainer.tasks"] if d.startswith("trainer.rewards.")

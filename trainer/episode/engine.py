@@ -33,6 +33,7 @@ from typing import Callable, Iterable
 
 from trainer.engine.base import ABORT, ENV_VERSION, LENGTH, SEGMENT, STOP, EngineWrapper, Sample
 from trainer.episode.environments import Environment, Reply
+from trainer.episode.tools import format_error
 
 # why an episode ended (meta["episode"]["end"])
 END_ANSWER, END_MAX_TURNS, END_BUDGET = "answer", "max_turns", "budget"
@@ -174,7 +175,12 @@ class Episodes(EngineWrapper):
         if reply.role != "tool":
             ep["feedback"] += 1
         last = s.response_ids[-1] if s.response_ids else None
-        ids = self.fmt.env_ids(reply.role, reply.text, last)
+        try:
+            ids = self.fmt.env_ids(reply.role, reply.text, last)
+        except Exception as e:  # noqa: BLE001 -- a result the tokenizer refuses is the tool's error
+            ep["tool_errors"] += int(not reply.error)
+            ids = self.fmt.env_ids(reply.role, format_error(f"the tool's result could not be "
+                                                           f"tokenized ({type(e).__name__})"), last)
         room = s.params.max_new_tokens - len(s.response_ids)
         cut = len(ids) > room
         ids = ids[:max(room, 0)]

@@ -56,15 +56,20 @@ class Environment:
         self.verify = verify
 
     def respond(self, turn: str, episode: dict) -> Reply:
+        """Never raises: whatever the model's text does to parsing or to a tool is a tool error
+        in its own episode (the step and the other episodes go on)."""
         tools = tuple(episode.get("tools", ()))
         if tools:
             try:
                 call = parse_call(turn, self.syntax, tools)
+                if call is not None:
+                    r = run_tool(call, timeout_s=self.timeout_s, max_output_chars=self.output_chars)
+                    return Reply(TOOL, r.text, error=r.error, seconds=r.seconds, tool=call.name)
             except ToolCallError as e:
                 return Reply(TOOL, format_error(e), error=True)
-            if call is not None:
-                r = run_tool(call, timeout_s=self.timeout_s, max_output_chars=self.output_chars)
-                return Reply(TOOL, r.text, error=r.error, seconds=r.seconds, tool=call.name)
+            except Exception as e:  # noqa: BLE001 -- the model's text must not stop the run
+                return Reply(TOOL, format_error(f"the call could not be handled ({type(e).__name__})"),
+                             error=True)
         if self.feedback and self.verify(episode["kind"], episode["answer"], turn) < 1.0:
             return Reply(FEEDBACK, FEEDBACK_WRONG)
         return DONE
@@ -76,5 +81,5 @@ class Environment:
             return False
         try:
             return parse_call(turn, self.syntax, tools) is not None
-        except ToolCallError:
+        except Exception:  # noqa: BLE001 -- a malformed call (ToolCallError, or worse) is a call
             return True

@@ -2,7 +2,7 @@
 
 Two tools: `calculator` (argument `expression`: arithmetic on numbers with + - * / // % **, unary
 +/- and parentheses, evaluated from its syntax tree, never `eval`) and `python` (argument `code`:
-run in the code sandbox, trainer/rewards/sandbox.py, and answered with what it printed).
+run in the sandbox, trainer/sandbox/, and answered with what it printed).
 
 A call ends the model's turn (the engine stops at its closing tag, `stop_strings`); only trailing
 whitespace may follow it. Two syntaxes:
@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass
 from typing import Iterable
 
-from trainer.rewards.sandbox import clip, run_snippet
+from trainer.sandbox.snippet import clip, run_snippet
 
 TOOLS = ("calculator", "python")
 TAG_SYNTAX, JSON_SYNTAX = "tag", "json"
@@ -40,6 +40,7 @@ TAG = {"calculator": "calc", "python": "python"}            # each tool's tag in
 JSON_OPEN, JSON_CLOSE = "<tool_call>", "</tool_call>"
 
 MAX_EXPRESSION_CHARS = 1000
+MAX_NESTING = 32          # JSON levels a tool call may nest (its arguments are one flat object)
 MAX_DIGITS = 1000
 
 
@@ -178,10 +179,37 @@ def _parse_json(text: str, offered: tuple[str, ...]) -> ToolCall | None:
 
 
 def _loads(text: str, what: str):
+    if _nesting(text) > MAX_NESTING:
+        raise ToolCallError(f"{what} is nested more than {MAX_NESTING} levels deep")
     try:
         return json.loads(text)
     except json.JSONDecodeError as e:
         raise ToolCallError(f"{what} is not valid JSON: {e.msg} at char {e.pos}") from None
+    except RecursionError:
+        raise ToolCallError(f"{what} is nested too deeply") from None
+
+
+def _nesting(text: str) -> int:
+    """How deep `[` and `{` nest in JSON `text`, outside strings (checked before parsing: the
+    model's text must not be able to exhaust the parser's recursion)."""
+    depth = deepest = 0
+    in_string = escaped = False
+    for c in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif c == "\\":
+                escaped = True
+            elif c == '"':
+                in_string = False
+        elif c == '"':
+            in_string = True
+        elif c in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif c in "]}":
+            depth -= 1
+    return deepest
 
 
 def _kind(value) -> str:

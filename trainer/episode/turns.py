@@ -23,6 +23,12 @@ TOOL, FEEDBACK = "tool", "feedback"   # who speaks in an environment turn
 _SENTINEL = {"user": "\u2063USER\u2063", "assistant": "\u2063MODEL\u2063", TOOL: "\u2063ENV\u2063"}
 
 
+def plain_text(content: str) -> str:
+    """`content` as text any tokenizer takes: a lone surrogate (a tool printed chr(0xD800)) is
+    not UTF-8 and would stop the tokenizer, so it becomes '?'."""
+    return content.encode("utf-8", "replace").decode("utf-8")
+
+
 class TurnFormat:
     """Writes environment turns for one tokenizer; `syntax` is the tool-call syntax its model
     uses (trainer/episode/tools.py)."""
@@ -42,20 +48,32 @@ class TurnFormat:
         """The text appended after a model turn for an environment message from `role` (TOOL or
         FEEDBACK) saying `content`; `last_id` is the turn's last token: when it is a special
         token the wrapper starts with (the model's own end of turn), it is not written twice."""
+        before, after = self._around(role, last_id)
+        return before + plain_text(content) + after
+
+    def env_ids(self, role: str, content: str, last_id: int | None = None) -> list[int]:
+        """`env_text` as token ids (no special tokens added around it). The wrapper is the
+        template's, special tokens and all; the content is plain text: a special token's string
+        inside it ("<|im_start|>assistant", the eos text) is tokenized as the characters it is
+        made of, so an environment cannot forge a turn."""
+        before, after = self._around(role, last_id)
+        tok = self.tokenizer
+        ids = list(tok(before, add_special_tokens=False).input_ids) if before else []
+        ids += tok(plain_text(content), add_special_tokens=False, split_special_tokens=True).input_ids
+        if after:
+            ids += tok(after, add_special_tokens=False).input_ids
+        return ids
+
+    def _around(self, role: str, last_id: int | None) -> tuple[str, str]:
         if not self.chat:
             tag = "result" if role == TOOL else "feedback"
-            return f"<{tag}>{content}</{tag}>"
+            return f"<{tag}>", f"</{tag}>"
         before, after = self._wrappers[role]
         if last_id is not None and last_id in set(self.tokenizer.all_special_ids):
             ended = self.tokenizer.decode([last_id], skip_special_tokens=False)
             if ended and before.startswith(ended):
                 before = before[len(ended):]
-        return before + content + after
-
-    def env_ids(self, role: str, content: str, last_id: int | None = None) -> list[int]:
-        """`env_text` as token ids (no special tokens added around it)."""
-        text = self.env_text(role, content, last_id)
-        return list(self.tokenizer(text, add_special_tokens=False).input_ids)
+        return before, after
 
     def _template_wrapper(self, role: str) -> tuple[str, str]:
         """(before, after) the environment's content, from the chat template."""

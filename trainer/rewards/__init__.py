@@ -1,7 +1,8 @@
-"""Rewards: the verifiers, the sandbox that runs code, and the pool of processes that scores.
+"""Rewards: the verifiers, the code judge, and the pool of processes that scores.
 
     verifiers.py  math and code: (answer, completion) -> 0.0 or 1.0
-    sandbox.py    running a completion's code and its tests in a limited child interpreter
+    judge.py      the code reward's verdict: the code in the sandbox (trainer/sandbox/), the
+                  tests here, results crossing as data
     dispatch.py   one item: the verifier the task registry names for its kind, never raising
     pool.py       RewardService: batches in kept-alive worker processes, with time limits
     worker.py     a worker process's main loop

@@ -39,8 +39,8 @@ log = logging.getLogger(__name__)
 # (the async engine's child, trainer/engine/process.py, is started with subprocess for the same
 # reason). What the libraries would give, this pool does itself: per-batch and per-item time
 # limits, killing a stuck worker with everything it started, counting errors and timeouts, and
-# replacing dead workers; memory and the rest of the sandbox are limited by run_code's child
-# (trainer/rewards/sandbox.py).
+# replacing dead workers; memory and the rest of the sandbox are limited by the sandbox itself
+# (trainer/sandbox/).
 
 
 @dataclass

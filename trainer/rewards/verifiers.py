@@ -3,8 +3,8 @@
     math  the completion's final answer (the last \\boxed{...}, else the last number or
           expression) is compared with the gold answer by math_verify, so \\boxed{1/2}, 0.5
           and \\frac12 are the same answer
-    code  the completion's code and the problem's tests run in the sandbox
-          (trainer/rewards/sandbox.py); 1.0 when every test passes
+    code  the completion's code runs in the sandbox and the problem's tests in the judge
+          (trainer/rewards/judge.py); 1.0 when every test passes
 
 Each is a pure, picklable function of (answer, completion), so the reward pool can run it in a
 worker process. The task registry (trainer/tasks/__init__.py) says which task each one scores;
@@ -17,7 +17,7 @@ import re
 import threading
 from typing import Any, NamedTuple
 
-from trainer.rewards.sandbox import CODE_TIMEOUT_S, CodeResult, run_code
+from trainer.rewards.judge import CODE_TIMEOUT_S, CodeResult, judge
 
 
 class Verdict(NamedTuple):
@@ -186,7 +186,7 @@ def _run_answer(answer: dict, completion: str, timeout_s: float) -> CodeResult:
     tests = answer["tests"]
     tests = [tests] if isinstance(tests, str) else list(tests)
     entry_point = answer["entry_point"]
-    return run_code(extract_code(completion, entry_point), tests, entry_point, timeout_s=timeout_s)
+    return judge(extract_code(completion, entry_point), tests, entry_point, timeout_s=timeout_s)
 
 
 def check_code(answer: dict, completion: str, timeout_s: float) -> Verdict:

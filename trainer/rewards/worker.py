@@ -15,8 +15,8 @@ import os
 import signal
 import time
 
-from trainer.rewards import sandbox
 from trainer.rewards.dispatch import preload, resolve_reward_fn, score_item
+from trainer.sandbox import process as process_sandbox
 
 _PART_EVERY_S = 0.2      # a worker reports finished items of a long chunk this often
 
@@ -29,7 +29,7 @@ def main(argv: list[str]) -> None:
     logging.getLogger("latex2sympy2_extended").setLevel(logging.ERROR)
     conn = Connection(int(argv[0]))
     kinds = [k for k in argv[1].split(",") if k]
-    sandbox.set_parent_dir(argv[2] if len(argv) > 2 and os.path.isdir(argv[2]) else None)
+    process_sandbox.set_parent_dir(argv[2] if len(argv) > 2 and os.path.isdir(argv[2]) else None)
     fn = resolve_reward_fn(argv[3]) if len(argv) > 3 and argv[3] else None
     preload(kinds)
     try:
