@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test bootstrap demo bench-learn clean chromium sglang sglang-model
+.PHONY: run test bootstrap demo bench-learn clean chromium bubblewrap sglang sglang-model
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -19,13 +19,14 @@ bootstrap: $(STAMP)
 
 # The dashboard: migrate, ensure the admin user, ASGI server + Celery worker, print the URL.
 # Embedded (SQLite + filesystem broker) unless DATABASE_URL / REDIS_URL are set.
-run: $(STAMP)
+run: $(STAMP) bubblewrap
 	$(BIN)/python manage.py serve
 
 # The linter, then every test; then the web tests again on PostgreSQL + Redis (DATABASE_URL / REDIS_URL, defaults
 # on 127.0.0.1; they fail loudly if the servers are down).
 test:
 	@# the prerequisites side by side: the two virtualenvs' installs overlap (118 s instead of 175 s fresh)
+	@$(MAKE) --no-print-directory bubblewrap
 	@$(MAKE) --no-print-directory -j2 $(STAMP) chromium sglang sglang-model
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest --durations=25
@@ -38,6 +39,14 @@ chromium:
 	  if [ "$$(id -u)" = 0 ]; then \
 	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; \
 	  else echo "$(CHROMIUM) is missing: run 'sudo apt-get install -y chromium'" >&2; exit 1; fi; }
+
+# bubblewrap, the boundary around model-written code (trainer/sandbox/bwrap.py; Debian's package).
+BWRAP := /usr/bin/bwrap
+bubblewrap:
+	@test -x $(BWRAP) || command -v bwrap >/dev/null || { \
+	  if [ "$$(id -u)" = 0 ]; then \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap; \
+	  else echo "bwrap is missing: run 'sudo apt-get install -y bubblewrap'" >&2; exit 1; fi; }
 
 # A real SGLang server in its own virtualenv (.venv-sglang): SGLang as published where an NVIDIA
 # GPU answers, else SGLang's CPU engine with pinned non-CUDA requirements (tools/sglang/).

@@ -156,6 +156,7 @@ def _run(args) -> int:
                                                 cfg, latest)
             if problems:
                 raise config_mod.ConfigError(problems)
+        _require_sandbox(cfg)
     else:
         if not args.config:
             raise config_mod.ConfigError({"config": "name a preset or a .toml file (presets: "
@@ -163,6 +164,7 @@ def _run(args) -> int:
         cfg = config_mod.load(args.config, args.set)
         from trainer.models.loading import require_model_dir
         require_model_dir(cfg.model.path, engine=cfg.rollout.engine)  # before any run directory
+        _require_sandbox(cfg)
         from trainer.run import warm_start
         warm_start.check(cfg)   # a greso.warm_start source that cannot be used: refused by name
         world = distributed.init(cfg.model.device)  # torchrun: one of K processes
@@ -339,3 +341,11 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def _require_sandbox(cfg) -> None:
+    """A run that executes model-written code needs its sandbox here: refused by name if not."""
+    from trainer.sandbox.preflight import launch_problems
+    problems = launch_problems(cfg)
+    if problems:
+        raise config_mod.ConfigError(problems)

@@ -291,6 +291,15 @@ class EpisodeConfig:
 
 
 @dataclass
+class SandboxConfig:
+    isolation: str = param("bwrap", choices=["bwrap", "process"],
+                           help="where model-written code runs (the python tool, the code "
+                           "reward): bwrap = an isolation boundary (namespaces, seccomp, cgroup; "
+                           "needs bubblewrap); process = limits and an audit hook only, not a "
+                           "boundary, said on the run page and report (docs/sandbox.md)")
+
+
+@dataclass
 class RunConfig:
     max_steps: int = param(200, min=1, max=10_000_000, help="training steps")
     seed: int = param(0, min=0, max=2**31 - 1, help="seed for data, sampling and init")
@@ -379,6 +388,7 @@ SECTIONS: dict[str, type] = {
     "data": DataConfig,
     "rollout": RolloutConfig,
     "episode": EpisodeConfig,
+    "sandbox": SandboxConfig,
     "algo": AlgoConfig,
     "mismatch": MismatchConfig,
     "optim": OptimConfig,
@@ -414,6 +424,7 @@ class Config:
     pilot: PilotConfig = field(default_factory=PilotConfig)
     cost: CostConfig = field(default_factory=CostConfig)
     episode: EpisodeConfig = field(default_factory=EpisodeConfig)
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return {name: dataclasses.asdict(self.section(name)) for name in SECTIONS}

@@ -20,6 +20,7 @@ import threading
 import torch
 
 from trainer import config as config_mod
+from trainer import sandbox
 from trainer.algo.learner import Learner
 from trainer.cluster import sharding
 from trainer.engine import build_engine
@@ -67,6 +68,8 @@ def collaborators(run, resumed, tensors, *, system_telemetry: bool) -> None:
     DCP shards) or None; `tensors`: rank 0's checkpoint tensors (a sharded checkpoint's whole
     optimizer state is read into them when this run is not sharded)."""
     cfg, controller = run.cfg, run.dist.is_main
+    # before any process is started: reward workers and generation processes inherit it
+    sandbox.use(cfg.sandbox.isolation)
     if cfg.model.threads:
         torch.set_num_threads(cfg.model.threads)
     torch.manual_seed(cfg.run.seed)

@@ -43,6 +43,7 @@ from trainer.run import state as run_state
 from trainer.run.controls import AUTO, AUTOPILOT, SCHEDULE, ControlSource
 from trainer.run.evaluate import evaluate
 from trainer.run.step_record import StepResults
+from trainer.sandbox.preflight import weak_isolation_warning
 
 FINISHED, STOPPED, FAILED = "finished", "stopped", "failed"
 
@@ -140,6 +141,9 @@ class Runner:
                          "devices": self._held_devices(),
                          # how many prompts' GRESO history came from another run
                          **({"greso_warm_start": self.greso_warm} if self.greso_warm else {})})
+        weak = weak_isolation_warning(self.cfg)
+        if weak:   # said at every start and resume, as the run page and the report keep saying
+            self.sink.event(self.step, "warning", {"message": weak})
         status = FINISHED
         try:
             if self.step == 0 and self.cfg.run.eval_every:

@@ -22,10 +22,9 @@ import functools
 import os
 import shutil
 import signal
-import subprocess
 import sys
 
-from trainer.sandbox.base import Job, SandboxUnavailable
+from trainer.sandbox.base import Job, Limits, SandboxUnavailable, run
 from trainer.sandbox.cgroup import Cgroup
 from trainer.sandbox.seccomp import FilterUnavailable, bpf_program
 from trainer.sandbox.session import ProcessSession
@@ -134,25 +133,20 @@ def _describe_end(rc: int) -> str:
 
 @functools.cache
 def probe(bwrap: str = "") -> str | None:
-    """Why the boundary cannot be set up on this host (None: it can). Runs bwrap once."""
+    """Why the boundary cannot be set up on this host (None: it can): one trivial job, started
+    exactly as every job is."""
     path = bwrap or shutil.which("bwrap")
     if not path:
         return f"bubblewrap (bwrap) is not installed: {INSTALL}"
     try:
-        bpf_program()
-    except FilterUnavailable as e:
+        outcome = run(BwrapSandbox(path), Job(("-c", "import os; print(os.getuid())"),
+                                              Limits(wall_s=30)))
+    except SandboxUnavailable as e:
         return str(e)
-    exe, prefix = interpreter()
-    argv = [path, "--unshare-all", "--disable-userns", "--die-with-parent", "--uid", str(NOBODY),
-            *_root_binds(exe, prefix), "--proc", "/proc", "--dev", "/dev", "--", exe, "-I", "-c",
-            "import os; print(os.getuid())"]
-    try:
-        r = subprocess.run(argv, capture_output=True, timeout=30, env=dict(ENV))
-    except (OSError, subprocess.TimeoutExpired) as e:
+    except OSError as e:
         return f"bubblewrap could not run ({type(e).__name__}: {e})"
-    if r.returncode != 0 or r.stdout.strip() != str(NOBODY).encode():
-        said = (r.stderr.decode("utf-8", "replace").strip().splitlines() or ["no message"])[-1]
-        return (f"bubblewrap cannot make its namespaces on this host ({said}); user namespaces "
-                "must be allowed (sysctl kernel.unprivileged_userns_clone=1, or in a container "
-                "run it with the namespaces permitted)")
+    if outcome.exit_code != 0 or outcome.stdout.strip() != str(NOBODY).encode():
+        return (f"bubblewrap cannot make its namespaces on this host ({outcome.why or 'no answer'}); "
+                "user namespaces must be allowed (sysctl kernel.unprivileged_userns_clone=1, or "
+                "in a container, run it with the namespaces permitted)")
     return None

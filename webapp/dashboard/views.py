@@ -224,6 +224,7 @@ def run_page(request, run_id: int):
     return render(request, "dashboard/run.html", {"run": run, "page": page, "active_alerts": active_alerts(run),
                                                   "tracker_links": tracker_links(run),
                                                   "trains": summary.trains(run),
+                                                  "sandbox_warning": summary.sandbox_warning(run),
                                                   "config_toml": config_mod.to_toml(config_mod.from_dict(run.config)),
                                                   **_lineage(run)})
 
@@ -270,6 +271,7 @@ def report_page(request, run_id: int):
         "alert_history": summary.alerts(run),
         "active_alerts": active_alerts(run), "events": summary.event_rows(events),
         "checkpoints": summary.checkpoints(run), "trains": summary.trains(run),
+        "sandbox_warning": summary.sandbox_warning(run),
         "adapter_step": adapter_steps[-1] if adapter_steps else None,
         "config_toml": config_mod.to_toml(config_mod.from_dict(run.config)),
         "can_control": run.can_control(request.user), "is_active": run.status in ACTIVE,

@@ -226,6 +226,8 @@ def config_problems(cfg: config_mod.Config, on_worker: bool = False) -> dict[str
     from the web and again by the worker (`on_worker`: with its own settings and machine)
     before it trains."""
     errors: dict[str, str] = {}
+    from trainer.sandbox.preflight import launch_problems  # (probes bwrap once per process)
+    errors.update(launch_problems(cfg))
     problem = train_procs_problem(cfg, on_worker)
     if problem:
         errors["cluster.train_procs"] = problem

@@ -9,6 +9,7 @@ from typing import Any
 from django.db.models import Avg, Count, Max, Sum
 from django.utils import timezone
 
+from trainer import config as config_mod
 from trainer.rollout.ledger import REASONS as _WASTE
 from trainer.run import checkpoint
 from webapp.dashboard import formatting
@@ -187,6 +188,18 @@ def greso_warm_prompts(run: Run) -> int | None:
     warm = data.get("greso_warm_start") if isinstance(data, dict) else None
     prompts = warm.get("prompts") if isinstance(warm, dict) else None
     return prompts if isinstance(prompts, int) and not isinstance(prompts, bool) else None
+
+
+def sandbox_warning(run: Run) -> str | None:
+    """The warning of a run that executes model-written code without the isolation boundary
+    (sandbox.isolation = "process"), shown on its live page and report for as long as it exists;
+    None otherwise (and for a config this trainer no longer reads)."""
+    from trainer.sandbox.preflight import weak_isolation_warning
+    try:
+        cfg = config_mod.from_dict(run.config or {})
+    except Exception:  # noqa: BLE001 -- an old or imported run's config: no claim either way
+        return None
+    return weak_isolation_warning(cfg)
 
 
 def trains(run: Run) -> str:
