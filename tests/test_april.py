@@ -80,12 +80,13 @@ MODES = {
                          ["zero_variance", "surplus"], False),
     "april": ([], [], True),
     "april + dynamic sampling": (["rollout.dynamic_sampling=true"], ["zero_variance"], True),
-    # a group one step from its span limit is generated to its end (its last chance), so a tiny
-    # segment limit drops nothing for its span ...
+    # a group one step from its span limit is generated to its end (its last chance) if it is
+    # among the N a step trains; the others at their last chance are dropped for their span (they
+    # were trained beyond it before) ...
     "april, tiny segments, short version span": (
         ["april.segment_max_tokens=4", "april.max_version_span=1", "rollout.max_sampling_rounds=3"],
-        [], True),
-    # ... what is still dropped is a group already past a limit lowered mid-run (LATER)
+        ["version_span"], True),
+    # ... and a group already past a limit lowered mid-run (LATER)
     "april, version span lowered": (
         ["april.segment_max_tokens=4", "april.max_version_span=3", "rollout.max_sampling_rounds=3"],
         ["version_span"], True),
