@@ -42,8 +42,7 @@ def record(run, cfg, results: StepResults) -> dict[str, float]:
     m = rollout_metrics(run, cfg, result, results.engine_stats, step_s)
     # the tokens the loss saw: the mismatch correction's masked tokens are dropped, not trained,
     # and the environment's tokens (episodes) were never generated
-    trained_tokens = sum(len(s.response_ids) - s.env_tokens - (s.is_weights or []).count(0.0)
-                         for s in results.seqs)
+    trained_tokens = sum(len(s.response_ids) - s.env_tokens - s.rejected for s in results.seqs)
     m.update(results.adv_metrics)
     for name, (values, edges) in results.histograms.items():
         run.sink.histogram(run.step, name, histogram(values, edges))
