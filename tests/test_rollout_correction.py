@@ -371,3 +371,22 @@ def test_the_correction_knobs_change_mid_run_at_a_step_boundary_and_are_recorded
     assert before and after, "no step trained after the change: the test proves nothing"
     assert not any("mismatch/correction_weight" in row for row in before)
     assert all("mismatch/correction_weight" in row for row in after)
+
+
+def test_icepop_is_mask_at_token_level_and_band_is_rejection_without_reweighting():
+    """IcePop keeps the ratio inside [alpha, beta] and zeroes it outside: `mask`. `band` keeps
+    weight 1 inside: plain rejection. The behaviour by hand, and the names a person reads (the
+    config help, the module's docstring, algorithms.md) say so: they called `band` IcePop."""
+    old, roll = torch.tensor([[0.0, 0.2, -2.0]]), torch.tensor([[0.0, 0.0, 0.0]])
+    mask = torch.ones(1, 3)
+    ice = rc.weights(old, roll, mask, rc.Correction("mask", "token", 0.5, 2.0))
+    assert ice.tolist()[0] == pytest.approx([1.0, E(0.2), 0.0])   # e^-2 < 0.5: zeroed
+    band = rc.weights(old, roll, mask, rc.Correction("band", "token", 0.5, 2.0))
+    assert band.tolist()[0] == [1.0, 1.0, 0.0]
+    assert rc.rejected(old, roll, mask, rc.Correction("band", "token", 0.5, 2.0)).tolist() == \
+        [[False, False, True]]
+    help_text = C.param_spec("mismatch.correction").help
+    for text in (help_text, rc.__doc__, open("docs/algorithms.md").read()):
+        assert "band = IcePop" not in text and "`band` (IcePop)" not in text
+        assert "(IcePop: drop, never reweight)" not in text
+    assert "IcePop at level token" in help_text

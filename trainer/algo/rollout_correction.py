@@ -21,8 +21,15 @@ The correction: a weight per token from rho at one level, applied in one mode:
            geometric  w_t = exp(mean_s d_s)                     (the per-token geometric mean)
     mode   truncate   w := min(w, upper)                        (TIS)
            mask       w := w if lower <= w <= upper, else 0      (MIS: the token, or the whole
-                                                                 sequence at sequence/geometric)
-           band       w := 1 if lower <= w <= upper, else 0      (IcePop: drop, never reweight)
+                                                                 sequence at sequence/geometric;
+                                                                 at token level this is IcePop)
+           band       w := 1 if lower <= w <= upper, else 0      (rejection alone: drop, never
+                                                                 reweight; biased where rho != 1)
+
+IcePop (double-sided masking) keeps the ratio inside [lower, upper] and zeroes it outside: that
+is `mask` at token level. `band` is plain rejection: the tokens it keeps are trained as if
+pi_old were pi_rollout (weight 1), as a rejection-sampling filter with no importance weight;
+until 2026-12 the docs called it IcePop, which it is not.
 
 The weights are constants (no gradient) on the surrogate alone: with the loss mask m, the
 token-mean loss is sum(m * (w * surrogate + kl_coef * kl)) / sum(m). A non-finite ratio (a NaN
