@@ -11,10 +11,10 @@ ledger counts the trained and the zero-variance tokens, the totals add the step'
 from __future__ import annotations
 
 import os
-import time
 from dataclasses import dataclass
 
 from trainer.engine.base import EngineStats
+from trainer.observe import clock
 from trainer.observe.metrics import histogram, length_edges
 from trainer.observe.timeline import CONTROLLER, rank_lane
 from trainer.rollout.base import RolloutResult, step_metrics
@@ -114,7 +114,7 @@ def observe_generation(run) -> None:
 def process_metrics(run, ranks) -> dict[str, float]:
     """proc/<lane>/cpu_pct and rss_gb: this process, the engine's processes, the ranks'."""
     lanes = {CONTROLLER: os.getpid(), **getattr(run.engine, "lane_pids", dict)()}
-    m = run.meter.local(lanes, time.time())
+    m = run.meter.local(lanes, clock.now())
     for rank, _, end, cpu_s, rss in ranks:
         m.update(run.meter.observe(rank_lane(rank), cpu_s, rss, end))
     return m
