@@ -80,12 +80,13 @@ MODES = {
                          ["zero_variance", "surplus"], False),
     "april": ([], [], True),
     "april + dynamic sampling": (["rollout.dynamic_sampling=true"], ["zero_variance"], True),
-    # a group one step from its span limit is generated to its end (its last chance), so a tiny
-    # segment limit drops nothing for its span ...
+    # a group one step from its span limit is generated to its end (its last chance) if it is
+    # among the N a step trains; the others at their last chance are dropped for their span (they
+    # were trained beyond it before) ...
     "april, tiny segments, short version span": (
         ["april.segment_max_tokens=4", "april.max_version_span=1", "rollout.max_sampling_rounds=3"],
-        [], True),
-    # ... what is still dropped is a group already past a limit lowered mid-run (LATER)
+        ["version_span"], True),
+    # ... and a group already past a limit lowered mid-run (LATER)
     "april, version span lowered": (
         ["april.segment_max_tokens=4", "april.max_version_span=3", "rollout.max_sampling_rounds=3"],
         ["version_span"], True),
@@ -264,17 +265,22 @@ def test_short_first_admission_orders_new_prompts_by_history(parts):
 
 
 def test_token_weights_by_hand():
+    """(loss mask, the surrogate's weights, pi_old): the mask decides the token count and the KL
+    penalty, the weights (TIS, decay) scale the clipped surrogate alone."""
     versions, behave, current = [3, 3, 5], [-1.0, -2.0, -0.5], [-0.5, -2.5, -0.5]
-    w, old = objective.token_weights(versions, 5, behave, None, mode="as_is", cap=2.0, decay=1.0)
-    assert w == [1.0, 1.0, 1.0] and old == behave
-    w, old = objective.token_weights(versions, 5, behave, None, mode="mask", cap=2.0, decay=1.0)
-    assert w == [0.0, 0.0, 1.0]
-    w, old = objective.token_weights(versions, 5, behave, current, mode="tis", cap=1.5, decay=1.0)
+    m, w, old = objective.token_weights(versions, 5, behave, None, mode="as_is", cap=2.0,
+                                        decay=1.0)
+    assert m == w == [1.0, 1.0, 1.0] and old == behave
+    m, w, old = objective.token_weights(versions, 5, behave, None, mode="mask", cap=2.0, decay=1.0)
+    assert m == [0.0, 0.0, 1.0] and w == [1.0, 1.0, 1.0]
+    m, w, old = objective.token_weights(versions, 5, behave, current, mode="tis", cap=1.5,
+                                        decay=1.0)
     # exp(-0.5 - -1) = 1.6487 -> capped 1.5; exp(-2.5 - -2) = 0.6065; on-policy token: 1
+    assert m == [1.0, 1.0, 1.0]
     assert w[0] == 1.5 and abs(w[1] - math.exp(-0.5)) < 1e-12 and w[2] == 1.0
     assert old == current
-    w, _ = objective.token_weights(versions, 5, behave, None, mode="as_is", cap=2.0, decay=0.9)
-    assert [round(x, 6) for x in w] == [0.81, 0.81, 1.0]
+    m, w, _ = objective.token_weights(versions, 5, behave, None, mode="as_is", cap=2.0, decay=0.9)
+    assert m == [1.0, 1.0, 1.0] and [round(x, 6) for x in w] == [0.81, 0.81, 1.0]
 
 
 def test_segment_auto_adjusts_within_bounds():
@@ -308,10 +314,12 @@ def test_buffer_survives_checkpoint_and_resume(tmp_path):
 def test_as_is_and_mask_use_the_recomputed_policy_when_asked():
     # algo.recompute_old_logprobs: pi_old is the current policy even with stale tokens present
     versions, behave, current = [3, 3, 5], [-1.0, -2.0, -0.5], [-0.5, -2.5, -0.7]
-    w, old = objective.token_weights(versions, 5, behave, current, mode="as_is", cap=2.0, decay=1.0)
-    assert w == [1.0, 1.0, 1.0] and old == current
-    w, old = objective.token_weights(versions, 5, behave, current, mode="mask", cap=2.0, decay=1.0)
-    assert w == [0.0, 0.0, 1.0] and old == current
+    m, _, old = objective.token_weights(versions, 5, behave, current, mode="as_is", cap=2.0,
+                                        decay=1.0)
+    assert m == [1.0, 1.0, 1.0] and old == current
+    m, _, old = objective.token_weights(versions, 5, behave, current, mode="mask", cap=2.0,
+                                        decay=1.0)
+    assert m == [0.0, 0.0, 1.0] and old == current
 
 
 @pytest.mark.parametrize("mode", ["as_is", "mask"])
@@ -390,5 +398,6 @@ def test_tis_runs_the_trainers_forward_over_the_stale_samples_alone():
     by_sample = dict(zip(("fresh", "stale"), seqs))
     assert by_sample["fresh"].old_logprobs == [-1.0, -2.0] and by_sample["fresh"].weights == [1.0, 1.0]
     assert by_sample["stale"].old_logprobs == [-0.5, -2.5]
-    # its age-1 token: min(exp(-0.5 - -1.0), 2) = 1.6487; its current token: 1
-    assert by_sample["stale"].weights == [pytest.approx(math.exp(0.5)), 1.0]
+    # its age-1 token: min(exp(-0.5 - -1.0), 2) = 1.6487 on its surrogate; its current token: 1
+    assert by_sample["stale"].is_weights == [pytest.approx(math.exp(0.5)), 1.0]
+    assert by_sample["stale"].weights == [1.0, 1.0]

@@ -100,7 +100,7 @@ def cfg_for(segment: int, *extra: str):
 
 def run(cfg, steps: int = 12):
     engine = ScriptedEngine()
-    rollout = driver(engine)
+    rollout = run.rollout = driver(engine)   # the last run's driver, for a test to look into
     ledger = rollout.ledger
     ledger.observe_engine(0)
     results = []
@@ -122,16 +122,25 @@ SHAPES = {"1 round, span 1": ["rollout.max_sampling_rounds=1", "april.max_versio
           "defaults": []}
 
 
+def trained_spans(results) -> list[int]:
+    """Each trained group's version span when it was trained (step k trains at version k)."""
+    return [max(s.age(v) for s in g.samples) for v, r in enumerate(results) for g in r.groups]
+
+
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("segment", [1, 4, 16])
-def test_every_step_trains_and_nothing_is_generated_only_to_be_dropped(segment, shape):
+def test_every_step_trains_and_no_group_is_trained_beyond_its_span(segment, shape):
     cfg = cfg_for(segment, *SHAPES[shape])
     results, ledger = run(cfg)
     trained = [len(r.groups) for r in results]
     assert all(trained), f"steps trained {trained} groups"
-    avoidable = sum(ledger.dropped[r] for r in AVOIDABLE)
-    assert avoidable <= 0.10 * ledger.generated, ledger.dropped
-    assert ledger.dropped["version_span"] == 0
+    assert max(trained_spans(results)) <= cfg.april.max_version_span
+    if shape == "defaults":   # a span of 5: nothing is generated only to be dropped
+        avoidable = sum(ledger.dropped[r] for r in AVOIDABLE)
+        assert avoidable <= 0.10 * ledger.generated, ledger.dropped
+        assert ledger.dropped["version_span"] == 0
+    # at span 1 and one round a step more groups reach their last chance in a step than it
+    # trains: the others are dropped for their span (27-30% of generation), counted, never trained
     # the guard: answers of up to 63 tokens need more steps than the span allows at this segment
     # limit and round count (63 > segment x rounds x (span + 1)), so the last chance was needed
     rounds, span = cfg.rollout.max_sampling_rounds, cfg.april.max_version_span
@@ -170,11 +179,35 @@ def test_a_group_at_its_last_chance_runs_to_its_end_and_the_step_waits_for_it():
     assert res.metrics["april/last_chance_groups"] == len(at_last_chance)
 
 
-def test_at_span_zero_no_sample_is_segmented():
+def test_at_span_zero_no_sample_is_segmented_and_nothing_older_is_trained():
     """max_version_span = 0: a token may not outlive its step, so every group is at its last
-    chance from its first token: over-sampling without partial rollouts, nothing dropped."""
-    results, ledger = run(cfg_for(4, "april.max_version_span=0"), 4)
+    chance from its first token: over-sampling without partial rollouts. What the step does not
+    train (complete beyond N, or unfinished when N are complete) is dropped for its span next
+    step, counted, and its prompt started afresh; it was trained a step later, 1-2 versions old,
+    before."""
+    results, ledger = run(cfg_for(4, "april.max_version_span=0"), 6)
     assert all(len(r.groups) == 4 for r in results)
-    assert sum(ledger.dropped.values()) == 0
-    # every answer was generated whole by one policy (complete groups beyond N wait a step)
-    assert all(len(set(s.versions)) == 1 for r in results for g in r.groups for s in g.samples)
+    # every trained answer was generated whole by the policy being trained
+    assert all(set(s.versions) == {v} for v, r in enumerate(results) for g in r.groups
+               for s in g.samples)
+    assert ledger.dropped["version_span"] > 0
+    assert sum(ledger.dropped.values()) == ledger.dropped["version_span"]
+    assert sum(r.counts.span_dropped_groups for r in results) > 0
+
+
+@pytest.mark.parametrize("span", [0, 1, 2])
+def test_no_group_is_trained_beyond_the_span_complete_or_carried_over(span):
+    """The review's replay (N = 4, N' = 8, segment limit 4, one round a step, 30 steps): a group
+    complete beyond N went to the next step's batch without its span checked and could be
+    carried over again and again. Before: 116, 37 and 14 trained groups beyond spans 0, 1, 2.
+    Now none, and what is dropped for its span is in the ledger."""
+    cfg = cfg_for(4, f"april.max_version_span={span}", "rollout.max_sampling_rounds=1")
+    results, ledger = run(cfg, 30)
+    assert max(trained_spans(results)) <= span
+    assert ledger.dropped["version_span"] > 0
+    assert ledger.dropped["version_span"] == sum(r.counts.discarded_tokens for r in results)
+    # every prompt dropped for its span was started afresh: each draw is trained once or held
+    trained = [g.draw for r in results for g in r.groups]
+    assert len(trained) == len(set(trained))
+    held = {g.draw for g in run.rollout.buffer.groups}
+    assert set(trained) | held == set(range(max(set(trained) | held) + 1))

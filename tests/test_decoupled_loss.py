@@ -53,3 +53,30 @@ def test_loglinear_prox_by_hand():
     # before any optimizer step the live policy is the proximal one: alpha = 1
     prox = decoupled.loglinear_prox(behave, live, torch.tensor([2.0, 4.0]), 4.0, 4.0)
     assert torch.allclose(prox, live)
+
+
+def test_the_behaviour_weight_scales_the_policy_gradient_not_the_kl_penalty():
+    """AReaL weighs the policy-gradient term alone: with kl_coef > 0 the KL penalty and the token
+    count are those of the loss mask, whatever w_b is (it scaled the KL penalty too before).
+    Two tokens, A = 1, r = pi_theta / pi_prox inside the clip range:
+      token 0: theta 0.5, prox 0.5, behave 0.25 -> w_b = 2,  r = 1
+      token 1: theta 0.3, prox 0.3, behave 0.05 -> w_b = 6 > cap 5: masked (w_b 0) or clamped (5)
+    ref 0.25 for both: k3 = e^(ref - logp) - (ref - logp) - 1."""
+    logp, prox = (torch.log(torch.tensor(x)) for x in ([0.5, 0.3], [0.5, 0.3]))
+    behave, ref = torch.log(torch.tensor([0.25, 0.05])), torch.log(torch.tensor([0.25, 0.25]))
+    k3 = [0.25 / 0.5 - math.log(0.25 / 0.5) - 1, 0.25 / 0.3 - math.log(0.25 / 0.3) - 1]
+    kw = dict(clip_low=0.2, clip_high=0.28, cap=5.0, total_tokens=2.0, ref_logp=ref, kl_coef=0.1)
+    adv, mask = torch.tensor([1.0, 1.0]), torch.tensor([1.0, 1.0])
+    loss, _ = decoupled.token_loss(logp, prox, behave, adv, mask, cap_mode="mask", **kw)
+    # token 1 is over the cap: no policy gradient, but it still counts and pays its KL penalty
+    want = (-2.0 * 1.0 + 0.1 * k3[0] + 0.0 + 0.1 * k3[1]) / 2
+    assert abs(loss.item() - want) < 1e-6
+    loss, _ = decoupled.token_loss(logp, prox, behave, adv, mask, cap_mode="clamp", **kw)
+    want = (-2.0 + 0.1 * k3[0] - 5.0 + 0.1 * k3[1]) / 2
+    assert abs(loss.item() - want) < 1e-6
+    # with the rollout correction's weights (is_weights) on top: both scale the surrogate alone
+    isw = torch.tensor([0.5, 1.0])
+    loss, _ = decoupled.token_loss(logp, prox, behave, adv, mask, cap_mode="clamp",
+                                   is_weights=isw, **kw)
+    want = (-2.0 * 0.5 + 0.1 * k3[0] - 5.0 + 0.1 * k3[1]) / 2
+    assert abs(loss.item() - want) < 1e-6

@@ -204,16 +204,57 @@ def test_with_april_the_correction_replaces_its_version_tis_never_multiplies_it(
     importance weight the correction's alone; APRIL's decay (not a ratio) still applies."""
     tis = _objective("april.enabled=true", "april.offpolicy=tis", "april.tis_cap=2.0")
     stale = tis.seqs[1]
-    assert stale.weights == pytest.approx([E(0.5), 1.0]) and stale.is_weights is None
+    assert stale.weights == [1.0, 1.0] and stale.is_weights == pytest.approx([E(0.5), 1.0])
     assert tis.metrics["mismatch/age1/abs_logp_diff"] == pytest.approx(0.5)   # its first token
     both = _objective("april.enabled=true", "april.offpolicy=tis", "april.tis_cap=2.0",
                       "april.decay=0.9", "mismatch.correction=truncate", "mismatch.upper=1.5")
     stale = both.seqs[1]
-    assert stale.weights == pytest.approx([0.9, 1.0])          # decay^age only
-    assert stale.is_weights == pytest.approx([1.5, E(-0.5)])   # the correction's, once
+    assert stale.weights == [1.0, 1.0]
+    # the correction's, once, times decay^age (not a ratio: it stays)
+    assert stale.is_weights == pytest.approx([1.5 * 0.9, E(-0.5)])
     masked = _objective("april.enabled=true", "april.offpolicy=mask",
                         "mismatch.correction=truncate", "mismatch.upper=1.5")
     assert masked.seqs[1].weights == [0.0, 1.0]                # APRIL's mask stays
+
+
+def test_aprils_version_weight_scales_the_surrogate_not_the_kl_or_the_token_count():
+    """APRIL's TIS weight and decay of an age-1 token go to the surrogate alone (is_weights): the
+    loss mask stays 1, so the token mean's count and the KL penalty are the plain ones (the
+    weight e^0.5 x 0.9 went into `weights` and scaled both before). The loss, by hand, with
+    the learner's aggregation (total_tokens = sum of the mask)."""
+    got = _objective("april.enabled=true", "april.offpolicy=tis", "april.tis_cap=2.0",
+                     "april.decay=0.9")
+    stale = got.seqs[1]       # versions (3, 4) at version 4; pi_old the trainer's: [-0.5, -2.5]
+    assert stale.weights == [1.0, 1.0]
+    assert stale.is_weights == pytest.approx([E(0.5) * 0.9, 1.0])
+    logp, ref = torch.tensor([-0.4, -2.5]), torch.tensor([-0.6, -2.0])
+    old, adv = torch.tensor(stale.old_logprobs), torch.tensor([stale.advantage] * 2)
+    loss, _ = grpo.token_loss(logp, old, adv, torch.tensor(stale.weights), clip_low=0.2,
+                              clip_high=0.28, ref_logp=ref, kl_coef=0.1,
+                              is_weights=torch.tensor(stale.is_weights),
+                              total_tokens=sum(stale.weights))
+    a = stale.advantage           # r = e^0.1 (inside the clip range) and 1
+    pg = [-a * E(0.1), -a]
+    kl = [E(-0.2) + 0.2 - 1, E(0.5) - 0.5 - 1]
+    want = (E(0.5) * 0.9 * pg[0] + 0.1 * kl[0] + pg[1] + 0.1 * kl[1]) / 2
+    assert float(loss) == pytest.approx(want)
+
+
+def test_a_truncated_weight_that_underflows_is_a_weight_not_a_rejection():
+    """Truncate rejects nothing: at the sequence level a product that underflows to 0 weighs the
+    surrogate by 0, the tokens stay in the loss mask and the token count (KL penalty included)
+    and are not counted as masked (they left the loss and the ledger called them mismatch)."""
+    far = lambda seqs: [[-1000.0, -1000.0] for _ in seqs]   # noqa: E731  d ~ -1000 per token
+    cfg = C.load("demo", ["mismatch.correction=truncate", "mismatch.level=sequence"])
+    got = objective.train_sequences([_group()], cfg, 4, far)
+    assert len(got.seqs) == 2
+    assert all(q.weights == [1.0, 1.0] and q.is_weights == [0.0, 0.0] for q in got.seqs)
+    assert got.metrics["mismatch/correction_zeroed_tokens"] == 0
+    assert all(q.rejected == 0 for q in got.seqs)
+    masked = objective.train_sequences(
+        [_group()], C.load("demo", ["mismatch.correction=mask", "mismatch.level=sequence"]), 4,
+        far)
+    assert masked.seqs == [] and masked.metrics["mismatch/correction_zeroed_tokens"] == 4
 
 
 def test_asynchronous_runs_use_the_correction_in_place_of_the_behaviour_cap():
@@ -330,3 +371,22 @@ def test_the_correction_knobs_change_mid_run_at_a_step_boundary_and_are_recorded
     assert before and after, "no step trained after the change: the test proves nothing"
     assert not any("mismatch/correction_weight" in row for row in before)
     assert all("mismatch/correction_weight" in row for row in after)
+
+
+def test_icepop_is_mask_at_token_level_and_band_is_rejection_without_reweighting():
+    """IcePop keeps the ratio inside [alpha, beta] and zeroes it outside: `mask`. `band` keeps
+    weight 1 inside: plain rejection. The behaviour by hand, and the names a person reads (the
+    config help, the module's docstring, algorithms.md) say so: they called `band` IcePop."""
+    old, roll = torch.tensor([[0.0, 0.2, -2.0]]), torch.tensor([[0.0, 0.0, 0.0]])
+    mask = torch.ones(1, 3)
+    ice = rc.weights(old, roll, mask, rc.Correction("mask", "token", 0.5, 2.0))
+    assert ice.tolist()[0] == pytest.approx([1.0, E(0.2), 0.0])   # e^-2 < 0.5: zeroed
+    band = rc.weights(old, roll, mask, rc.Correction("band", "token", 0.5, 2.0))
+    assert band.tolist()[0] == [1.0, 1.0, 0.0]
+    assert rc.rejected(old, roll, mask, rc.Correction("band", "token", 0.5, 2.0)).tolist() == \
+        [[False, False, True]]
+    help_text = C.param_spec("mismatch.correction").help
+    for text in (help_text, rc.__doc__, open("docs/algorithms.md").read()):
+        assert "band = IcePop" not in text and "`band` (IcePop)" not in text
+        assert "(IcePop: drop, never reweight)" not in text
+    assert "IcePop at level token" in help_text

@@ -244,3 +244,41 @@ def test_two_training_ranks_each_have_a_lane(tmp_path):
     last = [m for m in metrics if "train/policy_version" in m][-1]
     for lane in ("rank0", "rank1"):
         assert 0 < last[f"proc/{lane}/rss_gb"] < 64 and 0 <= last[f"proc/{lane}/cpu_pct"] <= 400, last
+
+
+def test_a_wall_clock_step_mid_step_lands_in_no_duration(tmp_path, tiny_overrides, monkeypatch):
+    """The machine's wall clock jumps 44 s forward in the middle of step 2's generation (NTP):
+    `timing/step_s` (monotonic) never saw it, and now neither do the timeline's spans nor the cost
+    account and the forecast's step walls that read them (the timeline drew a 47.6 s bar)."""
+    import time
+
+    from trainer.observe import cost
+
+    real_time, jump = time.time, [0.0]
+    monkeypatch.setattr(time, "time", lambda: real_time() + jump[0])
+    cfg = C.load("demo", tiny_overrides + ["run.max_steps=3"])
+    memory = MemorySink()
+    with Runner(cfg, tmp_path, sink=memory, system_telemetry=False) as runner:
+        collect = runner.rollout.collect
+
+        def jumping(cfg, version):   # the clock steps while the step generates
+            real_sleep = time.sleep
+            if version == 1:
+                real_sleep(0.01)
+                jump[0] = 44.0
+            return collect(cfg, version)
+
+        runner.rollout.collect = jumping
+        assert runner.run() == "finished"
+    assert jump[0] == 44.0
+    steps = [r for r in memory.steps if "timing/step_s" in r]
+    longest = max(r["timing/step_s"] for r in steps)
+    assert longest < 40   # the premise: no step really lasts near 44 s
+    spans = [s for t in memory.timelines for s in t["spans"]]
+    assert max(s["end"] - s["start"] for s in spans) <= longest + 0.5
+    slices = [(t["step"], t["spans"], {"rank 0": {"kind": "cpu", "count": 1}})
+              for t in memory.timelines]
+    walls = cost.step_walls(slices)
+    assert max(walls) <= longest + 0.5 and sum(walls) < 40
+    account = cost.run_cost(slices, memory.steps, {})
+    assert account["wall_s"] < 40 and account["device_s"] < 40

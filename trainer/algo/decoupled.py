@@ -13,7 +13,11 @@ separately by the behaviour importance weight pi_prox / pi_b (detached), bounded
                                         cap mode "none": w_b := 1, the rollout correction
                                         applies this ratio instead, trainer/algo/rollout_correction.py)
     r     = pi_theta / pi_prox
-    loss  = w_b * max(-A * r, -A * clip(r, 1 - clip_low, 1 + clip_high))
+    loss  = w_b * max(-A * r, -A * clip(r, 1 - clip_low, 1 + clip_high))  +  kl_coef * kl
+
+w_b scales the policy-gradient term alone, as in AReaL: the KL penalty to the reference and the
+token count of the token mean are not weighted (a token over the cap in mode "mask" still
+counts and still pays its KL penalty; it gives no policy gradient).
 
 When the data is on-policy (pi_b = pi_prox) w_b = 1 and this is exactly GRPO's clipped loss
 (trainer/algo/grpo.py); a test checks that.
@@ -78,9 +82,10 @@ def token_loss(logp: torch.Tensor, prox: torch.Tensor, behave: torch.Tensor,
     """The decoupled loss of one micro-batch (same aggregation as grpo.token_loss: the sum over
     micro-batches is the token mean of the batch). Returns (loss, sums of statistics)."""
     w_b, over = behaviour_weights(prox, behave, cap, cap_mode)
-    loss, stats = grpo.token_loss(logp, prox, advantages, weights * w_b, clip_low=clip_low,
+    pg_weights = w_b if is_weights is None else w_b * is_weights
+    loss, stats = grpo.token_loss(logp, prox, advantages, weights, clip_low=clip_low,
                                   clip_high=clip_high, ref_logp=ref_logp, kl_coef=kl_coef,
-                                  is_weights=is_weights, total_tokens=total_tokens)
+                                  is_weights=pg_weights, total_tokens=total_tokens)
     stats["behave_imp_weight"] = (torch.exp(prox - behave) * weights).sum().detach()
     stats["behave_capped"] = (over.float() * weights).sum().detach()
     return loss, stats

@@ -38,6 +38,8 @@ class TrainSequence:
     is_weights: list[float] | None = None
     # response tokens the environment wrote (multi-turn episodes): weight 0, never trained
     env_tokens: int = 0
+    # response tokens the rollout correction rejected: weight 0, the ledger's "mismatch" drop
+    rejected: int = 0
 
     def __post_init__(self):
         if not self.weights:

@@ -6,7 +6,9 @@
 3. pi_old per token: the engine's behaviour log-probability, or the current policy's when
    `algo.recompute_old_logprobs` (or APRIL's truncated importance sampling) asks for it;
 4. off-policy tokens (APRIL's partial rollouts carry tokens of older policies): kept, masked or
-   weighted by truncated importance sampling, times decay^age (`token_weights`);
+   weighted by truncated importance sampling, times decay^age (`token_weights`); a weight
+   scales the token's clipped surrogate alone (`TrainSequence.is_weights`), never the KL
+   penalty or the token count (`TrainSequence.weights`, the loss mask);
 5. asynchronous training: the behaviour log-probabilities and per-token versions the decoupled
    PPO loss needs (trainer/algo/decoupled.py), and pi_prox recomputed or interpolated;
 6. the training–inference mismatch (trainer/algo/rollout_correction.py): the engine's
@@ -66,23 +68,26 @@ def shaped_rewards(scores: list[float], lengths: list[int], cfg) -> list[float]:
 
 def token_weights(versions: list[int], version: int, behaviour_logp: list[float],
                   current_logp: list[float] | None, *, mode: str, cap: float,
-                  decay: float) -> tuple[list[float], list[float]]:
-    """Loss weights and the logprobs to use as pi_old for one sample's tokens.
+                  decay: float) -> tuple[list[float], list[float], list[float]]:
+    """The loss mask, the surrogate's weights and the logprobs to use as pi_old for one
+    sample's tokens.
 
     `version` is the policy being updated; a token's age is version - its version.
-    - as_is: weight 1; pi_old = the current policy's logprob when `current_logp` is given
+    - as_is: mask 1; pi_old = the current policy's logprob when `current_logp` is given
              (algo.recompute_old_logprobs), else the behaviour logprob.
-    - mask:  weight 0 on tokens with age > 0; pi_old as for as_is.
+    - mask:  mask 0 on tokens with age > 0 (out of the loss and its token count); pi_old as for
+             as_is.
     - tis:   pi_old = current policy logprob (needs `current_logp`), and tokens with age > 0
              weighted by min(pi_current / pi_behaviour, cap) (truncated importance sampling).
-    Then every token is multiplied by decay ** age.
+    Then every token's weight is multiplied by decay ** age. The weights scale the clipped
+    surrogate alone (grpo.token_loss's `is_weights`): the KL penalty and the token count see the
+    mask.
     """
-    weights, old = [], []
+    mask, weights, old = [], [], []
     for i, v in enumerate(versions):
         age = version - v
         w = 1.0
-        if age > 0 and mode == "mask":
-            w = 0.0
+        mask.append(0.0 if age > 0 and mode == "mask" else 1.0)
         if mode == "tis":
             if current_logp is None:
                 raise ValueError("offpolicy='tis' needs the current policy's logprobs")
@@ -92,7 +97,7 @@ def token_weights(versions: list[int], version: int, behaviour_logp: list[float]
         else:
             old.append(behaviour_logp[i] if current_logp is None else current_logp[i])
         weights.append(w * decay ** max(age, 0))
-    return weights, old
+    return mask, weights, old
 
 
 def train_sequences(groups, cfg, version: int, logprobs: Logprobs) -> Objective:
@@ -145,11 +150,13 @@ def train_sequences(groups, cfg, version: int, logprobs: Logprobs) -> Objective:
             # logprobs for stale samples alone, a fresh one's pi_old stays the engine's
             if not trainers_old and mode == "tis" and not stale[i]:
                 cur = list(s.logprobs)
-            seq.weights, seq.old_logprobs = token_weights(
+            seq.weights, pg, seq.old_logprobs = token_weights(
                 s.versions, version, s.logprobs, cur if trainers_old or mode == "tis" else None,
                 mode=mode, cap=cfg.april.tis_cap, decay=cfg.april.decay)
-            masked += sum(1 for w in seq.weights if w == 0.0)
-            s.meta["is_weight"] = sum(seq.weights) / max(len(seq.weights), 1)  # rollout inspector
+            seq.is_weights = pg if any(w != 1.0 for w in pg) else None
+            masked += seq.weights.count(0.0)
+            s.meta["is_weight"] = (sum(m * w for m, w in zip(seq.weights, pg))  # the inspector's
+                                   / max(len(pg), 1))
         elif trainers_old and cur is not None:
             seq.old_logprobs = cur
     if fix.on and seqs:   # pi_old is the trainer's, as measured
@@ -182,28 +189,35 @@ def _measure(samples, trainer_logp: list[list[float]], version: int, cfg, m: dic
 
 
 def _correct(seqs, samples, padded, fix: rc.Correction, m: dict) -> None:
-    """The correction's weights on each sequence (pi_old / pi_rollout from `padded`, _measure's
-    (trainer, engine, mask)), and what they did: mean weight, share of tokens masked out, share
+    """The correction's weights on each sequence's surrogate (pi_old / pi_rollout from `padded`,
+    _measure's (trainer, engine, mask)), times what APRIL left there (its decay), and what they
+    did: mean weight, share of tokens rejected (out of the loss and its token count), share
     truncated."""
     old, engine, mask = padded
     w = rc.weights(old, engine, mask, fix)
+    out = rc.rejected(old, engine, mask, fix)
     n = float(mask.sum()) or 1.0
     m["mismatch/correction_weight"] = float(w.sum()) / n
-    zeroed = int(((w == 0) & (mask > 0)).sum())
+    zeroed = int(out.sum())
     m["mismatch/correction_zeroed_ratio"] = zeroed / n
     m["mismatch/correction_zeroed_tokens"] = zeroed   # the token ledger's "mismatch" drop
     if fix.mode == "truncate":   # the tokens whose weight the cap lowered
         raw = rc.weights(old, engine, mask, rc.Correction("mask", fix.level, 0.0, math.inf))
         m["mismatch/correction_truncated_ratio"] = float((raw > w).sum()) / n
     for i, (seq, s) in enumerate(zip(seqs, samples)):
-        # the environment's tokens are outside the mask: weight 1, so 0 means masked out here
-        seq.is_weights = [x if v != ENV_VERSION else 1.0
-                          for x, v in zip(w[i, :len(seq.response_ids)].tolist(), s.versions)]
+        n_i = len(seq.response_ids)
+        prior = seq.is_weights or [1.0] * n_i
+        # the environment's tokens are outside the mask: weight 1 (their loss mask is 0)
+        seq.is_weights = [x * p if v != ENV_VERSION else 1.0
+                          for x, p, v in zip(w[i, :n_i].tolist(), prior, s.versions)]
         s.meta["is_weight"] = (sum(a * b for a, b in zip(seq.is_weights, seq.weights))
                                / max(sum(seq.weights), 1e-9))
         seq.report = None   # the inspector's weight is this one (asynchronous runs)
-        # a masked token leaves the loss and the token count (a whole sequence: it is not trained)
-        seq.weights = [x if iw > 0 else 0.0 for x, iw in zip(seq.weights, seq.is_weights)]
+        # a rejected token leaves the loss and the token count (a whole sequence: it is not
+        # trained); a truncated weight that is 0 in floating point is a weight, not a rejection
+        rows = out[i, :n_i].tolist()
+        seq.weights = [0.0 if r else x for x, r in zip(seq.weights, rows)]
+        seq.rejected = sum(rows)
 
 
 def _decoupled(seqs, samples, cfg, version: int, logprobs: Logprobs, fix: rc.Correction,

@@ -21,13 +21,23 @@ The correction: a weight per token from rho at one level, applied in one mode:
            geometric  w_t = exp(mean_s d_s)                     (the per-token geometric mean)
     mode   truncate   w := min(w, upper)                        (TIS)
            mask       w := w if lower <= w <= upper, else 0      (MIS: the token, or the whole
-                                                                 sequence at sequence/geometric)
-           band       w := 1 if lower <= w <= upper, else 0      (IcePop: drop, never reweight)
+                                                                 sequence at sequence/geometric;
+                                                                 at token level this is IcePop)
+           band       w := 1 if lower <= w <= upper, else 0      (rejection alone: drop, never
+                                                                 reweight; biased where rho != 1)
+
+IcePop (double-sided masking) keeps the ratio inside [lower, upper] and zeroes it outside: that
+is `mask` at token level. `band` is plain rejection: the tokens it keeps are trained as if
+pi_old were pi_rollout (weight 1), as a rejection-sampling filter with no importance weight;
+until 2026-12 the docs called it IcePop, which it is not.
 
 The weights are constants (no gradient) on the surrogate alone: with the loss mask m, the
 token-mean loss is sum(m * (w * surrogate + kl_coef * kl)) / sum(m). A non-finite ratio (a NaN
-log-probability) gets weight 0 in every mode. How they compose with APRIL's version TIS and AReaL's behaviour
-weight (both are this same ratio, for older tokens) is docs/algorithms.md's "one weight per ratio".
+log-probability) gets weight 0 in every mode. `rejected` is what leaves the mask m (the loss and
+its token count): the tokens outside the band in mask and band modes, and the non-finite ones;
+truncate rejects nothing else (a weight that underflows to 0 stays a weight). How they compose
+with APRIL's version TIS and AReaL's behaviour weight (both are this same ratio, for older
+tokens) is docs/algorithms.md's "one weight per ratio".
 
 Plain tensor math on [B, T] tensors padded per row with a 0/1 `mask` of the response tokens;
 no model or config access (tests/test_rollout_correction.py, hand-computed).
@@ -101,6 +111,22 @@ def weights(old_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tens
         w = inside.float()
     keep = (mask > 0) & ~torch.isnan(log_w)
     return torch.where(keep, w, torch.zeros_like(w)).detach()
+
+
+def rejected(old_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor,
+             c: Correction) -> torch.Tensor:
+    """The tokens the correction leaves out of the loss and its token count [B, T] (bool):
+    outside [lower, upper] in modes mask and band (the whole sequence at the sequence and
+    geometric levels), and any token whose ratio is not a number. Truncate rejects nothing
+    else: a weight that underflows to 0 is a tiny weight, not a rejection."""
+    on = mask > 0
+    if not c.on:
+        return torch.zeros_like(on)
+    log_w = level_log_ratio(old_logp - rollout_logp, mask.float(), c.level)
+    out = torch.isnan(log_w)
+    if c.mode in ("mask", "band"):
+        out = out | (log_w < _log(c.lower)) | (log_w > _log(c.upper))
+    return out & on
 
 
 def _log(x: float) -> float:

@@ -10,7 +10,8 @@ round r on seed + r). The default variants:
 - `fp32`: the engine in float32 (`rollout.dtype=float32`), no correction: the baseline;
 - `bf16`: the engine in bfloat16, no correction (pi_old is then the engine's own);
 - `bf16_truncate`, `bf16_mask`, `bf16_band`: bfloat16 with `mismatch.correction` truncate (TIS),
-  mask (MIS) or band (IcePop) at token level (pi_old is then the trainer's, and the loss is
+  mask (MIS; IcePop at token level) or band (rejection without reweighting) at token level
+  (pi_old is then the trainer's, and the loss is
   weighted by pi_old / pi_rollout);
 - `bf16_truncate_seq`, `bf16_truncate_geo`: truncate at sequence and geometric level.
 
@@ -38,7 +39,7 @@ import statistics
 from trainer.bench.common import compare, ratio, train_variant
 
 NAME = "mismatch"
-HELP = "fp32 vs bf16 rollouts, uncorrected and with each rollout correction (TIS, MIS, IcePop)"
+HELP = "fp32 vs bf16 rollouts, uncorrected and with each rollout correction (TIS, MIS/IcePop, band)"
 
 BF16 = "rollout.dtype=bfloat16"
 VARIANTS: dict[str, list[str]] = {

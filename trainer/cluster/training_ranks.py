@@ -39,9 +39,9 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import time
 
 from trainer.algo.learner import TrainSequence
+from trainer.observe import clock
 from trainer.observe.system import process_usage
 
 TRAIN, LOGPROBS, WEIGHTS, CHECKPOINT, END = "train", "logprobs", "weights", "checkpoint", "end"
@@ -215,8 +215,8 @@ def follow(controller: Controller, learner, pad_id: int, on_step=None) -> str:
         if on_step is not None:
             on_step(step, cfg)
         chunks = [[s for _, s in part] for part in mine]
-        start = time.time()
+        start = clock.now()
         learner.train([s for c in chunks for s in c], cfg, pad_id, [], decoupled_loss, chunks=chunks)
         reports = [(i, s.report) for part in mine for i, s in part if s.report]
-        dist.gather_object((reports, (start, time.time(), *(process_usage() or (0.0, 0)))), None, dst=0,
+        dist.gather_object((reports, (start, clock.now(), *(process_usage() or (0.0, 0)))), None, dst=0,
                            group=group)

@@ -154,7 +154,8 @@ class MismatchConfig:
     correction: str = param("off", choices=["off", "truncate", "mask", "band"], tunable=True,
                             help="correct the loss by pi_old / pi_rollout (pi_old then the "
                             "trainer's): truncate = TIS, min(w, upper); mask = MIS, w inside "
-                            "[lower, upper] else 0; band = IcePop, 1 inside else 0")
+                            "[lower, upper] else 0 (IcePop at level token); band = rejection "
+                            "without reweighting, 1 inside else 0")
     level: str = param("token", choices=["token", "sequence", "geometric"], tunable=True,
                        help="the correction's ratio: per token, the sequence's product, or its "
                        "geometric mean per token")

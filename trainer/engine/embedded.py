@@ -35,6 +35,7 @@ import torch
 
 from trainer.engine.base import ABORT, LENGTH, SEGMENT, STOP, EngineStats, RolloutEngine, Sample
 from trainer.engine.decoder import Decoder
+from trainer.observe import clock
 from trainer.observe.timeline import BusyRecorder
 
 
@@ -119,7 +120,7 @@ class EmbeddedEngine(RolloutEngine):
         with self.lock:
             if self.cache is None:  # released for training: take it back before generating
                 self.reacquire_memory()
-            t0, wall = time.perf_counter(), time.time()
+            t0, wall = time.perf_counter(), clock.now()
             used, capacity = self.stats.slot_steps_used, self.stats.slot_steps_capacity
             out = self._admit()
             t1 = time.perf_counter()
@@ -127,7 +128,7 @@ class EmbeddedEngine(RolloutEngine):
             if self.slots:
                 out.extend(self._decode())
                 self.stats.decode_s += time.perf_counter() - t1
-            self.busy.record(wall, time.time(), self.stats.slot_steps_used - used,
+            self.busy.record(wall, clock.now(), self.stats.slot_steps_used - used,
                              self.stats.slot_steps_capacity - capacity)
             return out
 

@@ -27,13 +27,13 @@ call's wall-clock span (the timeline's "tool" phase).
 from __future__ import annotations
 
 import dataclasses
-import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Iterable
 
 from trainer.engine.base import ABORT, ENV_VERSION, LENGTH, SEGMENT, STOP, EngineWrapper, Sample
 from trainer.episode.environments import Environment, Reply
 from trainer.episode.tools import format_error
+from trainer.observe import clock
 
 # why an episode ended (meta["episode"]["end"])
 END_ANSWER, END_MAX_TURNS, END_BUDGET = "answer", "max_turns", "budget"
@@ -138,10 +138,10 @@ class Episodes(EngineWrapper):
         return True
 
     def _respond(self, turn: str, episode: dict) -> Reply:
-        start = time.time()   # wall-clock, as the timeline's spans
+        start = clock.now()   # the timeline's clock
         reply = self.environment.respond(turn, episode)
         if self.on_tool is not None and (reply.tool or reply.error):   # a tool was called
-            self.on_tool(start, time.time())
+            self.on_tool(start, clock.now())
         return reply
 
     def _replies(self, due: list[int]) -> list[Sample]:

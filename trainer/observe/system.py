@@ -150,7 +150,7 @@ class ProcessMeter:
     sends its own with its report, so it works across machines)."""
 
     def __init__(self):
-        self._last: dict[str, tuple[float, float]] = {}   # lane -> (wall time, CPU seconds)
+        self._last: dict[str, tuple[float, float]] = {}   # lane -> (clock.now(), CPU seconds)
 
     def observe(self, lane: str, cpu_s: float, rss_bytes: int, now: float) -> dict[str, float]:
         key = lane_key(lane)

@@ -3,8 +3,9 @@
 A lane is one process or worker: "rank 0" (the controller), "rank r" (a training rank), a
 generator ("engine" for the embedded engine, in the controller or its own process). A phase is
 what that lane was doing (PHASES); the time between two spans of a lane is unrecorded (for a
-training rank: waiting). Times are wall-clock seconds (time.time()), so lanes of several
-processes on one machine line up. `occupancy` (0..1) is a generator's batch occupancy: decoded
+training rank: waiting). Times are seconds on `clock.now()`: the wall clock at the run's anchor
+advanced by the monotonic clock, so a span's length never holds a step of the wall clock (NTP)
+and lanes of several processes on one machine line up. `occupancy` (0..1) is a generator's batch occupancy: decoded
 sequences over engine slots, averaged over the span weighted by slots.
 
 - `Timeline` is the controller's recorder: `with timeline.span("rank 0", "training"): ...`,
@@ -22,8 +23,9 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import time
 from dataclasses import dataclass
+
+from trainer.observe import clock as run_clock
 
 # what a lane may be doing; the dashboard colours each one (static/dashboard/timeline.js)
 PHASES = ("generating", "waiting", "training", "syncing weights", "recording samples",
@@ -119,7 +121,7 @@ def bound(spans: list[Span], max_spans: int = MAX_SPANS, merge_gap_s: float = ME
 class Timeline:
     """The controller's spans since the last `take()` (thread-safe: a generation thread may add)."""
 
-    def __init__(self, max_spans: int = MAX_SPANS, clock=time.time, fill: dict[str, str] | None = None):
+    def __init__(self, max_spans: int = MAX_SPANS, clock=run_clock.now, fill: dict[str, str] | None = None):
         """`fill`: {lane: phase} for lanes that are never idle (the controller): the time
         between two of their spans is recorded as that phase (its metrics, controls, the
         step's setup), so a gap in such a lane never reads as waiting."""
@@ -132,7 +134,7 @@ class Timeline:
 
     @contextlib.contextmanager
     def span(self, lane: str, phase: str, occupancy=None):
-        """Record the body's wall-clock time as `phase` on `lane` (also when it raises).
+        """Record the body's time as `phase` on `lane` (also when it raises).
         `occupancy` may be a callable, asked when the body has run."""
         start = self.clock()
         try:

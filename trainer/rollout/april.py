@@ -21,17 +21,19 @@ A synchronous step waits for its longest answer. APRIL (as in THUDM/slime's
 5. Version span and the last chance (`span_policy = "drop"`). Every token carries the version
    that generated it and the weights change once a step, so a group's span (current version
    minus its oldest token's) grows by one each step it waits, whatever the segment limit; one
-   that would start a step with span > `max_version_span` is dropped (its prompt starts afresh).
+   that would start a step with span > `max_version_span` is dropped (its prompt starts afresh),
+   complete or partial: a group complete beyond N ages in the buffer like any other.
    With segment s and response length L a sample needs ceil(L / s) segments, at most
    `max_sampling_rounds` a step: at a short s a long answer cannot finish within the span, and
    every token it got would be generated only to be dropped. So a group whose span reaches
    `max_version_span` (one more step would drop it) gets its last chance: its samples run
-   unsegmented to their end this step, and early termination spares them (the step waits for
-   them), so it is trained or kept complete. At max_version_span = 0 every group is at its last
-   chance from its first token: no partial rollouts, only over-sampling. What is still dropped
-   for its span is a group that was already over the limit when it was resumed (the limit was
-   lowered, or versions jumped). `span_policy = "keep"` keeps old groups with off-policy
-   handling (weights in `trainer/algo/objective.py`).
+   unsegmented to their end this step, and early termination spares those among the N oldest
+   prompts at their last chance (`spared_groups`; the step waits for them), which the step
+   trains first. The others at their last chance cannot be trained within the span: they are
+   dropped next step. At max_version_span = 0 every group is at its last chance from its first
+   token: no partial rollouts, only over-sampling (what a step does not train is dropped).
+   `span_policy = "keep"` keeps old groups with off-policy handling (weights in
+   `trainer/algo/objective.py`).
 6. A lower N' (a knob change) leaves the buffer over its bound: the step drops the newest
    groups beyond N' before resuming the rest.
 
@@ -121,6 +123,17 @@ def last_chance(group: Group, version: int, max_version_span: int, span_policy: 
     return max((version_span(s, version) for s in group.samples), default=0) >= max_version_span
 
 
+def spared_groups(step: StepRun, batch: int, version: int, max_version_span: int,
+                  span_policy: str) -> list[Group]:
+    """The unfinished groups early termination spares: those among the `batch` oldest prompts
+    at their last chance, complete or not (the step trains those first, so a long answer is not
+    passed over for good by shorter ones)."""
+    held = [*step.ready, *step.waiting, *step.active.values()]
+    oldest = sorted((g for g in held if last_chance(g, version, max_version_span, span_policy)),
+                    key=lambda g: g.draw)[:batch]
+    return [g for g in oldest if id(g) in step.active]
+
+
 def segment_limit(cfg) -> int:
     """The most tokens one sample generates in a round (0 in the config = half the response
     limit)."""
@@ -201,13 +214,14 @@ class AprilRollout:
             c.rounds += 1
             step.resume_parked()
         # early termination: park everything unfinished in the buffer, except the groups at
-        # their last chance (parked, they would be dropped next step): the step waits for those.
-        # The KV cache is given up: computed by this version's weights, it would be stale under
-        # the next, and a run resumed from a checkpoint (which holds no cache) would continue
-        # differently
+        # their last chance (parked, they would be dropped next step) that this step can still
+        # train: the step waits for those. A last-chance group beyond the N this step trains
+        # would be dropped next step complete or not, so it is not waited for. The KV cache is
+        # given up: computed by this version's weights, it would be stale under the next, and a
+        # run resumed from a checkpoint (which holds no cache) would continue differently
         span, policy = cfg.april.max_version_span, cfg.april.span_policy
-        spared = {s.request_id for g in step.active.values()
-                  if last_chance(g, version, span, policy) for s in g.samples}
+        spared = {s.request_id for g in spared_groups(step, N, version, span, policy)
+                  for s in g.samples}
         doomed = None if not spared else [rid for rid in step.owner if rid not in spared]
         for s in step.engine.abort(doomed, keep_cache=False):
             c.aborted_tokens += s.segment_tokens
@@ -222,7 +236,9 @@ class AprilRollout:
             step.advance()
         step.score_waiting()
         c.parked = sum(len(g.unfinished) for g in step.parked)
-        step.ready.sort(key=lambda g: g.draw)
+        # the groups one more step would drop for their span first (kept, they could not be
+        # trained), then the oldest prompt first
+        step.ready.sort(key=lambda g: (not last_chance(g, version, span, policy), g.draw))
         # oldest prompt first: the order the next step resumes them in, and shrinks them from
         keep = sorted(step.ready[N:] + step.parked, key=lambda g: g.draw)
         return step.ready[:N], keep
@@ -243,12 +259,11 @@ class AprilRollout:
         """Carry a buffered group on: train it if complete, continue it, or restart its prompt
         when its oldest token is older than the version span allows."""
         cfg, c = step.cfg, step.counts
-        if g.complete:  # finished beyond N in an earlier step; it keeps its rewards
-            step.ready.append(g) if g.scored else step.waiting.append(g)
-            return
         todo = g.unfinished
         span = max(version_span(s, version) for s in g.samples)
         if span > cfg.april.max_version_span and cfg.april.span_policy == "drop":
+            # complete or not: a group finished beyond N in an earlier step ages as a partial one
+            # does, and is not trained past the span either
             c.submitted += len(todo)
             c.dropped += len(todo)
             c.span_dropped_groups += 1
@@ -257,6 +272,9 @@ class AprilRollout:
                               step.params, offered_tools(cfg))
             c.groups_started += 1
             step.start(fresh, fresh.samples)
+            return
+        if g.complete:  # finished beyond N in an earlier step, within the span: keeps its rewards
+            step.ready.append(g) if g.scored else step.waiting.append(g)
             return
         if last_chance(g, version, cfg.april.max_version_span, cfg.april.span_policy):
             # one more step would drop it: its samples run to their end, unsegmented

@@ -23,6 +23,7 @@ import time
 from typing import Callable
 
 from trainer import config as config_mod
+from trainer.observe import clock
 from trainer.observe.metrics import MetricsSink
 from trainer.rollout.base import Driver
 from trainer.run.controls import AUTO, AUTOMATIC, PAUSE, RESUME, SCHEDULE, SET_KNOBS, STOP, Command, ControlSource
@@ -38,7 +39,7 @@ class StepBoundary:
         self.on_knobs: Callable[[Command, bool], None] = lambda cmd, applied: None
         self.pending: list[Command] = []   # read (or requested by the trainer), not yet applied
         self._polled_at = 0.0
-        self.pauses: list[tuple[float, float]] = []   # wall-clock (start, end) of each hold here
+        self.pauses: list[tuple[float, float]] = []   # (start, end) of each hold here, clock.now()
 
     def request(self, knobs: dict, reason: dict, requested_by: str = AUTO) -> Command:
         """Queue the trainer's own knob change for the next boundary (`reason`: its rule and
@@ -67,17 +68,17 @@ class StepBoundary:
                 if cmd.kind == SET_KNOBS:
                     cfg = self.apply_knobs(step, cfg, cmd)
                 elif cmd.kind == PAUSE and not paused:
-                    paused, paused_at = True, time.time()
+                    paused, paused_at = True, clock.now()
                     self.driver.pause()
                     self._record(step, cmd, "paused")
                 elif cmd.kind == RESUME and paused:
                     paused = False
-                    self.pauses.append((paused_at, time.time()))
+                    self.pauses.append((paused_at, clock.now()))
                     self.driver.resume()
                     self._record(step, cmd, "resumed")
                 elif cmd.kind == STOP:
                     if paused:
-                        self.pauses.append((paused_at, time.time()))
+                        self.pauses.append((paused_at, clock.now()))
                     self.driver.resume()  # a paused generation worker must reach the checkpoint
                     self._record(step, cmd, "stop_requested")
                     return None

@@ -32,7 +32,7 @@ from trainer.engine.base import GenerationGaveUp
 from trainer.episode.engine import apply_limits
 from trainer.episode.environments import offered_tools
 from trainer.models import lora
-from trainer.observe import cost, trackers
+from trainer.observe import clock, cost, trackers
 from trainer.observe.metrics import MetricsSink, MultiSink
 from trainer.observe.timeline import CONTROLLER, rank_lane
 from trainer.rollout import staleness_schedule
@@ -265,7 +265,7 @@ class Runner:
         result = self._collect(cfg, stats0)
         groups = result.groups
         # the objective's forward passes (old and reference logprobs) count as training
-        t_train, wall = time.monotonic(), time.time()
+        t_train, wall = time.monotonic(), clock.now()
         seqs, adv_metrics, decoupled_loss, histograms = objective.train_sequences(
             groups, cfg, self.version, self._logprobs)
         train_metrics, ranks, train_s = self._update(cfg, seqs, groups, decoupled_loss,
@@ -303,7 +303,7 @@ class Runner:
     def _update(self, cfg, seqs, groups, decoupled_loss, t_train: float, wall: float):
         """The policy update: rank 0's share here, the other ranks' sent to them. Returns the
         train metrics, the other ranks' reports, and the seconds since `t_train` (the time.monotonic()
-        when training began; `wall`: its time.time(), for the timeline)."""
+        when training began; `wall`: its clock.now(), for the timeline)."""
         # sharing one GPU with the trainer: hand the engine's KV cache back while training
         cuda = self.device.type == "cuda"
         release = (cuda and not self.rollout.concurrent and self.engine.num_pending == 0
@@ -319,7 +319,7 @@ class Runner:
         ranks = self.ranks.gather_reports()
         for rank, start, end, *_ in ranks:
             self.timeline.add_after_wait(rank_lane(rank), "training", start, end)
-        self.timeline.add(CONTROLLER, "training", wall, time.time())
+        self.timeline.add(CONTROLLER, "training", wall, clock.now())
         if not all(map(_finite, train_metrics.values())):
             self.sink.event(self.step + 1, "warning", {"message": "non-finite loss or gradient; "
                                                        "the update was skipped"})

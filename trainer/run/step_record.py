@@ -11,10 +11,10 @@ ledger counts the trained and the zero-variance tokens, the totals add the step'
 from __future__ import annotations
 
 import os
-import time
 from dataclasses import dataclass
 
 from trainer.engine.base import EngineStats
+from trainer.observe import clock
 from trainer.observe.metrics import histogram, length_edges
 from trainer.observe.timeline import CONTROLLER, rank_lane
 from trainer.rollout.base import RolloutResult, step_metrics
@@ -42,8 +42,7 @@ def record(run, cfg, results: StepResults) -> dict[str, float]:
     m = rollout_metrics(run, cfg, result, results.engine_stats, step_s)
     # the tokens the loss saw: the mismatch correction's masked tokens are dropped, not trained,
     # and the environment's tokens (episodes) were never generated
-    trained_tokens = sum(len(s.response_ids) - s.env_tokens - (s.is_weights or []).count(0.0)
-                         for s in results.seqs)
+    trained_tokens = sum(len(s.response_ids) - s.env_tokens - s.rejected for s in results.seqs)
     m.update(results.adv_metrics)
     for name, (values, edges) in results.histograms.items():
         run.sink.histogram(run.step, name, histogram(values, edges))
@@ -115,7 +114,7 @@ def observe_generation(run) -> None:
 def process_metrics(run, ranks) -> dict[str, float]:
     """proc/<lane>/cpu_pct and rss_gb: this process, the engine's processes, the ranks'."""
     lanes = {CONTROLLER: os.getpid(), **getattr(run.engine, "lane_pids", dict)()}
-    m = run.meter.local(lanes, time.time())
+    m = run.meter.local(lanes, clock.now())
     for rank, _, end, cpu_s, rss in ranks:
         m.update(run.meter.observe(rank_lane(rank), cpu_s, rss, end))
     return m
