@@ -11,11 +11,24 @@ from pathlib import Path
 
 
 def add_parser(sub) -> None:
-    from trainer.bench import april, asynchronous, engine, estimate, greso, learn, mismatch, pilot, samples, scale
+    from trainer.bench import (
+        april,
+        asynchronous,
+        engine,
+        estimate,
+        greso,
+        learn,
+        mismatch,
+        pilot,
+        samples,
+        sandbox,
+        scale,
+    )
 
     b = sub.add_parser("bench", help="benchmarks (see `bench -h`)")
     bsub = b.add_subparsers(dest="bench", required=True)
-    for module in (learn, april, greso, asynchronous, engine, samples, scale, pilot, mismatch, estimate):
+    for module in (learn, april, greso, asynchronous, engine, samples, scale, pilot, mismatch, estimate,
+                   sandbox):
         p = bsub.add_parser(module.NAME, help=module.HELP, description=module.__doc__,
                             formatter_class=argparse.RawDescriptionHelpFormatter)
         p.add_argument("--json", nargs="?", const=True, default=False, metavar="OUT",
