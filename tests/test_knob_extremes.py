@@ -133,14 +133,21 @@ def test_random_knob_values_keep_the_run_healthy(tmp_path, preset, seed):
     values_seen = {k for e in applied for k in e["changes"]}
     assert len(values_seen) >= 8  # guard: many different knobs were moved
 
-    # a step whose every scored group had equal rewards (e.g. temperature 0.05 makes the G
-    # answers identical) has nothing to learn from, visibly so (rollout/zero_var_ratio 1 and its
-    # tokens under rollout/waste/zero_variance); every other step must train something
-    signal = [m for m, _, _ in steps if m.get("rollout/zero_var_ratio", 0.0) < 1.0]
-    assert len(signal) >= len(steps) // 4  # guard: enough steps had groups with signal
-    idle = [(m["step"], m.get("rollout/effective_groups"), m.get("rollout/zero_var_ratio"))
-            for m in signal if m["rollout/tokens/trained"] == 0]
-    assert len(idle) <= 0.1 * len(signal), idle
+    # a step whose every trained group had equal rewards (e.g. temperature 0.05 makes the G
+    # answers identical, or 2.0 makes them all wrong) has nothing to learn from: its advantages
+    # are all 0 (actor/advantage_abs_mean) and its groups' tokens are waste, visibly so
+    # (rollout/waste/zero_variance). Judged by the groups the step TRAINED, not by the ones it
+    # scored (rollout/zero_var_ratio): in an asynchronous run those are other groups, and which
+    # ones depends on thread timing, so judging by them made this test depend on the machine's
+    # load. Every step whose trained groups had signal must train something, unless a masking
+    # it reports took the tokens (APRIL's off-policy mask, the mismatch correction).
+    signal = [m for m, _, _ in steps if m.get("actor/advantage_abs_mean", 0.0) > 1e-6]
+    assert len(signal) >= len(steps) // 4, (  # guard: enough steps had groups with signal
+        len(signal), len(steps))
+    idle = [(m["step"], m.get("rollout/effective_groups"), m["actor/advantage_abs_mean"])
+            for m in signal if m["rollout/tokens/trained"] == 0
+            and not (m.get("april/masked_tokens") or m["rollout/waste/mismatch"])]
+    assert not idle, idle
     generated = sum(m["rollout/tokens/generated"] for m, _, _ in steps)
     wasted = sum(m["rollout/waste/total"] for m, _, _ in steps)
     last = steps[-1][0]
