@@ -21,13 +21,12 @@ from __future__ import annotations
 import functools
 import os
 import shutil
-import signal
 import sys
 
 from trainer.sandbox.base import Job, Limits, SandboxUnavailable, run
 from trainer.sandbox.cgroup import Cgroup
 from trainer.sandbox.seccomp import FilterUnavailable, bpf_program
-from trainer.sandbox.session import ProcessSession
+from trainer.sandbox.session import ProcessSession, killed_by
 
 INSTALL = "install bubblewrap (Debian/Ubuntu: apt-get install bubblewrap; `make run` and `make test` do)"
 SCRATCH = "/sandbox"
@@ -119,16 +118,7 @@ class BwrapSandbox:
 
 def _describe_end(rc: int) -> str:
     """bwrap exits 128 + N when the job's process was killed by signal N."""
-    if rc > 128:
-        sig = rc - 128
-        if sig == getattr(signal, "SIGXCPU", None):
-            return "CPU time limit exceeded"
-        try:
-            name = signal.Signals(sig).name
-        except ValueError:
-            name = str(sig)
-        return f"the process was killed by {name}"
-    return f"the process exited with code {rc}"
+    return killed_by(rc - 128) if rc > 128 else f"the process exited with code {rc}"
 
 
 @functools.cache

@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import sys
 import tempfile
 
 from trainer.sandbox.base import Job
-from trainer.sandbox.session import ProcessSession
+from trainer.sandbox.session import ProcessSession, killed_by
 
 ENV = {"PATH": os.defpath, "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "OMP_NUM_THREADS": "1",
        "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONHASHSEED": "0",
@@ -55,12 +54,4 @@ class ProcessSandbox:
 
 
 def _describe_end(rc: int) -> str:
-    if rc < 0:
-        sig = -rc
-        if sig == getattr(signal, "SIGXCPU", None):
-            return "CPU time limit exceeded"
-        try:
-            return f"the process was killed by {signal.Signals(sig).name}"
-        except ValueError:
-            return f"the process was killed by signal {sig}"
-    return f"the process exited with code {rc}"
+    return killed_by(-rc) if rc < 0 else f"the process exited with code {rc}"

@@ -21,6 +21,16 @@ from trainer.sandbox.base import Limits, Outcome
 _CHUNK = 1 << 16
 
 
+def killed_by(sig: int) -> str:
+    """How a job killed by signal `sig` ended, in words (SIGXCPU: its CPU time limit)."""
+    if sig == getattr(signal, "SIGXCPU", None):
+        return "CPU time limit exceeded"
+    try:
+        return f"the process was killed by {signal.Signals(sig).name}"
+    except ValueError:
+        return f"the process was killed by signal {sig}"
+
+
 class _BoundedReader(threading.Thread):
     def __init__(self, fd: int, cap: int):
         super().__init__(daemon=True, name="sandbox-stdout")
