@@ -1,10 +1,14 @@
 """Any value a person can set keeps a run healthy: a real run of the `april` and `all` presets
 (tiny sizes) gets random tunable knobs of rollout, APRIL, GRESO and async set to random values in
 their declared ranges, bounds included, every few steps. The run never fails or stalls, trains
-tokens in most steps, keeps APRIL's buffer and the asynchronous queue within their bounds,
-accounts for every generated token, and stops within seconds when asked.
+tokens in every step whose trained groups had signal, keeps APRIL's buffer and the asynchronous
+queue within their bounds, accounts for every generated token, and stops within seconds when
+asked.
 
-Seeded, so a failure replays; bounded to a few minutes (marked slow, run in CI)."""
+Seeded: which knobs move, to what, and after which step depend on the seed and the step count
+alone (never the clock), so a failure's knob schedule replays. What an asynchronous run generates
+between two steps still depends on thread timing (so on the machine's load): every check holds
+whatever that was. Bounded to a few minutes (marked slow, run in CI)."""
 import random
 import threading
 import time

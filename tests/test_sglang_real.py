@@ -5,14 +5,32 @@ resume loses and repeats nothing, weight updates tag tokens with the server's ow
 an APRIL run and an asynchronous run, two servers and one killed mid-run, and the
 training–inference mismatch of a float32 and of a bfloat16 server (rollout.dtype).
 
-One server for the module (it takes about a minute to start); the two-server test starts a
-second one and kills it, the bfloat16 test starts one of its own. Skipped only when
-.venv-sglang is absent (`make sglang`; `make test` builds it). Servers run with
-OMP_NUM_THREADS=1 and are stopped when the module ends.
+One float32 server for the module (20-60 s to start); a fresh one only where the proof is about
+starting, flags or killing: the two-server test starts a second one and kills it, and a
+bfloat16 server started by a child process serves the bfloat16 test, then the start-up-and-kill
+test SIGKILLs that child. Skipped only when .venv-sglang is absent (`make sglang`; `make test`
+builds it). Servers run with OMP_NUM_THREADS=1 and are stopped when the module ends.
+
+Merged to halve the module's time (issue 44), what each proved and where it is proven now:
+- test_a_float32_server_and_the_trainer_agree_to_rounding (a 2-step float32 run): its figures and
+  its explicit rollout.dtype=float32 are checked on the LoRA run (2 steps, the same server, the
+  same band): test_a_lora_run_sends_the_server_its_merged_weights.
+- test_multi_turn_episodes_generate_each_turn_on_the_server[sync]: the server generating each
+  turn and the environment's tokens sent back as context are proven by the [all] run (the same
+  episode engine over the same client; APRIL's segments and the asynchronous worker on top); the
+  synchronous driver with episodes, by tests/test_episode_runs.py (embedded engine and pool).
+- the start-up-and-kill test started a float32 server of its own in a child process; it now
+  kills the child that started the bfloat16 test's server (a server, its flags and its group
+  guard are the same whatever the dtype).
 """
+import contextlib
+import os
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import requests
@@ -485,27 +503,36 @@ def _started(sink) -> dict:
     return next(e for e in sink.events if e["kind"] == "run_started")
 
 
-def test_a_float32_server_and_the_trainer_agree_to_rounding(model_dir, server, tmp_path,
-                                                             original_weights_after):
-    """The mismatch figures of a float32 server (the module's) are float rounding: the engine's
-    log-probabilities are the trainer's. Measured on this CPU (2 steps): mean |d| 2.6e-6 and
-    2.7e-6, max 1.6e-5 and 1.8e-5, KL (k3) 8e-12 and 9e-12."""
-    from trainer.run.runner import Runner
+ROOT = Path(__file__).resolve().parents[1]
 
-    cfg = run_config(model_dir, server.url, "run.max_steps=2", "rollout.dtype=float32", *MISMATCH)
-    sink = MemorySink()
-    with Runner(cfg, tmp_path, sink=sink, system_telemetry=False) as r:
-        assert r.run() == "finished" and r.step == 2
-    assert (_started(sink)["model_dtype"], _started(sink)["rollout_dtype"]) == ("float32", "float32")
-    assert len(sink.series("mismatch/kl")) == 2
-    assert max(sink.series("mismatch/abs_logp_diff")) < 5e-5
-    assert max(sink.series("mismatch/abs_logp_diff_max")) < 5e-4
-    assert max(map(abs, sink.series("mismatch/kl"))) < 1e-9
-    assert max(sink.series("mismatch/outside_band_ratio")) == 0
+
+@pytest.fixture(scope="module")
+def bf16_server_of_a_child(model_dir, tmp_path_factory):
+    """A bfloat16 server started by a child process: it serves the bfloat16 test, then the kill
+    test SIGKILLs the child. Yields the child, the server's process group and its URL; whatever
+    is left is killed at the end."""
+    log = tmp_path_factory.mktemp("sglang-bf16") / "bf16.log"
+    code = ("import time\nfrom trainer.engine.sglang.server import SGLangServer\n"
+            f"s = SGLangServer({str(model_dir)!r}, dtype='bfloat16', log_path={str(log)!r}).start()\n"
+            "print(s.proc.pid, s.url, flush=True)\ntime.sleep(3600)\n")
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                              cwd=ROOT)
+    group = None
+    try:
+        line = parent.stdout.readline().split()
+        assert len(line) == 2, f"the child started no server: {line} (its log: {log})"
+        group = int(line[0])
+        yield SimpleNamespace(parent=parent, group=group, url=line[1])
+    finally:
+        parent.kill()
+        parent.wait()
+        if group is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(group, 9)
 
 
 def test_a_bfloat16_server_shows_the_mismatch_and_trains_with_each_correction(
-        model_dir, server, tmp_path):
+        model_dir, server, tmp_path, bf16_server_of_a_child):
     """A bfloat16 server (SGLang's CPU engine serves it) against the float32 trainer: figures
     orders of magnitude above the float32 server's, a run that trains with truncate, then mask,
     then band (knob changes between steps), new weights broadcast in bfloat16; and an explicit
@@ -514,29 +541,27 @@ def test_a_bfloat16_server_shows_the_mismatch_and_trains_with_each_correction(
     outside [0.98, 1.02]."""
     from trainer.run.runner import Runner
 
-    half = SGLangServer(model_dir, dtype="bfloat16", log_path=tmp_path / "bf16.log").start()
-    try:
-        with pytest.raises(EngineError) as e:
-            SGLangEngine(half.url, dtype="float32")
-        assert str(e.value) == (f"rollout.dtype=float32 but SGLang server {half.url} serves "
-                                "bfloat16 (its --dtype); start it with --dtype float32 or set "
-                                "rollout.dtype=auto")
-        with pytest.raises(EngineError, match=f"{server.url} serves float32"):
-            SGLangEngine(f"{half.url},{server.url}", dtype="bfloat16")
-        controls = _KnobsAtSteps({1: {"mismatch.correction": "mask"},
-                                  2: {"mismatch.correction": "band"}})
-        cfg = run_config(model_dir, half.url, "run.max_steps=3", "rollout.dtype=bfloat16",
-                         "mismatch.correction=truncate", *MISMATCH)
-        sink = MemorySink()
-        with Runner(cfg, tmp_path / "run", sink=sink, controls=controls,
-                    system_telemetry=False) as r:
-            controls.runner = r
-            assert r.run() == "finished" and r.step == 3
-            assert r.engine.weight_sync == "distributed"   # no fall-back to disk
-            sd = r.model.state_dict()
-            bf16_bytes = sum(t.numel() * 2 for k, t in sd.items() if k != "lm_head.weight")
-    finally:
-        half.stop()
+    half = bf16_server_of_a_child   # SGLangServer(model_dir, dtype="bfloat16"), in a child
+    assert half.parent.poll() is None, "the child that started the bfloat16 server is gone"
+    with pytest.raises(EngineError) as e:
+        SGLangEngine(half.url, dtype="float32")
+    assert str(e.value) == (f"rollout.dtype=float32 but SGLang server {half.url} serves "
+                            "bfloat16 (its --dtype); start it with --dtype float32 or set "
+                            "rollout.dtype=auto")
+    with pytest.raises(EngineError, match=f"{server.url} serves float32"):
+        SGLangEngine(f"{half.url},{server.url}", dtype="bfloat16")
+    controls = _KnobsAtSteps({1: {"mismatch.correction": "mask"},
+                              2: {"mismatch.correction": "band"}})
+    cfg = run_config(model_dir, half.url, "run.max_steps=3", "rollout.dtype=bfloat16",
+                     "mismatch.correction=truncate", *MISMATCH)
+    sink = MemorySink()
+    with Runner(cfg, tmp_path / "run", sink=sink, controls=controls,
+                system_telemetry=False) as r:
+        controls.runner = r
+        assert r.run() == "finished" and r.step == 3
+        assert r.engine.weight_sync == "distributed"   # no fall-back to disk
+        sd = r.model.state_dict()
+        bf16_bytes = sum(t.numel() * 2 for k, t in sd.items() if k != "lm_head.weight")
     assert (_started(sink)["model_dtype"], _started(sink)["rollout_dtype"]) == ("float32", "bfloat16")
     assert [e["kind"] for e in sink.events if e["kind"] in ("warning", "error")] == []
     assert [e["changes"] for e in sink.events if e["kind"] == "knob_applied"] == [
@@ -560,51 +585,40 @@ def test_a_bfloat16_server_shows_the_mismatch_and_trains_with_each_correction(
     assert sink.series("perf/weight_sync_bytes") == [bf16_bytes] * 3   # bfloat16 on the wire
 
 
-def test_a_server_ends_with_the_process_that_started_it_even_when_that_one_is_killed(model_dir):
+def test_a_server_ends_with_the_process_that_started_it_even_when_that_one_is_killed(
+        bf16_server_of_a_child):
     """SIGKILL the process that started a server: its whole group (launcher, scheduler,
-    detokenizer -- the CPU scheduler spins a core even idle) is gone soon after (group_guard.py)."""
-    import contextlib
-    import os
-    import subprocess
-    import sys
+    detokenizer -- the CPU scheduler spins a core even idle without --sleep-on-idle) is gone
+    soon after (group_guard.py). The server is the bfloat16 test's (after it, in file order)."""
+    child = bf16_server_of_a_child
+    assert child.parent.poll() is None, "the child that started the server is gone already"
 
-    code = ("import sys, time\nfrom trainer.engine.sglang.server import SGLangServer\n"
-            f"s = SGLangServer({str(model_dir)!r}).start()\nprint(s.proc.pid, flush=True)\ntime.sleep(600)\n")
-    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
-                              cwd=Path(__file__).resolve().parents[1])
-    group = None
-    try:
-        group = int(parent.stdout.readline())
+    def members() -> int:
+        ps = subprocess.run(["ps", "-eo", "pgid="], capture_output=True, text=True).stdout.split()
+        return sum(1 for g in ps if int(g) == child.group)
 
-        def members() -> int:
-            ps = subprocess.run(["ps", "-eo", "pgid="], capture_output=True, text=True).stdout.split()
-            return sum(1 for g in ps if int(g) == group)
-
-        assert members() >= 3, "the server's scheduler and detokenizer are not in its group"
-        parent.kill()
-        parent.wait()
-        deadline = time.monotonic() + 60
-        while members() and time.monotonic() < deadline:
-            time.sleep(0.5)
-        assert members() == 0, "the server outlived the process that started it"
-    finally:
-        parent.kill()
-        if group is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(group, 9)
+    assert members() >= 3, "the server's scheduler and detokenizer are not in its group"
+    child.parent.kill()
+    child.parent.wait()
+    deadline = time.monotonic() + 60
+    while members() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert members() == 0, "the server outlived the process that started it"
 
 
-@pytest.mark.parametrize("mode", ["sync", "all"])
-def test_multi_turn_episodes_generate_each_turn_on_the_server(model_dir, server, tmp_path, mode):
+def test_multi_turn_episodes_generate_each_turn_on_the_server(model_dir, server, tmp_path):
     """The server generates every model turn; the client keeps the conversation (the feedback
-    after a wrong answer is environment tokens it sends back as context). `all` is APRIL, GRESO
-    and asynchronous training together (each alone: tests/test_episode_runs.py, on CPU engines;
-    a minute a run here)."""
+    after a wrong answer is environment tokens it sends back as context). APRIL, GRESO and
+    asynchronous training together: turns cut at APRIL's segment limit and continued, on the
+    worker thread (each technique alone, and the synchronous driver: tests/test_episode_runs.py,
+    on CPU engines). One step trains 4 groups: eta 1 and 4 groups generating at once (eta 2 and
+    the default 2B had 8 at once, 12 in all: 200 s here; each episode shares the one server core)."""
     from trainer.engine.base import ENV_VERSION
     from trainer.run.runner import Runner
 
-    modes = {"sync": [], "all": ["april.enabled=true", "april.segment_max_tokens=8", "greso.enabled=true",
-                     "async.enabled=true", "async.worker=thread"]}
+    every = ["april.enabled=true", "april.segment_max_tokens=8", "greso.enabled=true",
+             "async.enabled=true", "async.worker=thread", "async.max_staleness=1",
+             "async.max_inflight=4"]
     # short answers that end their turn (a wrong one gets feedback and a second turn); 16
     # episodes: with 4, every one ended after its first turn in one CI run (right, or cut at the
     # response limit without ending its turn)
@@ -614,7 +628,7 @@ def test_multi_turn_episodes_generate_each_turn_on_the_server(model_dir, server,
                      # every group recorded (not 2 drawn at random): a second model turn is
                      # looked for among all of them; 96 tokens leave room for one after the feedback
                      "run.log_samples=16",
-                     "data.system_prompt=Reply with one short sentence.", *modes[mode])
+                     "data.system_prompt=Reply with one short sentence.", *every)
     sink = MemorySink()
     with Runner(cfg, tmp_path, sink=sink, system_telemetry=False) as r:
         assert r.run() == "finished" and r.step == 1
@@ -637,7 +651,8 @@ def test_a_lora_run_sends_the_server_its_merged_weights(model_dir, server, tmp_p
     # advantage, no gradient), and the adapters never moved
     cfg = run_config(model_dir, server.url, "run.max_steps=2", "lora.rank=8", "lora.alpha=64",
                      "optim.lr=5e-3", "algo.track_kl=true", "rollout.rollout_batch_size=4",
-                     "rollout.n_samples_per_prompt=4", "rollout.max_slots=16")
+                     "rollout.n_samples_per_prompt=4", "rollout.max_slots=16",
+                     "rollout.dtype=float32", *MISMATCH)
     sink = MemorySink()
     with Runner(cfg, tmp_path, sink=sink, system_telemetry=False) as r:
         assert r.run() == "finished" and r.step == 2
@@ -648,6 +663,16 @@ def test_a_lora_run_sends_the_server_its_merged_weights(model_dir, server, tmp_p
     assert sum(sink.series("rollout/trained_tokens")) > 0, "nothing trained: the test proves nothing"
     assert max(sink.series("actor/grad_norm")) > 0, "no gradient reached the adapters: nothing to serve"
     assert set(sink.series("perf/weight_sync_bytes")) == {whole}
+    # a float32 server (the module's) and the trainer agree to float rounding, before and after
+    # an update: its log-probabilities are the trainer's (the mismatch figures of both steps;
+    # measured on this CPU without LoRA: mean |d| 2.6e-6 and 2.7e-6, max 1.6e-5 and 1.8e-5,
+    # KL (k3) 8e-12 and 9e-12), and an explicit rollout.dtype=float32 is accepted
+    assert (_started(sink)["model_dtype"], _started(sink)["rollout_dtype"]) == ("float32", "float32")
+    assert len(sink.series("mismatch/kl")) == 2
+    assert max(sink.series("mismatch/abs_logp_diff")) < 5e-5
+    assert max(sink.series("mismatch/abs_logp_diff_max")) < 5e-4
+    assert max(map(abs, sink.series("mismatch/kl"))) < 1e-9
+    assert max(sink.series("mismatch/outside_band_ratio")) == 0
     _, tok = policy
     eng = engines(server.url)
     samples = [Sample(prompt(tok, q), SamplingParams(temperature=1.0, max_new_tokens=16))

@@ -21,8 +21,10 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import time
 import traceback
+from pathlib import Path
 
 import psutil
 import pytest
@@ -64,18 +66,56 @@ ON_EVERY_SETUP = "all"
 SETUP = os.environ.get("RLPILOT_TEST_SETUP", "embedded")   # as conftest reads it
 
 
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def opt_in_skip_reason(preset: str) -> str | None:
+    """Why an opt-in preset (config.preset_requires: a model directory of its own) cannot run
+    here, or None when its model is built in this checkout: `make test` builds smollm2-math's
+    (`make sglang-model`: var/models/smollm2-135m-instruct) before pytest starts, so CI runs it.
+    (Skipping by preset_requires alone skipped it even there.)"""
+    needs = config_mod.preset_requires(preset)
+    if not needs:
+        return None
+    from trainer.models.loading import check_model_dir
+
+    problems = check_model_dir(_built_model(preset))
+    return f"{needs}; not built in this checkout: {problems[0]}" if problems else None
+
+
+def _built_model(preset: str) -> str:
+    """Where `make test` (and the CLI, run from the repository) keeps the preset's model."""
+    return config_mod.preset_config(preset, project_dir=ROOT, var_dir=ROOT / "var").model.path
+
+
+def serve_opt_in_model(preset: str) -> None:
+    """Put an opt-in preset's built model where this test server looks for it. The web app
+    reads a preset's var/models/... under RLPILOT_VAR_DIR, which conftest points at a fresh
+    temporary folder, and takes a model.path only inside RLPILOT_MODEL_ROOTS (symlinks followed),
+    so the files are hard-linked into it (copied where the two folders are on different devices)."""
+    if not config_mod.preset_requires(preset):
+        return
+    served = Path(actions.shipped_preset(preset).model.path)
+    if served.is_dir():
+        return
+    served.mkdir(parents=True)
+    for f in Path(_built_model(preset)).resolve().iterdir():
+        try:
+            os.link(f.resolve(), served / f.name)
+        except OSError:
+            shutil.copy2(f.resolve(), served / f.name)
+
+
 def preset_test_ids():
-    """Every preset; an opt-in one (it needs a model directory of your own) is skipped, saying why,
-    and on the redis setup all but ON_EVERY_SETUP are (see above)."""
+    """Every preset; an opt-in one whose model directory is not here (see opt_in_skip_reason) is
+    skipped, saying why, and on the redis setup all but ON_EVERY_SETUP are (see above)."""
     assert PRESETS, "the trainer ships no preset"
     assert ON_EVERY_SETUP in PRESETS, ON_EVERY_SETUP
 
     def skip_reason(p):
-        if config_mod.preset_requires(p):
-            return config_mod.preset_requires(p)
         if SETUP == "redis" and p != ON_EVERY_SETUP:
             return f"setup-independent: proved by the embedded pass ({ON_EVERY_SETUP} runs on this one)"
-        return None
+        return opt_in_skip_reason(p)
 
     return [pytest.param(p, marks=pytest.mark.skip(reason=skip_reason(p))) if skip_reason(p) else p
             for p in PRESETS]
@@ -520,6 +560,7 @@ def story(request, django_db_setup, django_db_blocker, celery_worker, setup_name
         lc.page, lc.preset = page.content.decode(), preset
         st = Story(preset)
         try:
+            serve_opt_in_model(preset)
             drive_lifecycle(lc, st, setup_name)
             yield st
         finally:

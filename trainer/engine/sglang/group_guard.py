@@ -2,7 +2,8 @@
 dies: `python group_guard.py PARENT_PID -- CMD...` (run by path, so it imports nothing of rlpilot).
 
 Why: an SGLang server is a launcher plus scheduler and detokenizer processes, and its CPU
-scheduler spins a core even idle. A trainer or test process that is SIGKILLed never runs
+scheduler spins a core even idle (unless started with --sleep-on-idle, as SGLangServer does
+now). A trainer or test process that is SIGKILLed never runs
 SGLangServer.stop(), and its server then ran on (seen: an orphaned scheduler at 80% of a core for
 20 minutes, slowing everything on a 2-core machine). PR_SET_PDEATHSIG is no answer: it follows the
 thread that forked, and reaches only the direct child, not the scheduler it spawns. This guard is
