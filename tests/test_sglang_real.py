@@ -11,7 +11,7 @@ bfloat16 server started by a child process serves the bfloat16 test, then the st
 test SIGKILLs that child. Skipped only when .venv-sglang is absent (`make sglang`; `make test`
 builds it). Servers run with OMP_NUM_THREADS=1 and are stopped when the module ends.
 
-Merged to halve the module's time (issue 44), what each proved and where it is proven now:
+Merged to halve the module's time; what each proved and where it is proven now:
 - test_a_float32_server_and_the_trainer_agree_to_rounding (a 2-step float32 run): its figures and
   its explicit rollout.dtype=float32 are checked on the LoRA run (2 steps, the same server, the
   same band): test_a_lora_run_sends_the_server_its_merged_weights.
