@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ast
 import builtins
+import importlib
 import json
 import time
 from dataclasses import dataclass
@@ -78,7 +79,6 @@ def _judge(session, code: str, tests: list[str], entry_point: str, limits: Limit
     functions = [f for f in hello.get("functions", []) if isinstance(f, str) and f.isidentifier()]
     if entry_point not in functions:
         return CodeResult(False, "fail", f"the code does not define {entry_point}()")
-    import importlib
     ns: dict = {"__name__": "__judge__", "__builtins__": builtins}
     ns.update({m: importlib.import_module(m) for m in _TEST_MODULES})
     ns.update({name: _Stub(channel, name) for name in functions})
