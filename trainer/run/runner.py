@@ -45,7 +45,7 @@ from trainer.run.evaluate import evaluate
 from trainer.run.step_record import StepResults
 from trainer.sandbox.preflight import weak_isolation_warning
 
-FINISHED, STOPPED, FAILED = "finished", "stopped", "failed"
+FINISHED, STOPPED, FAILED, INTERRUPTED = "finished", "stopped", "failed", "interrupted"
 
 
 class RunFailed(RuntimeError):
@@ -179,6 +179,14 @@ class Runner:
                 self.save_checkpoint()
             self.sink.event(self.step, "error", {"message": f"{type(e).__name__}: {e}",
                                                  "resumable_from_step": self.step})
+            raise
+        except (KeyboardInterrupt, SystemExit) as e:
+            # told to stop from outside (Ctrl-C, a worker's shutdown): not the run's failure; the
+            # step in flight is lost and a resume continues from the last checkpoint
+            status = INTERRUPTED
+            self.sink.event(self.step, "run_interrupted", {
+                "message": f"the process was told to stop mid-step ({type(e).__name__}: {e})",
+                "resumable_from_step": checkpoint.latest_step(self.run_dir)})
             raise
         except BaseException as e:
             status = FAILED
