@@ -274,3 +274,42 @@ def test_every_technique_and_engine_layout_trains_the_adapters(tmp_path, preset,
     assert {r["perf/weight_sync_bytes"] for r in sink.steps} == {factors * members}
     # B starts at zeros (the policy is the base): the updates moved it
     assert any(t.abs().max() > 0 for k, t in _adapters(runner.model).items() if "lora_B" in k)
+
+
+def _dropouts(model) -> list[float]:
+    """Each adapted layer's dropout as it runs (PEFT: Identity for 0), and the config's."""
+    return ([getattr(layer.lora_dropout[lora.ADAPTER], "p", 0.0) for _, layer in lora._lora_layers(model)]
+            + [model.peft_config[lora.ADAPTER].lora_dropout])
+
+
+def test_a_dropout_change_at_resume_or_fork_takes_effect_and_is_recorded(tmp_path):
+    """The checkpoint's adapter_config.json says the dropout it was written with; PEFT's load
+    keeps that one. The resumed or forked run's `lora.dropout` is the one that trains, and its
+    next checkpoint records it."""
+    from trainer.run.fork import fork_run_dir, parent_config
+
+    _run(tmp_path / "run", ["run.checkpoint_every=2", "lora.dropout=0.2"], steps=2)
+    fork_run_dir(tmp_path / "run", 2, tmp_path / "fork", ["lora.dropout=0", "run.max_steps=4"])
+    forked = Runner(parent_config(tmp_path / "fork"), tmp_path / "fork", sink=MemorySink(),
+                    system_telemetry=False, resume=True)
+    with forked:
+        assert set(_dropouts(forked.model)) == {0.0}
+        assert lora.dropout(forked.model) == 0.0
+    cfg = C.load("demo", TINY_RUN + LORA + ["lora.dropout=0.5", "run.max_steps=4",
+                                            "run.checkpoint_every=4"])
+    resumed = Runner(cfg, tmp_path / "run", sink=MemorySink(), system_telemetry=False, resume=True)
+    with resumed:
+        assert set(_dropouts(resumed.model)) == {0.5}
+        resumed.run()
+    saved = tmp_path / "run" / "checkpoints" / "step_000004" / "model" / "adapter_config.json"
+    assert json.loads(saved.read_text())["lora_dropout"] == 0.5
+
+
+def test_dropout_above_zero_is_warned_about():
+    """pi_theta with dropout against a dropout-free pi_old and engine: the warning says so."""
+    on = C.load("demo", ["lora.rank=4", "lora.dropout=0.1"])
+    assert "PPO ratio" in lora.dropout_warning(on)
+    assert lora.dropout_warning(C.load("demo", ["lora.rank=4"])) is None   # the default: 0
+    assert lora.dropout_warning(C.load("demo", ["lora.dropout=0.1"])) is None   # LoRA off
+    with pytest.raises(ValueError, match="lora.dropout"):
+        lora.set_dropout(adapted_builtin(), 1.0)

@@ -72,6 +72,36 @@ def load(model, folder: str | Path, trainable: bool = True):
         return PeftModel.from_pretrained(model, str(folder), is_trainable=trainable)
 
 
+def set_dropout(model, p: float) -> None:
+    """Dropout `p` on the adapters' input from now on (`lora.dropout`), recorded in the adapter's
+    config (its next checkpoint's adapter_config.json). Dropout has no weights: a checkpoint's
+    adapters load under any value, and PEFT's `from_pretrained` would keep the saved one."""
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"lora.dropout must be in [0, 1), not {p!r}")
+    for _, layer in _lora_layers(model):   # as PEFT builds them: Identity for p = 0
+        layer.lora_dropout[ADAPTER] = torch.nn.Dropout(p) if p > 0 else torch.nn.Identity()
+    model.peft_config[ADAPTER].lora_dropout = p
+
+
+def dropout_warning(cfg) -> str | None:
+    """Why `lora.dropout` > 0 hurts RL (None when it is 0 or LoRA is off): the trainer's pi_theta
+    is a dropout-noised network while pi_old and the engine's behaviour policy are not, so the
+    PPO ratio moves by noise, not learning, and clipping and the mismatch figures see it."""
+    if not enabled(cfg) or cfg.lora.dropout <= 0:
+        return None
+    return (f"lora.dropout = {cfg.lora.dropout:g}: the policy trains with dropout on its adapters "
+            f"while pi_old and the engine sample without it, so the PPO ratio pi/pi_old carries "
+            f"dropout noise (clipped tokens, a noisy KL); RL recipes train LoRA with dropout 0")
+
+
+def dropout(model) -> float:
+    """The adapters' dropout as their layers apply it (0 for none)."""
+    ps = {getattr(layer.lora_dropout[ADAPTER], "p", 0.0) for _, layer in _lora_layers(model)}
+    if len(ps) > 1:
+        raise ValueError(f"the adapters' layers disagree on their dropout: {sorted(ps)}")
+    return ps.pop() if ps else 0.0
+
+
 def is_adapted(model) -> bool:
     from peft import PeftModel
 
