@@ -313,3 +313,57 @@ def test_dropout_above_zero_is_warned_about():
     assert lora.dropout_warning(C.load("demo", ["lora.dropout=0.1"])) is None   # LoRA off
     with pytest.raises(ValueError, match="lora.dropout"):
         lora.set_dropout(adapted_builtin(), 1.0)
+
+
+# a base weight of scale 0.02 and an adapter delta of 1e-4, below bfloat16's step there (2^-13):
+# round(0.01997) = 0.02001953125, and round(0.01997 + 1e-4) = round(0.02007) = 0.02001953125 too;
+# adding the delta to the rounded base rounds twice: round(0.02001953125 + 1e-4) = 0.0201416015625
+W32, DELTA = 0.01997, 1e-4
+ONCE, TWICE = 0.02001953125, 0.0201416015625
+
+
+def _one_delta(model) -> str:
+    """Factors whose product is DELTA at [0, 0] of layer 0's q_proj, zero elsewhere, on a base
+    weight of W32 there. Returns the weight's plain name."""
+    layer = dict(lora._lora_layers(model))["base_model.model.model.layers.0.self_attn.q_proj"]
+    with torch.no_grad():
+        for _, other in lora._lora_layers(model):
+            other.lora_B[lora.ADAPTER].weight.zero_()
+        layer.get_base_layer().weight[0, 0] = W32
+        layer.lora_A[lora.ADAPTER].weight.zero_()
+        layer.lora_A[lora.ADAPTER].weight[0, 0] = 1.0
+        layer.lora_B[lora.ADAPTER].weight[0, 0] = DELTA / layer.scaling[lora.ADAPTER]
+    return "model.layers.0.self_attn.q_proj.weight"
+
+
+@pytest.mark.parametrize("processes", [0, 1])
+def test_a_bfloat16_engine_merges_a_float32_base_and_its_delta_rounding_once(processes):
+    """A float32 trainer, a bfloat16 engine: the merged weight is round_bf16(W + delta), as the
+    merged model SGLang and the exports get, not round_bf16(round_bf16(W) + delta) from the
+    engine's own rounded base. The embedded engine and a generation process alike."""
+    from trainer import engine as engines
+
+    tok = load_tokenizer("builtin")
+    model = adapted_builtin(rank=1, targets="q_proj,v_proj")
+    name = _one_delta(model)
+    assert torch.tensor(W32 + DELTA).to(torch.bfloat16).item() == ONCE   # the hand values
+    assert (torch.tensor(W32).to(torch.bfloat16).float() + DELTA).to(torch.bfloat16).item() == TWICE
+    merged = lora.merged_weights(model)[name][0, 0]
+    assert merged.to(torch.bfloat16).item() == ONCE
+    cfg = C.load("demo", ["lora.rank=1", "lora.target_modules=q_proj,v_proj", "rollout.dtype=bfloat16",
+                          f"cluster.gen_procs={processes}"])
+    eng = engines.build_engine(cfg, lora.base_copy(model), tok, CPU, torch.float32, 128,
+                               adapter=lora.adapter_update(model))
+    try:
+        if processes:   # the child merges what its shared buffer holds: the float32 base
+            shared = eng.members[0].engine.loaded_weights()
+            assert shared[name].dtype == torch.float32 and shared[name][0, 0].item() == torch.tensor(W32).item()
+            assert (shared[name + lora.LORA_B].float() @ shared[name + lora.LORA_A].float())[0, 0].item() \
+                == pytest.approx(DELTA, rel=1e-6)
+        else:
+            assert eng.decoder.w[name][0, 0].item() == ONCE
+            # the next update merges onto the float32 base again, not onto the last merge
+            eng.update_weights(lora.adapter_update(model), 1)
+            assert eng.decoder.w[name][0, 0].item() == ONCE
+    finally:
+        eng.close()

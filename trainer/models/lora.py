@@ -182,6 +182,23 @@ def factor_state(state: dict[str, torch.Tensor], layer_scales: dict) -> dict[str
     return out
 
 
+def merge_inputs(names) -> set[str]:
+    """Of tensor `names` (an engine's weights and an adapter update's factors), what an engine
+    that holds the base merges from: the factors and the base weight of each adapted layer. An
+    engine keeps these at their own precision (a float32 trainer's, under a bfloat16 engine), so
+    that W + B·A is rounded to the engine's precision once (`Decoder.load`)."""
+    names = set(names)
+    bases = {n[:-len(LORA_A)] for n in names if n.endswith(LORA_A)}
+    return {n for n in names if n in bases or n.endswith((LORA_A, LORA_B))}
+
+
+def with_bases(base_state: dict[str, torch.Tensor], factors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`factors` (an adapter update) with the base weight of each adapted layer from
+    `base_state`: an engine's first update, from which it keeps its base (`merge_inputs`)."""
+    return {**{n: base_state[n] for n in merge_inputs([*base_state, *factors]) if n in base_state},
+            **factors}
+
+
 def adapter_weights(model) -> dict[str, torch.Tensor]:
     """The adapters' tensors alone (PEFT's names, as its adapter files hold them)."""
     from peft import get_peft_model_state_dict
