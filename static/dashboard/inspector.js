@@ -12,8 +12,8 @@
 (function () {
   "use strict";
 
-  const el = RLCharts.el;   // static/dashboard/charts.js, loaded first
-  function num(v, digits) { return v === null || v === undefined ? "—" : RLCharts.fmt(v, digits); }
+  const el = RLCommon.el;   // static/dashboard/common.js, loaded first
+  function num(v, digits) { return v === null || v === undefined ? "—" : RLCommon.fmt(v, digits); }
   // one colour per policy version (cycled), light enough to read text on
   const PALETTE = ["#bfdbfe", "#fde68a", "#bbf7d0", "#fbcfe8", "#ddd6fe", "#fed7aa", "#a5f3fc", "#e5e7eb",
                    "#fecaca", "#d9f99d"];

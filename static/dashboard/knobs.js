@@ -8,7 +8,7 @@
 // returns {send, reply, markChange, renderValues, renderButton}. Every text is inserted as text.
 (function () {
   "use strict";
-  const el = RLCharts.el, fmt = RLCharts.fmt;   // static/dashboard/charts.js, loaded first
+  const el = RLCommon.el, fmt = RLCommon.fmt;   // static/dashboard/common.js, loaded first
 
   // Grouped by technique / section. The knobs that matter most for the techniques this run uses
   // come first (η, APRIL's early termination, GRESO's alpha), then the rest of the enabled

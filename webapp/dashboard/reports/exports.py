@@ -238,6 +238,7 @@ def export_html(run: Run, max_points: int = 2000) -> str:
         "config_toml": export_toml(run), "generated": timezone.now(), "samples": report_samples(run),
         "css": (static / "dashboard" / "style.css").read_text(),
         "plotly_js": _inline_script((static / "vendor" / "plotly.min.js").read_text()),
+        "common_js": _inline_script((static / "dashboard" / "common.js").read_text()),
         "charts_js": _inline_script((static / "dashboard" / "charts.js").read_text()),
         "timeline_js": _inline_script((static / "dashboard" / "timeline.js").read_text()),
         "timeline_data": timeline_rows.snapshot(run.pk, max_slices=150),
