@@ -4,7 +4,8 @@
 // new steps arrive (at most every FORECAST_EVERY_MS). The forecast part only while the run is
 // active. Every text is inserted as text.
 //
-// RLForecast.create(runId, element, active) -> {load, schedule, status(active)}, from run.js.
+// RLForecast.create(runId, element, active, onRead) -> {load, schedule, status(active)}, from
+// run.js; onRead(reply) hears every read of the run (run.js: APRIL's context for the tuning panel).
 (function () {
   "use strict";
   const FORECAST_EVERY_MS = 5000;
@@ -77,7 +78,7 @@
   // The line of run `runId` in `node`. The forecast part only while the run is active: ended()
   // drops it at once (the status arrived on the stream) and a reply read before then shows no "To
   // go" either; started() lets it back (a resumed run).
-  function create(runId, node, isActive) {
+  function create(runId, node, isActive, onRead) {
     let active = isActive !== false, cost = null;
     function show(f) {
       node.hidden = !f && !cost;
@@ -88,6 +89,8 @@
         .then(r => (r.ok ? r.json() : null))
         .then(function (d) {
           if (!d) return;
+          if (onRead) onRead(d);
+          if (!node) return;
           cost = d.cost_so_far || null;
           show(active ? d.forecast : null);
           if (cost) wasteCaption(cost);
@@ -100,7 +103,6 @@
       if (!active && node) show(null);
       reads.schedule();
     }
-    if (!node) return { load: function () {}, schedule: function () {}, status: function () {} };
     return { load: reads.load, schedule: reads.schedule, status: status };
   }
   window.RLForecast = { create: create, text: text };

@@ -30,7 +30,6 @@
     return plural(ep.turns, "turn") + " · " + plural(ep.tool_calls || 0, "tool call") +
       (ep.tool_errors ? " (" + ep.tool_errors + " failed)" : "");
   }
-  const ENDS = { answer: "answered", max_turns: "out of turns (episode.max_turns)", budget: "out of tokens (max_response_len)" };
   // log-probability -> white (certain) .. red (surprising), saturating at -5
   function logprobColour(lp) {
     if (lp === null || lp === undefined || typeof lp !== "number") return "#f3f4f6";
@@ -372,7 +371,7 @@
         const ep = s.episode;
         meta(dl, "episode", plural(ep.turns, "model turn") + " · " + plural(ep.tool_calls || 0, "tool call") +
              (ep.tool_errors ? " (" + ep.tool_errors + " failed)" : "") + " · " + num(ep.tool_s || 0, 3) + " s in tools" +
-             (ep.end ? " · " + (ENDS[ep.end] || ep.end) : ""));
+             (ep.end ? " · " + (ep.end_text || ep.end) : ""));   // the server's words (sample_rows.py)
       }
       meta(dl, "TIS weight", num(s.tis_weight));
       meta(dl, "reward status", s.reward_status + (s.reward_error ? ": " + s.reward_error : ""));

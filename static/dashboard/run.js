@@ -105,8 +105,7 @@
       for (const k in m.values) addPoint(k, m.step, m.values[k]);
       setStep(m.step);
       advice.schedule();   // new steps: the advice may have changed
-      forecast.schedule();   // ... and the pace
-      knobs.renderAprilContext();   // ... and the response lengths APRIL's rules of thumb read
+      forecast.schedule();   // ... and the pace, and the lengths APRIL's rules of thumb read
     } else if (m.type === "histogram") {
       addHist(m);
     } else if (m.type === "status") {
@@ -148,6 +147,7 @@
       for (const k in (d.changes || {})) state.knobs[k] = d.changes[k].new;
       state.annotations.push({ step: m.step, text: m.text });
       knobValuesChanged();
+      forecast.schedule();   // the pace and APRIL's context may have moved with it
       knobs.markChange(d.change_id, "applied", "applied from step " + RLCommon.actsFrom(m.step));
       advice.onOutcome(d.change_id);
       advice.onEvent(m);
@@ -202,8 +202,11 @@
   // --- the panels: live tuning (static/dashboard/knobs.js), advice and autopilot (advice.js) -------
   const knobs = RLKnobs.create({ page: page, state: state, cookie: cookie, showMessage: showMessage });
   const advice = RLAdvice.create({ page: page, state: state, charts: charts, knobs: knobs, cookie: cookie });
-  const forecast = RLForecast.create(RUN, document.getElementById("run-forecast"),   // forecast.js
-                                     ACTIVE.indexOf(state.status) >= 0);
+  // forecast.js reads the run (GET /api/runs/<id>) when steps arrive: its cost line, and APRIL's
+  // rules of thumb beside the run's values for the tuning panel
+  const forecast = RLForecast.create(RUN, document.getElementById("run-forecast"),
+                                     ACTIVE.indexOf(state.status) >= 0,
+                                     d => knobs.renderAprilContext(d.april_context || ""));
   forecast.load();
   function knobValuesChanged() {   // the tuning panel's current values and the autopilot's checkboxes
     knobs.renderValues();
@@ -287,7 +290,6 @@
       for (const k in state.series) { const s = state.series[k].steps; if (s.length) maxStep = Math.max(maxStep, s[s.length - 1]); }
       setStep(maxStep);
       state.cursor = data.cursor;
-      knobs.renderAprilContext();
       scheduleDraw();
       connect();
     });

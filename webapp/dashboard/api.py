@@ -140,7 +140,9 @@ def run_json(run: Run, user, detail: bool = False) -> dict:
                   "checkpoints": actions.checkpoint_steps(run),   # the steps it can be forked from
                   # time and price to max_steps at the recent pace (docs/cost.md)
                   "forecast": cost.to_end(run) if run.status in ACTIVE else None,
-                  "cost_so_far": cost.so_far_of(run)})
+                  "cost_so_far": cost.so_far_of(run),
+                  # APRIL's rules of thumb beside the run's values (None when APRIL is off)
+                  "april_context": advice.april_context(run)})
     return d
 
 
