@@ -371,7 +371,7 @@
         const ep = s.episode;
         meta(dl, "episode", plural(ep.turns, "model turn") + " · " + plural(ep.tool_calls || 0, "tool call") +
              (ep.tool_errors ? " (" + ep.tool_errors + " failed)" : "") + " · " + num(ep.tool_s || 0, 3) + " s in tools" +
-             (ep.end ? " · " + (ep.end_text || ep.end) : ""));   // the server's words (sample_rows.py)
+             (ep.end ? " · " + (ep.end_text || ep.end) : ""));   // the server's words (rows/samples.py)
       }
       meta(dl, "TIS weight", num(s.tis_weight));
       meta(dl, "reward status", s.reward_status + (s.reward_error ? ": " + s.reward_error : ""));

@@ -103,7 +103,7 @@
     })();
 
     // APRIL's rules of thumb beside the run's values, as context (nothing enforces them): the
-    // server's line (webapp/dashboard/advice.py april_context, from trainer/pilot/april.py's
+    // server's line (webapp/dashboard/reports/advice.py april_context, from trainer/pilot/april.py's
     // figures, which the pilot's APRIL advice cites too), in the page and in each read of the run
     // (run.js hands it over: renderAprilContext(text))
     const aprilBox = techniqueEnabled("april") ? el("p", { class: "muted", id: "april-context" }, "") : null;

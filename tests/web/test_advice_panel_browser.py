@@ -34,9 +34,10 @@ def test_the_advice_panel_in_the_browser(live_asgi, django_user_model, monkeypat
     from test_advice_panel import advice_rows, trainer_applies
 
     from trainer.config import AUTOPILOT_RULES
-    from webapp.dashboard import actions, advice
+    from webapp.dashboard import actions
     from webapp.dashboard.actions import Record
     from webapp.dashboard.models import KnobChange, Run, RunEvent
+    from webapp.dashboard.reports import advice
 
     assert shutil.which(CHROMIUM), f"{CHROMIUM} is missing"
     owner = django_user_model.objects.create_user("erin", password="erin-pw-123")

@@ -1,7 +1,7 @@
 """APRIL's rules of thumb on the live run page, in headless Chromium: beside the key knobs, the
 over-sampling ratio, the segment limit against the response lengths so far and the buffer in
 tokens against the write-up's sizing rule, as a person reads them, updated by a new step's metrics.
-The line is the server's (webapp/dashboard/advice.py april_context, from trainer/pilot/april.py's
+The line is the server's (webapp/dashboard/reports/advice.py april_context, from trainer/pilot/april.py's
 figures): in the page, and in each read of the run the page makes when steps arrive."""
 import shutil
 

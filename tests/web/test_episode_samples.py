@@ -1,5 +1,5 @@
 """Multi-turn episodes in the rollout inspector's web side: an episode row's turns and counters
-cleaned for the database (webapp/dashboard/sample_rows.py), served whole by the samples API (the
+cleaned for the database (webapp/dashboard/rows/samples.py), served whole by the samples API (the
 list carries the counters only), and in the exports (the samples CSV as JSON columns; the offline
 report with the completion turn by turn and the environment's runs named "env")."""
 import csv

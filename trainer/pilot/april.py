@@ -25,7 +25,7 @@ OVERSAMPLE_RULE = (1.5, 2.0)   # N' over the batch, the rule of thumb
 
 def rule_figures(cfg, longest: float = 0, mean: float | None = None) -> dict:
     """The run's APRIL values beside the rules of thumb, computed here once for the advice and
-    the run page (webapp/dashboard/advice.py): N' in effect and its ratio to the batch against
+    the run page (webapp/dashboard/reports/advice.py): N' in effect and its ratio to the batch against
     1.5-2x (`rule_batch`: that range in groups); the segment limit in effect against half of the
     `longest` response seen (`first_segment`: the rule's first value, None without a length);
     and the write-up's buffer sizing, mean length × the over-sampled samples ÷ the throughput

@@ -11,11 +11,11 @@ from django.views.decorators.http import require_http_methods, require_POST
 
 from trainer import config as config_mod
 from trainer.pilot import april as pilot_april
-from webapp.dashboard import actions, advice, formatting
+from webapp.dashboard import actions, formatting
 from webapp.dashboard.access import validation
-from webapp.dashboard.api import filter_runs
+from webapp.dashboard.api.endpoints import filter_runs
 from webapp.dashboard.models import ACTIVE, RESUMABLE, Run, RunEvent, Status
-from webapp.dashboard.reports import comparison, cost, exports, summary
+from webapp.dashboard.reports import advice, comparison, cost, exports, summary
 from webapp.dashboard.worker import sweep
 
 FIELD_PREFIX = "cfg:"

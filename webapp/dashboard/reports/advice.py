@@ -40,9 +40,10 @@ def april_context(run: Run) -> str | None:
     panel (None when APRIL is off): N' against 1.5-2x the batch, the segment limit against the
     response lengths so far (the longest of the run, the latest p90), the buffer in tokens against
     the write-up's sizing rule (the latest mean length)."""
-    cfg = current_config(run)
-    if not cfg.april.enabled:
+    launched = (run.config or {}).get("april") or {}
+    if not (run.knobs or {}).get("april.enabled", launched.get("enabled")):
         return None
+    cfg = current_config(run)
     points = MetricPoint.objects.filter(run_id=run.pk)
     longest = points.filter(key="rollout/response_len/max").aggregate(m=Max("value"))["m"] or 0
 
