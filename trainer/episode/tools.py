@@ -15,7 +15,7 @@ whitespace may follow it. Two syntaxes:
 A malformed call raises `ToolCallError`, whose message is what the model is told. `run_tool` never
 raises: a failure (bad arguments, an error in the code, a timeout, a memory or sandbox limit) is its
 result's text, "error: ...", with `error=True`, at most ERROR_CHARS long (cut at a word, marked
-"…"). Every result's text is at most `max_output_chars` long. Limits: the python tool's
+"..."). Every result's text is at most `max_output_chars` long. Limits: the python tool's
 `timeout_s` and the sandbox's memory (`CODE_MEMORY_BYTES`); the calculator refuses expressions
 over 1000 characters and integers over 1000 digits.
 """
@@ -42,9 +42,10 @@ JSON_OPEN, JSON_CLOSE = "<tool_call>", "</tool_call>"
 
 # A failure's message is what the model is told, inside its response budget (environment tokens
 # count: the agent preset's 96 tokens once held a 76-token error, cut mid-word): at most
-# ERROR_CHARS, cut at a word's end and marked with CUT.
+# ERROR_CHARS, cut at a word's end and marked with CUT (ASCII: the built-in character-level
+# model's vocabulary has no "…").
 ERROR_CHARS = 120
-CUT = "…"
+CUT = "..."
 MAX_EXPRESSION_CHARS = 1000
 MAX_NESTING = 32          # JSON levels a tool call may nest (its arguments are one flat object)
 MAX_DIGITS = 1000
