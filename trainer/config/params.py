@@ -48,11 +48,13 @@ class ParamSpec:
 
     def as_json(self) -> dict[str, Any]:
         default = list(self.default) if self.type is list else self.default
-        return {"name": self.name, "type": TYPE_NAMES[self.type], "default": default,
-                "min": self.min, "max": self.max,
-                "choices": list(self.choices) if self.choices else None,
-                "help": self.help, "tunable": self.tunable,
-                "prefixes": list(self.prefixes) if self.prefixes else None}
+        out = {"name": self.name, "type": TYPE_NAMES[self.type], "default": default,
+               "min": self.min, "max": self.max,
+               "choices": list(self.choices) if self.choices else None,
+               "help": self.help, "tunable": self.tunable}
+        if self.prefixes:   # (data.task: "reasoning_gym:NAME" besides its choices)
+            out["prefixes"] = list(self.prefixes)
+        return out
 
     def allowed(self) -> str:
         if self.type is list:
