@@ -161,3 +161,20 @@ def test_an_environment_needs_more_than_one_turn():
     assert "episode.max_turns > 1" in launch_problems(cfg)["episode.environment"]
     assert launch_problems(C.load("demo", GUESS)) == {}
     assert launch_problems(C.load("demo")) == {}
+
+
+def test_the_cli_refuses_a_bad_environment_before_making_a_run_directory(tmp_path):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": str(root / "tests")}
+    p = subprocess.run([sys.executable, "-m", "trainer", "run", "demo", "--set", "episode.max_turns=3",
+                        "--set", "episode.environment=fakes.guess_env:NoScore", "--out", str(out)],
+                       cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 2, p.stderr
+    assert "episode.environment" in p.stderr and "NoScore" in p.stderr and "'score'" in p.stderr
+    assert not out.exists()
