@@ -20,7 +20,8 @@ GUESS = ["episode.environment=fakes.guess_env:GuessEnv", "episode.max_turns=3", 
          "rollout.max_response_len=48", "rollout.max_slots=16", "run.eval_every=0",
          "run.checkpoint_every=0", "run.reward_workers=0", "model.threads=1"]
 MODES = {"sync": [], "april": ["april.enabled=true", "april.segment_max_tokens=8"],
-         "async": ["async.enabled=true", "async.max_staleness=1"]}
+         "async": ["async.enabled=true", "async.max_staleness=1"], "greso": ["greso.enabled=true"],
+         "pool": ["cluster.gen_procs=2"]}   # generation processes: the environment stays here
 
 
 def run(tmp_path, overrides, steps=3):
