@@ -10,7 +10,8 @@ from trainer.observe.metrics import MemorySink
 from trainer.rewards.dispatch import score_item
 from trainer.run.runner import Runner
 from trainer.tasks import TASKS, build_task, task_spec
-from trainer.tasks.reasoning_gym import ReasoningGymTask, extract_answer, score_reasoning_gym
+from trainer.tasks.reasoning_gym import ReasoningGymTask
+from trainer.tasks.reasoning_gym_catalog import extract_answer, score_reasoning_gym
 
 ADD = ('{"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1, "operators": ["+"], '
        '"allow_parentheses": false, "allow_negation": false}')

@@ -102,7 +102,7 @@ def check(cfg: Config) -> None:
 def _task_source_problems(cfg: Config) -> dict[str, str]:
     """A reasoning-gym task that does not exist or whose options its config refuses; task_options
     given to another task."""
-    from trainer.tasks.reasoning_gym import PREFIX, check_task
+    from trainer.tasks.reasoning_gym_catalog import PREFIX, check_task
 
     if not cfg.data.task.startswith(PREFIX):
         return {"data.task_options": "only a reasoning_gym:NAME task takes options"} \

@@ -16,14 +16,15 @@ from typing import Any, Callable
 
 from trainer.config import ConfigError
 from trainer.rewards.verifiers import Verdict, check_code, score_code, score_math, warm_math
-from trainer.tasks import reasoning_gym as rg
+from trainer.tasks import reasoning_gym_catalog as rg
 from trainer.tasks.arith import ArithTask
 from trainer.tasks.base import Problem, Task
 from trainer.tasks.calc import CalcTask
 from trainer.tasks.drift import DriftTask
 from trainer.tasks.jsonl import JsonlTask
 from trainer.tasks.prompts import PromptRenderer
-from trainer.tasks.reasoning_gym import ReasoningGymTask, dataset_name, score_reasoning_gym
+from trainer.tasks.reasoning_gym import ReasoningGymTask
+from trainer.tasks.reasoning_gym_catalog import dataset_name, score_reasoning_gym
 from trainer.tasks.sum import SumTask, score_sum
 
 
