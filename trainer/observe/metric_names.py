@@ -20,7 +20,7 @@ SCALARS: dict[str, str] = {
     "eval/tool_use_rate": "held-out share of episodes that called a tool (multi-turn runs)",
     "eval/turns_mean": "held-out model turns per episode, mean (multi-turn runs)",
     # rollout
-    "rollout/response_len/mean": "mean response length (tokens)",
+    "rollout/response_len/mean": "mean response length (tokens the model wrote)",
     "rollout/response_len/p50": "median response length", "rollout/response_len/p90": "p90 length",
     "rollout/response_len/max": "longest response",
     "rollout/truncated_ratio": "share of responses cut at max_response_len",
@@ -115,7 +115,7 @@ SCALARS: dict[str, str] = {
     "april/segment_max_tokens": "current segment limit",
     "april/top_ups": "times new groups were started mid-step as others completed or were filtered",
     "april/offpolicy_token_ratio": "share of trained tokens from older policies",
-    "april/masked_tokens": "off-policy tokens masked out of the loss",
+    "april/masked_tokens": "off-policy model tokens masked out of the loss",
     # GRESO
     "greso/skip_rate": "share of drawn prompts skipped", "greso/skip_rate/easy": "easy ones",
     "greso/skip_rate/hard": "hard ones", "greso/p_easy": "exploration probability, easy",
@@ -150,7 +150,7 @@ PATTERNS = {r"^system/gpu\d+/(util|mem_gb|power_w)$": "per-GPU telemetry",
             r"^mismatch/age(0|1|2plus)/(kl|abs_logp_diff)$": "mismatch by token age (versions)"}
 
 HISTOGRAM_AXES: dict[str, str] = {  # histogram name -> what its x axis counts
-    "rollout/response_len": "response length (tokens)",
+    "rollout/response_len": "response length (tokens the model wrote)",
     "async/staleness": "staleness (policy versions behind)",
     "april/version_span": "versions spanned by one sample (policy versions)",
     "april/buffer_age": "age of a buffered partial sample (policy versions)",
