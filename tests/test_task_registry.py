@@ -17,7 +17,12 @@ ADD = {"tests": "assert add(1, 2) == 3", "entry_point": "add"}
 
 
 def test_the_registry_names_exactly_the_tasks_the_config_allows():
-    assert set(TASKS) == set(C.param_spec("data.task").choices) == {"sum", "arith", "math", "code", "calc", "drift"}
+    spec = C.param_spec("data.task")
+    assert set(spec.choices) == {"sum", "arith", "math", "code", "calc", "drift"}
+    # and reasoning-gym's datasets, named "reasoning_gym:NAME", under one verifier
+    assert spec.prefixes == ("reasoning_gym:",)
+    assert set(TASKS) == set(spec.choices) | {"reasoning_gym"}
+    assert task_spec("reasoning_gym:basic_arithmetic") is TASKS["reasoning_gym"]
 
 
 def _config(name, tmp_path):
@@ -28,15 +33,19 @@ def _config(name, tmp_path):
         path = tmp_path / f"{name}.jsonl"
         path.write_text("".join(json.dumps(r) + "\n" for r in rows[name]))
         extra = [f"data.path={path}"]
+    if name == "reasoning_gym":
+        name = "reasoning_gym:basic_arithmetic"
     return C.load("demo", [f"data.task={name}", *extra])
 
 
 RIGHT = {"sum": lambda a: f">{a}", "calc": lambda a: f">{a}", "drift": lambda a: f">{a}",
          "arith": lambda a: f"so \\boxed{{{a}}}", "math": lambda a: f"\\boxed{{{a}}}",
-         "code": lambda a: "def add(a, b):\n    return a + b"}
+         "code": lambda a: "def add(a, b):\n    return a + b",
+         "reasoning_gym": lambda a: f"<answer>{a['entry']['answer']}</answer>"}
 WRONG = {"sum": lambda a: f">{a + 1}", "calc": lambda a: f">{a + 1}",
          "drift": lambda a: f">{a + 1}", "arith": lambda a: f"\\boxed{{{int(a) + 1}}}",
-         "math": lambda a: "\\boxed{41}", "code": lambda a: "def add(a, b):\n    return a - b"}
+         "math": lambda a: "\\boxed{41}", "code": lambda a: "def add(a, b):\n    return a - b",
+         "reasoning_gym": lambda a: "<answer>x</answer>"}
 
 
 @pytest.mark.parametrize("name", sorted(TASKS))
@@ -53,7 +62,7 @@ def test_the_verifiers_are_the_ones_each_task_needs():
         score_sum, score_math, score_math, score_code]
     assert TASKS["code"].check_within is check_code
     assert [n for n, s in TASKS.items() if s.check_within] == ["code"]
-    assert {n for n, s in TASKS.items() if s.preload} == {"arith", "math"}
+    assert {n for n, s in TASKS.items() if s.preload} == {"arith", "math", "reasoning_gym"}
 
 
 def test_an_unknown_task_is_refused_naming_the_known_ones():

@@ -41,6 +41,8 @@ HELP = "held-out accuracy before and after RL on the demo preset"
 PRESET_DEFAULTS = {
     "smollm2-math": (900.0, 200, ["rollout.rollout_batch_size=4", "rollout.n_samples_per_prompt=4",
                                   "rollout.max_response_len=96", "rollout.max_slots=16"]),
+    "reasoning-gym": (900.0, 200, ["rollout.rollout_batch_size=4", "rollout.n_samples_per_prompt=4",
+                                   "rollout.max_response_len=48", "rollout.max_slots=16"]),
 }
 # the LoRA variant's settings (an adapter's learning rate is about 10x full fine-tuning's); on a
 # real model's preset `--variant both` is the default

@@ -344,8 +344,11 @@ if __name__ == "__main__":
 
 
 def _require_sandbox(cfg) -> None:
-    """A run that executes model-written code needs its sandbox here: refused by name if not."""
+    """A run that executes model-written code needs its sandbox here, and one with your own
+    environment needs it to import and build: refused by name if not."""
+    from trainer.episode.interface import launch_problems as environment_problems
     from trainer.sandbox.preflight import launch_problems
     problems = launch_problems(cfg)
+    problems.update(environment_problems(cfg))   # episode.environment: imports, implements, builds
     if problems:
         raise config_mod.ConfigError(problems)

@@ -16,6 +16,7 @@ def check(cfg: Config) -> None:
         errors["data.path"] = f"task={cfg.data.task!r} needs a JSONL file in data.path"
     if cfg.data.task in ("sum", "arith", "drift") and cfg.data.path:
         errors["data.path"] = f"the built-in {cfg.data.task} task reads no file; leave data.path empty"
+    errors.update(_task_source_problems(cfg))
     if cfg.data.drift_step and cfg.data.task != "drift":
         errors["data.drift_step"] = (f"only the drift task shifts; data.task is {cfg.data.task!r} "
                                      "(set data.task = 'drift', or data.drift_step = 0)")
@@ -96,6 +97,22 @@ def check(cfg: Config) -> None:
                                     f"exactly 1: nearly every token would be masked; widen it")
     if errors:
         raise ConfigError(errors)
+
+
+def _task_source_problems(cfg: Config) -> dict[str, str]:
+    """A reasoning-gym task that does not exist or whose options its config refuses; task_options
+    given to another task."""
+    from trainer.tasks.reasoning_gym_catalog import PREFIX, check_task
+
+    if not cfg.data.task.startswith(PREFIX):
+        return {"data.task_options": "only a reasoning_gym:NAME task takes options"} \
+            if cfg.data.task_options.strip() else {}
+    try:
+        check_task(cfg.data.task, cfg.data.task_options)
+    except ValueError as e:
+        key = "data.task" if "unknown reasoning-gym task" in str(e) else "data.task_options"
+        return {key: str(e)}
+    return {}
 
 
 def pilot_bounds(items: Iterable[str]) -> dict[str, tuple[float, float]]:

@@ -20,11 +20,12 @@ class ConfigError(ValueError):
         super().__init__("; ".join(f"{k}: {v}" for k, v in self.errors.items()))
 
 
-def param(default, *, help: str, min=None, max=None, choices=None, tunable=False):
+def param(default, *, help: str, min=None, max=None, choices=None, tunable=False, prefixes=None):
     """Declare one parameter. `min`/`max` are inclusive bounds. A list parameter (default a
-    list) holds distinct items, each one of `choices` when given."""
+    list) holds distinct items, each one of `choices` when given. A string parameter with
+    `prefixes` also takes any value that starts with one of them and goes on ("reasoning_gym:X")."""
     meta = {"help": help, "min": min, "max": max, "choices": tuple(choices) if choices else None,
-            "tunable": tunable}
+            "tunable": tunable, "prefixes": tuple(prefixes) if prefixes else None}
     if isinstance(default, list):   # a dataclass field cannot share one mutable default
         return field(default_factory=lambda: list(default), metadata=meta)
     return field(default=default, metadata=meta)
@@ -43,13 +44,17 @@ class ParamSpec:
     max: float | None = None
     choices: tuple | None = None
     tunable: bool = False
+    prefixes: tuple | None = None   # a value starting with one of these is allowed besides choices
 
     def as_json(self) -> dict[str, Any]:
         default = list(self.default) if self.type is list else self.default
-        return {"name": self.name, "type": TYPE_NAMES[self.type], "default": default,
-                "min": self.min, "max": self.max,
-                "choices": list(self.choices) if self.choices else None,
-                "help": self.help, "tunable": self.tunable}
+        out = {"name": self.name, "type": TYPE_NAMES[self.type], "default": default,
+               "min": self.min, "max": self.max,
+               "choices": list(self.choices) if self.choices else None,
+               "help": self.help, "tunable": self.tunable}
+        if self.prefixes:   # (data.task: "reasoning_gym:NAME" besides its choices)
+            out["prefixes"] = list(self.prefixes)
+        return out
 
     def allowed(self) -> str:
         if self.type is list:
@@ -57,7 +62,8 @@ class ParamSpec:
                      else "strings")
             return f"a list of distinct {items} (a TOML list or comma-separated; empty = none)"
         if self.choices:
-            return "one of " + ", ".join(repr(c) for c in self.choices)
+            return "one of " + ", ".join(repr(c) for c in self.choices) + "".join(
+                f", or {p!r} followed by a name" for p in self.prefixes or ())
         if self.type is bool:
             return "true or false"
         lo = "-inf" if self.min is None else self.min
@@ -117,7 +123,7 @@ class ParamSpec:
             if problem:
                 raise ConfigError({self.name: problem})
             out = value
-        if self.choices and out not in self.choices:
+        if self.choices and out not in self.choices and not self._prefixed(out):
             raise err
         if self.min is not None and out < self.min:
             raise err
@@ -125,6 +131,9 @@ class ParamSpec:
             raise err
         return out
 
+    def _prefixed(self, value) -> bool:
+        return isinstance(value, str) and any(value.startswith(p) and len(value) > len(p)
+                                              for p in self.prefixes or ())
 
     def _coerce_list(self, value, err: ConfigError) -> list[str]:
         """A list, a TOML list in a string ('["a", "b"]', from the form or --set) or a

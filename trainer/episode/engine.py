@@ -34,11 +34,13 @@ from typing import Callable, Iterable
 
 from trainer.engine.base import ABORT, ENV_VERSION, LENGTH, SEGMENT, STOP, EngineWrapper, Sample
 from trainer.episode.environments import Environment, Reply
+from trainer.episode.interface import EnvironmentProblem
 from trainer.episode.tools import format_error
 from trainer.observe import clock
+from trainer.tasks.base import Problem
 
-# why an episode ended (meta["episode"]["end"])
-END_ANSWER, END_MAX_TURNS, END_BUDGET = "answer", "max_turns", "budget"
+# why an episode ended (meta["episode"]["end"]); "error": its environment failed (["error"] says how)
+END_ANSWER, END_MAX_TURNS, END_BUDGET, END_ERROR = "answer", "max_turns", "budget", "error"
 
 
 def new_episode(problem, tools: tuple[str, ...]) -> dict:
@@ -46,7 +48,8 @@ def new_episode(problem, tools: tuple[str, ...]) -> dict:
     row's, replace `tools`): what its environment needs and what it has done so far."""
     own = getattr(problem, "tools", None)
     tools = tools if own is None else own
-    return {"kind": problem.kind, "answer": problem.answer, "tools": list(tools), "turns": 1,
+    return {"id": problem.id, "kind": problem.kind, "answer": problem.answer, "tools": list(tools),
+            "turns": 1,
             "tool_calls": 0, "tool_errors": 0, "tool_s": 0.0, "feedback": 0, "end": ""}
 
 
@@ -73,10 +76,11 @@ class Episodes(EngineWrapper):
         # request id -> (model tokens at its submission, its segment limit then): a segment runs
         # over turns, as one response's would
         self.segment: dict[int, tuple[int, int | None]] = {}
+        self.failed: list[Sample] = []   # episodes whose environment's start failed: over
 
     @property
     def num_pending(self) -> int:
-        return self.inner.num_pending + len(self.in_tool)
+        return self.inner.num_pending + len(self.in_tool) + len(self.failed)
 
     def set_limits(self, *, max_turns: int, timeout_s: float, output_chars: int,
                    feedback: bool) -> None:
@@ -87,25 +91,29 @@ class Episodes(EngineWrapper):
 
     # --- the engine interface ----------------------------------------------------------------------
     def submit(self, samples: Iterable[Sample]) -> None:
-        samples = list(samples)
+        samples = [s for s in samples if self._started(s)]
         for s in samples:
             self.segment[s.request_id] = (s.model_tokens, s.params.segment_max_tokens)
         self.inner.submit(samples)
 
     def step(self) -> list[Sample]:
         due = list(self.in_tool)   # tools called before this step: they run while it decodes
-        out = [s for s in self.inner.step() if not self._turn_ended(s)]
+        out, self.failed = self.failed, []
+        out += [s for s in self.inner.step() if not self._turn_ended(s)]
         if not due and not self.inner.num_pending and not out:
             due = list(self.in_tool)   # nothing else to do: wait for the tools called just now
         out.extend(self._replies(due))
         for s in out:
             self.segment.pop(s.request_id, None)
+            self._score(s)
         return out
 
     def abort(self, request_ids: Iterable[int] | None = None, keep_cache: bool = False) -> list[Sample]:
         ids = None if request_ids is None else set(request_ids)
         out = self.inner.abort(None if ids is None else list(ids), keep_cache=keep_cache)
         out = [s for s in out if not self._turn_ended(s)]   # a turn that ended as it was aborted
+        out += [s for s in self.failed if ids is None or s.request_id in ids]
+        self.failed = [s for s in self.failed if s not in out]
         for rid in [r for r in self.in_tool if ids is None or r in ids]:
             s, fut = self.in_tool.pop(rid)
             if self._append(s, fut.result()):   # the tool is bounded by its time limit
@@ -113,6 +121,7 @@ class Episodes(EngineWrapper):
             out.append(s)
         for s in out:
             self.segment.pop(s.request_id, None)
+            self._score(s)
         return out
 
     def close(self) -> None:
@@ -121,6 +130,41 @@ class Episodes(EngineWrapper):
         self.in_tool.clear()
         self.pool.shutdown(wait=True, cancel_futures=True)
         self.inner.close()
+
+    # --- the environment's start and score ----------------------------------------------------------
+    def _started(self, s: Sample) -> bool:
+        """Start `s`'s episode with the environment the first time it is submitted (its state in
+        `meta["episode"]["state"]`); False when the start failed (the episode is over, with the
+        error: returned by the next step)."""
+        ep = s.episode
+        if ep is None or "state" in ep or ep.get("end"):
+            return True
+        problem = Problem(id=ep.get("id", ""), prompt=self.tokenizer.decode(s.prompt_ids),
+                          answer=ep["answer"], kind=ep["kind"], tools=tuple(ep.get("tools", ())))
+        try:
+            state = self.environment.start(problem)
+        except EnvironmentProblem as e:
+            ep["end"], ep["error"] = END_ERROR, str(e)
+            s.finish_reason = STOP
+            self.failed.append(s)
+            return False
+        ep["state"] = state   # (None for the built-in environment: started once all the same)
+        return True
+
+    def _score(self, s: Sample) -> None:
+        """A finished episode's reward from its environment (`meta["episode"]["score"]`), when it
+        gives one (the built-in environment leaves it to the task's verifier)."""
+        ep = s.episode
+        if ep is None or not s.done or ep.get("error") or "score" in ep:
+            return
+        turn = self.tokenizer.decode(final_turn(s), skip_special_tokens=True)
+        try:
+            value = self.environment.score(turn, ep)
+        except EnvironmentProblem as e:
+            ep["error"] = str(e)
+            return
+        if value is not None:
+            ep["score"] = value
 
     # --- turns -------------------------------------------------------------------------------------
     def _turn_ended(self, s: Sample) -> bool:
@@ -167,12 +211,16 @@ class Episodes(EngineWrapper):
     def _append(self, s: Sample, reply: Reply) -> bool:
         """Write the environment's reply into the episode; False when the episode is over."""
         ep = s.meta["episode"]
+        if reply.state is not None:
+            ep["state"] = reply.state
         if reply.tool or reply.error:
             ep["tool_calls"] += 1
             ep["tool_errors"] += int(reply.error)
             ep["tool_s"] = round(ep["tool_s"] + reply.seconds, 6)
         if reply.role is None:
-            ep["end"] = END_ANSWER
+            ep["end"] = END_ERROR if reply.failure else END_ANSWER
+            if reply.failure:
+                ep["error"] = reply.failure
             return False
         if reply.role != "tool":
             ep["feedback"] += 1

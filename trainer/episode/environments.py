@@ -25,6 +25,8 @@ class Reply:
     error: bool = False     # a malformed call, or a tool that failed
     seconds: float = 0.0    # the tool's wall time
     tool: str = ""          # the tool called ("" for none)
+    state: Any = None       # the episode's state after this turn (your own environment's)
+    failure: str = ""       # your environment failed: the episode ends with this error
 
 
 DONE = Reply(None)
@@ -54,6 +56,15 @@ class Environment:
         self.syntax, self.feedback = syntax, feedback
         self.timeout_s, self.output_chars = timeout_s, output_chars
         self.verify = verify
+
+    # --- the environment interface (trainer/episode/interface.py) -------------------------------
+    def start(self, problem) -> None:
+        """Keeps no state of its own: the episode's answer, kind and tools are in `episode`."""
+        return None
+
+    def score(self, turn: str, episode: dict) -> None:
+        """The task's verifier scores the episode (in the reward workers, with its time limit)."""
+        return None
 
     def respond(self, turn: str, episode: dict) -> Reply:
         """Never raises: whatever the model's text does to parsing or to a tool is a tool error

@@ -59,6 +59,8 @@ SCALARS: dict[str, str] = {
     "episode/tool_s": "seconds the step's scored episodes spent in tools, summed",
     "episode/tool_use_rate": "share of episodes with at least one tool call",
     "episode/max_turns_ratio": "share of episodes that ran out of turns (episode.max_turns)",
+    "episode/env_errors": "episodes your own environment failed (episode.environment: an "
+                          "exception or a bad reply, score or state); each scored 0, as an error",
     "episode/env_tokens": "environment tokens (tool results, feedback) in the scored episodes: "
                           "in the context, never trained",
     # the update

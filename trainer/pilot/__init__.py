@@ -9,6 +9,7 @@ by how much and why (docs/pilot.md).
   greso.py       GRESO's exploration bounds
   health.py      length hacking, entropy collapse, KL runaway
   mismatch.py    the engine-trainer mismatch: the rollout correction, the engine's precision
+  episodes.py    multi-turn runs whose episodes are all single-turn (no silent fallback)
   rules.py       `advise(rows, cfg)`: every rule over the latest window
   `python -m trainer advise RUN_DIR` is trainer/cli/advise.py
 

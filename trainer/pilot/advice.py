@@ -75,7 +75,7 @@ def at_stake(rules_: set[str], rows: list[dict], slices: list[tuple], rates: dic
 
 CONFIDENCES = ("low", "medium", "high")
 # every value of Advice.rule: one per rule module ("length" is april.py's truncation note)
-RULE_FAMILIES = ("staleness", "april", "length", "greso", "health", "mismatch")
+RULE_FAMILIES = ("staleness", "april", "length", "greso", "health", "mismatch", "episodes")
 EVIDENCE_KEY_LEN = 12   # hex digits of Advice.evidence_key
 
 

@@ -3,12 +3,13 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from trainer.pilot import april, greso, health, mismatch, staleness
+from trainer.pilot import april, episodes, greso, health, mismatch, staleness
 from trainer.pilot.advice import Advice
 from trainer.pilot.thresholds import DEFAULT, Thresholds
 from trainer.pilot.window import Window
 
-RULES = (*staleness.RULES, *april.RULES, *greso.RULES, *health.RULES, *mismatch.RULES)
+RULES = (*staleness.RULES, *april.RULES, *greso.RULES, *health.RULES, *mismatch.RULES,
+         *episodes.RULES)
 
 
 def advise(rows: Sequence[dict], cfg, *, window: int | None = None,

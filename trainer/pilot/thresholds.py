@@ -121,6 +121,13 @@ class Thresholds:
     kl_coef_start: float = threshold(0.01, help="algo.kl_coef proposed against a KL runaway when it "
                                      "is 0", source="judgement: a nudge, under the 0.04 of "
                                      "DeepSeekMath's GRPO")
+    # --- episodes ------------------------------------------------------------------------------
+    single_turn_steps: int = threshold(5, help="steps in a row whose episodes all had one model "
+                                       "turn, in a run with episode.max_turns > 1, for 'multi-turn "
+                                       "fell back to single turn'",
+                                       source="judgement: a multi-turn run's first steps may all "
+                                       "answer at once; five in a row is a pattern (verl and TRL users "
+                                       "report multi-turn set-ups that silently ran single-turn)")
     # --- engine-trainer mismatch --------------------------------------------------------------
     # Measured here (demo preset, CPU): a float32 engine against the float32 trainer, mismatch/kl
     # about 1e-9; a bfloat16 engine against it, 2.4e-5 to 9.8e-5 a step and one step at 1.8e-4

@@ -333,4 +333,5 @@ def episode_metrics(samples: list[Sample]) -> dict[str, float]:
         "episode/tool_use_rate": sum(1 for _, e in episodes if e["tool_calls"]) / n,
         "episode/max_turns_ratio": sum(1 for _, e in episodes if e["end"] == "max_turns") / n,
         "episode/env_tokens": sum(len(s.versions) - s.model_tokens for s, _ in episodes),
+        "episode/env_errors": sum(1 for _, e in episodes if e.get("error")),
     }

@@ -14,7 +14,8 @@ from typing import Callable
 
 from trainer.algo import objective
 from trainer.episode.engine import final_turn
-from trainer.rewards.pool import RewardService
+from trainer.episode.interface import episode_verdict
+from trainer.rewards.pool import RewardBatch, RewardService
 from trainer.rollout.base import Group
 
 
@@ -36,7 +37,7 @@ class Scorer:
         problems = [g.problem for g in groups for _ in g.samples]
         # an episode's answer is its last model turn (a tool's output is not the model's answer)
         completions = [self.tokenizer.decode(final_turn(s), skip_special_tokens=True) for s in samples]
-        batch = self.rewards.score_batch(problems, completions)
+        batch = self._score(samples, problems, completions)
         raw = list(batch.scores)
         shaped = objective.shaped_rewards(raw, [s.model_tokens for s in samples], self.cfg())
         statuses = batch.statuses or ["ok"] * len(raw)
@@ -53,6 +54,22 @@ class Scorer:
             self.totals["reward_errors"] += batch.errors
             self.totals["reward_timeouts"] += batch.timeouts
             self.seconds += time.monotonic() - t0
+
+    def _score(self, samples, problems, completions) -> RewardBatch:
+        """The verifiers' verdicts, but an episode's own environment's where it scored it or
+        failed (trainer/episode/interface.py): those never reach the reward pool."""
+        own = [episode_verdict(s) for s in samples]
+        todo = [i for i, v in enumerate(own) if v is None]
+        if len(todo) == len(samples):
+            return self.rewards.score_batch(problems, completions)
+        pool = self.rewards.score_batch([problems[i] for i in todo], [completions[i] for i in todo])
+        verdicts: list = list(own)
+        for k, i in enumerate(todo):
+            verdicts[i] = (pool.scores[k], pool.statuses[k] if pool.statuses else "ok",
+                           pool.notes[k] if pool.notes else "")
+        failed = sum(1 for v in own if v is not None and v[1] == "error")
+        return RewardBatch([v[0] for v in verdicts], pool.errors + failed, pool.timeouts,
+                           [v[1] for v in verdicts], [v[2] for v in verdicts])
 
     def texts(self, problems, completions) -> list[float]:
         """Scores of already decoded completions (evaluation), nothing counted."""

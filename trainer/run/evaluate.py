@@ -5,6 +5,7 @@ import time
 
 from trainer.engine.base import RolloutEngine, Sample, SamplingParams
 from trainer.episode.engine import final_turn, new_episode
+from trainer.episode.interface import episode_verdict
 
 
 def evaluate(engine: RolloutEngine, tokenizer, problems, score_batch, *, temperature: float,
@@ -23,6 +24,10 @@ def evaluate(engine: RolloutEngine, tokenizer, problems, score_batch, *, tempera
     engine.generate(samples)
     completions = [tokenizer.decode(final_turn(s), skip_special_tokens=True) for s in samples]
     scores = score_batch(problems, completions)
+    for i, s in enumerate(samples):   # an episode its own environment scored (or that failed)
+        verdict = episode_verdict(s)
+        if verdict is not None:
+            scores[i] = verdict[0]
     n = len(problems)
     out = {"accuracy": sum(1 for r in scores if r >= 1.0) / n,
            "reward_mean": sum(scores) / n,

@@ -35,6 +35,7 @@ from trainer.models import lora
 from trainer.observe import clock, cost, trackers
 from trainer.observe.metrics import MetricsSink, MultiSink
 from trainer.observe.timeline import CONTROLLER, rank_lane
+from trainer.pilot import episodes as single_turn
 from trainer.rollout import staleness_schedule
 from trainer.rollout.asynchronous import AsyncStall, CollectInterrupted
 from trainer.rollout.base import RolloutResult
@@ -395,6 +396,8 @@ class Runner:
         advice, move = self.pilot.after_step(self.step, m, self.cfg)
         for a in advice:
             self.sink.event(self.step, "advice", a.as_json())
+            if a.reason == single_turn.REASON:   # no silent fallback: an event too (an alert)
+                self.sink.event(self.step, single_turn.EVENT, {"message": a.message})
         if move is not None:
             self.boundary.request(move.knobs, reason=move.reason, requested_by=AUTOPILOT)
 

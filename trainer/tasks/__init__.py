@@ -16,12 +16,15 @@ from typing import Any, Callable
 
 from trainer.config import ConfigError
 from trainer.rewards.verifiers import Verdict, check_code, score_code, score_math, warm_math
+from trainer.tasks import reasoning_gym_catalog as rg
 from trainer.tasks.arith import ArithTask
 from trainer.tasks.base import Problem, Task
 from trainer.tasks.calc import CalcTask
 from trainer.tasks.drift import DriftTask
 from trainer.tasks.jsonl import JsonlTask
 from trainer.tasks.prompts import PromptRenderer
+from trainer.tasks.reasoning_gym import ReasoningGymTask
+from trainer.tasks.reasoning_gym_catalog import dataset_name, score_reasoning_gym
 from trainer.tasks.sum import SumTask, score_sum
 
 
@@ -65,6 +68,15 @@ def _jsonl(cfg, renderer: PromptRenderer) -> Task:
                      seed=cfg.run.seed, renderer=renderer)
 
 
+def _reasoning_gym(cfg, renderer: PromptRenderer) -> Task:
+    d = cfg.data
+    try:
+        return ReasoningGymTask(dataset_name(d.task), options=d.task_options,
+                                train_size=d.train_size, seed=cfg.run.seed, renderer=renderer)
+    except ValueError as e:   # an unknown dataset, or options its config refuses
+        raise ConfigError({"data.task": str(e)}) from None
+
+
 TASKS: dict[str, TaskSpec] = {
     "sum": TaskSpec(_sum, score_sum),
     "arith": TaskSpec(_arith, score_math, preload=warm_math),
@@ -72,11 +84,15 @@ TASKS: dict[str, TaskSpec] = {
     "code": TaskSpec(_jsonl, score_code, check_within=check_code),
     "calc": TaskSpec(_calc, score_sum),   # sum a list with a calculator tool (multi-turn episodes)
     "drift": TaskSpec(_drift, score_sum),  # list sums that get easier at data.drift_step (GRESO)
+    # data.task = "reasoning_gym:NAME": a reasoning-gym dataset, scored by its own score_answer
+    rg.KIND: TaskSpec(_reasoning_gym, score_reasoning_gym, preload=rg.warm_reasoning_gym),
 }
 
 
 def task_spec(name: str) -> TaskSpec:
     """The registered task `name` (ValueError naming the known ones when there is none)."""
+    if isinstance(name, str) and name.startswith(rg.PREFIX):
+        name = rg.KIND
     spec = TASKS.get(name) if isinstance(name, str) else None
     if spec is None:
         raise ValueError(f"unknown task {name!r}; the known tasks are " + ", ".join(TASKS))

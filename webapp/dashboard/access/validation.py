@@ -228,6 +228,8 @@ def config_problems(cfg: config_mod.Config, on_worker: bool = False) -> dict[str
     errors: dict[str, str] = {}
     from trainer.sandbox.preflight import launch_problems  # (probes bwrap once per process)
     errors.update(launch_problems(cfg))
+    from trainer.episode.interface import launch_problems as environment_problems
+    errors.update(environment_problems(cfg))   # episode.environment imports, implements, builds
     problem = train_procs_problem(cfg, on_worker)
     if problem:
         errors["cluster.train_procs"] = problem

@@ -24,6 +24,9 @@ Rules (thresholds are settings, `RLPILOT_ALERT_*`):
   reward_collapse rollout/zero_var_ratio/all_wrong >= ALERT_COLLAPSE_RATIO for ALERT_COLLAPSE_STEPS
                  steps, once the run has had a step under that ratio (something to collapse from)
   nan_loss       actor/pg_loss non-finite, or a trainer `warning` event about a non-finite update
+  single_turn    the trainer's `single_turn_episodes` event: a multi-turn run (episode.max_turns > 1)
+                 whose episodes all had one model turn for several steps in a row, with the reason
+                 (trainer/pilot/episodes.py); cleared by steps with a longer episode
   heartbeat      no heartbeat for RLPILOT_HEARTBEAT_TIMEOUT_S (the run becomes interrupted)
   stalled        no step finished for max(ALERT_STALL_FACTOR x median step time, ALERT_STALL_MIN_S)
                  while running (an evaluation or checkpoint between steps holds the clock, up to
@@ -39,13 +42,14 @@ from typing import Any, Callable
 
 from django.conf import settings
 
+from trainer.pilot.episodes import EVENT as SINGLE_TURN_EVENT
 from trainer.pilot.window import kl_rising, median_halves
 from webapp.dashboard import actions
 from webapp.dashboard.actions import Record
 from webapp.dashboard.models import MetricPoint, Run, Status
 
 RULES = ("staleness", "kl_high", "kl_rising", "mismatch_high", "reward_collapse", "nan_loss", "heartbeat",
-         "stalled")
+         "stalled", "single_turn")
 # rules raised and cleared by someone else than the sink's Monitor (which must not write back a
 # stale copy of them): `stalled` by the heartbeat thread's StallWatch
 EXTERNAL_RULES = ("stalled",)
@@ -98,6 +102,8 @@ class Monitor:
                 msg = str((r.values or {}).get("message", ""))
                 if "non-finite" in msg.lower() or "nan" in msg.lower().split():
                     out += self._set("nan_loss", True, r.step, f"the trainer reported: {msg}")
+            elif r.kind == "event" and r.name == SINGLE_TURN_EVENT:
+                out += self._set("single_turn", True, r.step, str((r.values or {}).get("message", "")))
         return out
 
     def _points(self, step: int, v: dict[str, Any]) -> list[Record]:
@@ -138,6 +144,9 @@ class Monitor:
                                      f"{step} (x{factor:g} from {floor:g} up raises this)",
                                      value=recent, before=before, threshold=factor)
         out += self._mismatch(step, v)
+        turns = number(v.get("episode/turns/max"))
+        if turns is not None and turns > 1:   # episodes of several turns again
+            out += self._set("single_turn", False, step, "")
         if "rollout/zero_var_ratio/all_wrong" in v:
             w = number(v["rollout/zero_var_ratio/all_wrong"])
             if w is not None and math.isfinite(w):
