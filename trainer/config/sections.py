@@ -122,6 +122,16 @@ class RolloutConfig:
 
 
 @dataclass
+class EngineConfig:
+    kv_on_update: str = param("keep", choices=["keep", "recompute"], tunable=True,
+                              help="a sample parked across a weight update (APRIL's early "
+                              "termination): keep its KV cache (computed by the old weights; "
+                              "only new tokens are prefilled, by the new ones) or drop it and "
+                              "prefill prompt + response again under the new weights (exact); "
+                              "parked caches live in free engine slots, oldest given up first")
+
+
+@dataclass
 class AlgoConfig:
     clip_low: float = param(0.2, min=0.0, max=1.0, tunable=True,
                             help="PPO clip range below 1 (ratio >= 1 - clip_low)")
@@ -388,6 +398,7 @@ SECTIONS: dict[str, type] = {
     "model": ModelConfig,
     "data": DataConfig,
     "rollout": RolloutConfig,
+    "engine": EngineConfig,
     "episode": EpisodeConfig,
     "sandbox": SandboxConfig,
     "algo": AlgoConfig,
@@ -414,6 +425,7 @@ class Config:
     lora: LoraConfig = field(default_factory=LoraConfig)
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     mismatch: MismatchConfig = field(default_factory=MismatchConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
