@@ -128,7 +128,13 @@ class EngineConfig:
                               "termination): keep its KV cache (computed by the old weights; "
                               "only new tokens are prefilled, by the new ones) or drop it and "
                               "prefill prompt + response again under the new weights (exact); "
-                              "parked caches live in free engine slots, oldest given up first")
+                              "parked caches live in free engine slots, then in a store "
+                              "bounded by kv_park_tokens")
+    kv_park_tokens: int = param(-1, min=-1, max=1 << 30,
+                                help="embedded engine: most cached positions parked samples hold "
+                                "outside the engine's slots (copied out; the oldest are given up "
+                                "beyond it and prefilled again when resumed); -1 = as many as "
+                                "the slots hold (max_slots x max_seq_len), 0 = free slots only")
 
 
 @dataclass

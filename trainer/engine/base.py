@@ -159,12 +159,13 @@ class EngineStats:
     # the KV cache of samples that left the engine part-way and came back (APRIL's parked
     # samples, an episode's next turn): prefill tokens spent on a sample's history (it had
     # response tokens; part of prefill_tokens), cached positions it went on from instead,
-    # parked caches given up for a slot (prefilled again if resumed), and, a level rather than
-    # a count, the positions parked caches hold now
+    # parked caches given up (prefilled again if resumed), and, levels rather than counts,
+    # the positions parked caches hold now, and those of them outside the engine's slots
     resumed_prefill_tokens: int = 0
     kv_kept_tokens: int = 0
     kv_evicted: int = 0
     parked_kv_tokens: int = 0
+    kv_store_tokens: int = 0
 
     def idle_slot_frac(self) -> float:
         if self.slot_steps_capacity == 0:
@@ -172,16 +173,17 @@ class EngineStats:
         return 1.0 - self.slot_steps_used / self.slot_steps_capacity
 
     def minus(self, other: "EngineStats") -> "EngineStats":
-        """The counters since `other`; the levels (parked_kv_tokens) as they are now."""
+        """The counters since `other`; the levels (parked_kv_tokens, kv_store_tokens) as they
+        are now."""
         out = EngineStats(*(a - b for a, b in zip(self.astuple(), other.astuple())))
-        out.parked_kv_tokens = self.parked_kv_tokens
+        out.parked_kv_tokens, out.kv_store_tokens = self.parked_kv_tokens, self.kv_store_tokens
         return out
 
     def astuple(self):
         return (self.decode_steps, self.slot_steps_used, self.slot_steps_capacity,
                 self.generated_tokens, self.prefill_tokens, self.prefill_shared_tokens,
                 self.decode_s, self.admit_s, self.resumed_prefill_tokens, self.kv_kept_tokens,
-                self.kv_evicted, self.parked_kv_tokens)
+                self.kv_evicted, self.parked_kv_tokens, self.kv_store_tokens)
 
 
 class RolloutEngine:

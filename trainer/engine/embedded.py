@@ -61,7 +61,7 @@ class EmbeddedEngine(ParkedCaches, RolloutEngine):
                  max_seq_len: int = 512, seed: int = 0, device: torch.device | None = None,
                  dtype: torch.dtype | None = None, prefill_tokens: int = 8192,
                  kv_memory_fraction: float = 0.5, slots_cap: int = 1024,
-                 attn_bucket_overhead: float | None = None):
+                 attn_bucket_overhead: float | None = None, park_tokens: int = -1):
         params = next(model.parameters())
         self.device = device or params.device
         self.dtype = dtype or params.dtype
@@ -90,8 +90,12 @@ class EmbeddedEngine(ParkedCaches, RolloutEngine):
         self.queue: deque[Sample] = deque()
         self.slots: list[Sample] = []      # active samples, slot i holds slots[i]
         self.cached: list[int] = []        # cached positions per active slot
-        # request id -> (slot, cached, last cached token), oldest first (trainer/engine/parking.py)
+        # parked caches (trainer/engine/parking.py): request id -> (slot, cached, last cached
+        # token), oldest first; the ones outside the slots, at most park_tokens positions (-1:
+        # as many as the slots hold)
         self.parked: dict[int, tuple[int, int, int]] = {}
+        self.stored: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.park_tokens = self.max_slots * max_seq_len if park_tokens < 0 else park_tokens
         # request id -> the weights version that computed its prompt's KV entries (a running
         # sample of the same prompt may lend them to a new one only when that is today's)
         self.prompt_kv_version: dict[int, int] = {}
@@ -148,7 +152,7 @@ class EmbeddedEngine(ParkedCaches, RolloutEngine):
             wanted = None if request_ids is None else set(request_ids)
             if not keep_cache:
                 for rid in [r for r in self.parked if wanted is None or r in wanted]:
-                    del self.parked[rid]
+                    self._forget(rid)
             out = []
             keep_q: deque[Sample] = deque()
             for s in self.queue:
@@ -173,8 +177,7 @@ class EmbeddedEngine(ParkedCaches, RolloutEngine):
             self.last_sync_bytes = self.decoder.load(named_tensors)
             self.version = version
             if recompute_kv:
-                self.parked.clear()  # stale: resumed samples are prefilled under the new weights
-                self._count_parked()
+                self._forget_all()  # stale: resumed samples are prefilled under the new weights
                 if self.slots:
                     self._prefill(list(range(len(self.slots))))
 
@@ -183,7 +186,7 @@ class EmbeddedEngine(ParkedCaches, RolloutEngine):
             self.queue.clear()
             self.slots.clear()
             self.cached.clear()
-            self.parked.clear()
+            self._forget_all()
             self.prompt_kv_version.clear()
 
     # --- memory (engine and trainer sharing one GPU) ----------------------------------------------
@@ -197,8 +200,7 @@ class EmbeddedEngine(ParkedCaches, RolloutEngine):
                                    "finish or abort them before releasing the KV cache")
             if self.cache is None:
                 return True
-            self.parked.clear()
-            self._count_parked()
+            self._forget_all()
             self.cache.release()
             self.cache = None
             if self.device.type == "cuda":

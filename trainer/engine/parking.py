@@ -1,5 +1,5 @@
-"""Parked KV caches: a sample that left the embedded engine part-way keeps its cache in a free
-slot until it is submitted again, and then continues without prefilling what the cache holds.
+"""Parked KV caches: a sample that left the embedded engine part-way keeps its cache until it is
+submitted again, and then continues without prefilling what the cache holds.
 
 Who parks: a stop at the segment limit, `abort(keep_cache=True)` (APRIL's early termination
 with `engine.kv_on_update = keep`, an asynchronous suspension), and an episode's model turn that
@@ -8,18 +8,21 @@ survives a weight update unless the update recomputes (`recompute_kv`): it was c
 weights of its day, and the sample's next tokens come from the new ones (each token records its
 version; the trainer recomputes every log-probability with its own weights).
 
-The bound is the engine's own: parked caches live in slots no active sequence uses (slots
-n..max_slots-1 while n run), so they cost no memory beyond the cache the engine allocated.
-When a new sequence needs the slot, the parked cache there moves to a free one or, with none
-free, the oldest parked cache is given up (`stats.kv_evicted`); its sample is prefilled again
-when it comes back. `stats.parked_kv_tokens` is the positions parked caches hold.
+Where: first in a slot no active sequence uses (slots n..max_slots-1 while n run): no memory
+beyond the cache the engine allocated. When a new sequence needs that slot, the parked cache
+moves to a free slot, or, with none free, is copied out to a store of its own (exact-length
+tensors; a copy costs memory bandwidth, a prefill a forward pass). The store holds at most
+`park_tokens` positions: beyond it the oldest parked caches in it are given up
+(`stats.kv_evicted`), and their samples are prefilled again when they come back.
+`stats.parked_kv_tokens` counts every parked position, `stats.kv_store_tokens` those in the store
+(the memory parking costs: `Decoder.kv_bytes_per_token` each).
 
 Resuming: the sample's tokens must extend the cached ones (lists only grow; a stop string cuts
 a response after a late report, which leaves the cache a valid longer prefix). Positions past
 the cache are prefilled on top of it (`Decoder.extend`); a cache longer than the sample is cut.
 
 A mixin of `EmbeddedEngine` (trainer/engine/embedded.py): it moves the same per-slot state
-(`slots`, `cached`, `cache`, `parked`).
+(`slots`, `cached`, `cache`, `parked`, `stored`).
 """
 from __future__ import annotations
 
@@ -27,20 +30,33 @@ from typing import Iterable
 
 from trainer.engine.base import Sample
 
+STORED = -1   # a parked entry's slot when its cache is in the store
+
 
 class ParkedCaches:
-    """request id -> (slot, cached positions, the token at the last cached position), oldest
-    first, in `self.parked`."""
+    """`self.parked`: request id -> (slot or STORED, cached positions, the token at the last
+    cached position), oldest first; `self.stored`: request id -> (keys, values) of the stored
+    ones, each [layers, kv heads, cached, head dim]."""
 
     def drop_cache(self, request_ids: Iterable[int]) -> None:
-        """Give up the parked caches of these samples (their episode is over)."""
+        """Give up the parked caches of these samples (they will not come back)."""
         with self.lock:
             for rid in request_ids:
-                self.parked.pop(rid, None)
+                self._forget(rid)
             self._count_parked()
+
+    def _forget(self, rid: int) -> None:
+        self.parked.pop(rid, None)
+        self.stored.pop(rid, None)
+
+    def _forget_all(self) -> None:
+        self.parked.clear()
+        self.stored.clear()
+        self._count_parked()
 
     def _count_parked(self) -> None:
         self.stats.parked_kv_tokens = sum(e[1] for e in self.parked.values())
+        self.stats.kv_store_tokens = sum(self.parked[rid][1] for rid in self.stored)
 
     def _park(self, i: int) -> Sample:
         """Take active slot i out of the active range, keeping its cache."""
@@ -51,6 +67,7 @@ class ParkedCaches:
             self.cached[i], self.cached[last] = self.cached[last], self.cached[i]
         s, cached = self.slots.pop(), self.cached.pop()
         tokens = self._tokens(s)
+        self._forget(s.request_id)
         self.parked[s.request_id] = (last, cached, tokens[cached - 1] if cached else -1)
         return s
 
@@ -62,28 +79,46 @@ class ParkedCaches:
 
     def _claim(self, index: int) -> None:
         """Make slot `index` free for an active sequence: a parked cache there moves to a free
-        slot, or, with none free, the oldest parked cache is given up."""
+        slot; with none free, the oldest parked cache in a slot goes to the store (or is given
+        up) and this one takes its slot."""
         rid = self._parked_at(index)
         if rid is None:
             return
         used = {e[0] for e in self.parked.values()} | set(range(len(self.slots)))
         free = [j for j in range(self.max_slots) if j not in used]
-        self.stats.kv_evicted += not free
-        if not free:  # give up the oldest parked cache (maybe this one)
-            oldest = next(iter(self.parked))
-            if oldest != rid:
-                free = [self.parked.pop(oldest)[0]]
-            else:
-                del self.parked[rid]
+        if not free:
+            oldest = next(r for r, e in self.parked.items() if e[0] != STORED)
+            free = [self.parked[oldest][0]]
+            self._spill(oldest)
+            if oldest == rid:
                 return
         _, cached, tail = self.parked[rid]
         self.cache.move(index, free[0], cached)
         self.parked[rid] = (free[0], cached, tail)
 
+    def _spill(self, rid: int) -> None:
+        """Copy a parked cache out of its slot to the store, giving up the oldest stored caches
+        (this one in its turn) while the store would hold more than `park_tokens` positions."""
+        slot, cached, tail = self.parked[rid]
+        held = sum(self.parked[r][1] for r in self.stored)
+        for old in [r for r in self.parked if r in self.stored or r == rid]:
+            if held + cached <= self.park_tokens:
+                break
+            self.stats.kv_evicted += 1
+            if old == rid:
+                del self.parked[rid]
+                return
+            held -= self.parked[old][1]
+            self._forget(old)
+        self.stored[rid] = (self.cache.k[:, slot, :, :cached].clone(),
+                            self.cache.v[:, slot, :, :cached].clone())
+        self.parked[rid] = (STORED, cached, tail)
+
     def _unpark(self, s: Sample) -> bool:
         """Activate a parked sample's cache at slot len(self.slots), prefilling the positions
         its tokens added since (an environment's turn); False if it has no usable cache."""
         entry = self.parked.pop(s.request_id, None)
+        stored = self.stored.pop(s.request_id, None)
         if entry is None:
             return False
         slot, cached, tail = entry
@@ -92,7 +127,11 @@ class ParkedCaches:
         if cached <= need and cached and tokens[cached - 1] != tail:
             return False  # not the tokens the cache was computed from: prefill afresh
         n = len(self.slots)
-        if slot != n:
+        if stored is not None:
+            self._claim(n)
+            self.cache.k[:, n, :, :cached] = stored[0]
+            self.cache.v[:, n, :, :cached] = stored[1]
+        elif slot != n:
             other = self._parked_at(n)
             if other is not None:  # swap the two parked caches
                 o_slot, o_cached, o_tail = self.parked[other]
