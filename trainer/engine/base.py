@@ -275,7 +275,9 @@ class EngineWrapper(RolloutEngine):
         self.inner.update_weights(named_tensors, version, recompute_kv=recompute_kv)
 
     def drop_cache(self, request_ids: Iterable[int]) -> None:
-        self.inner.drop_cache(request_ids)
+        drop = getattr(self.inner, "drop_cache", None)   # an engine that keeps nothing may not say
+        if drop is not None:
+            drop(request_ids)
 
     # Inherited defaults would answer for the wrapper; the memory is the inner engine's.
     def release_memory(self) -> bool:
