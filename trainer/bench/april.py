@@ -36,14 +36,15 @@ def add_arguments(p) -> None:
 def run(args, log=print) -> dict:
     variants = [("baseline", args.preset, [*args.set, "april.enabled=false"]),
                 ("april", args.preset, [*args.set, "april.enabled=true"])]
-    if args.kv == "both":
+    both = getattr(args, "kv", "default") == "both"
+    if both:
         variants[1][2].append("engine.kv_on_update=keep")
         variants.append(("april_recompute", args.preset,
                          [*args.set, "april.enabled=true", "engine.kv_on_update=recompute"]))
     res = compare(variants, args, log)
     base, apr = res["baseline"], res["april"]
     out = {"baseline": base, "april": apr, "ratio": ratios(apr, base)}
-    if args.kv == "both":
+    if both:
         out["april_recompute"] = res["april_recompute"]
         out["ratio_recompute"] = ratios(res["april_recompute"], base)
     return out
