@@ -16,6 +16,12 @@ far as a decode step costs less per row when it holds more rows. Each variant re
 rows per decode step and the engine's decode (and admission: prefill, cache moves)
 milliseconds per generated token; `ratio.decode_cost_per_token` is the baseline's decode cost
 per token over APRIL's, the gain APRIL's full batches bought in decoding alone.
+
+`--kv both` runs APRIL twice beside the baseline: keeping its parked samples' KV caches across
+the weight update (`april`, engine.kv_on_update = keep) and prefilling them again under the new
+weights (`april_recompute`), with `ratio_recompute` for the latter; each variant reports its
+prefill, resumed-prefill and kept-cache tokens, and `admission_cost_per_token` is APRIL's
+admission milliseconds per generated token over the baseline's.
 """
 from __future__ import annotations
 
