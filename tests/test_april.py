@@ -73,6 +73,33 @@ def test_every_step_accounts_for_every_sample_and_token(parts):
     assert len(rollout.buffer) > 0
 
 
+def test_kept_caches_spare_the_resumed_samples_prefill_and_change_nothing_else(parts):
+    """engine.kv_on_update: with keep the samples APRIL parks at a step's end go on from their
+    cache in the next step (under new weights); with recompute each is prefilled again. The
+    accounting and the per-token versions hold either way."""
+    torch.manual_seed(1)
+    noisy = [{k: v + 0.01 * torch.randn_like(v) for k, v in parts[0].state_dict().items()}
+             for _ in range(4)]
+    resumed, kept = {}, {}
+    for mode in ("keep", "recompute"):
+        rollout, engine = make_rollout(parts)
+        cfg = cfg_for(f"engine.kv_on_update={mode}")
+        for version in range(4):
+            engine.update_weights(noisy[version], version)
+            res = rollout.collect(cfg, version)
+            c = res.counts
+            assert c.submitted == c.completed + c.parked + c.dropped
+            for g in res.groups:
+                for s in g.samples:
+                    s.check()
+                    assert s.versions == sorted(s.versions) and max(s.versions) <= version
+        resumed[mode] = engine.stats.resumed_prefill_tokens
+        kept[mode] = engine.stats.kv_kept_tokens
+    # recompute prefills every resumed history; keep only those whose cache gave its slot up
+    assert resumed["recompute"] > 0 and resumed["keep"] < resumed["recompute"] / 2
+    assert kept["keep"] > kept["recompute"]
+
+
 # (extra overrides, the ledger's reasons that must have dropped tokens, whether tokens waited)
 MODES = {
     "plain": (["april.enabled=false"], [], False),

@@ -30,6 +30,15 @@ def test_bench_april_reports_the_ratio_and_where_the_tokens_went():
     assert out["baseline"]["waiting_tokens_at_end"] == 0
 
 
+def test_bench_april_sets_kept_caches_beside_recomputed_ones():
+    out = april.run(args(preset="demo", steps=3, eval_size=0, kv="both"), log=lambda *a: None)
+    keep, redo = out["april"], out["april_recompute"]
+    assert set(out["ratio_recompute"]) == set(out["ratio"]) >= {"admission_cost_per_token"}
+    # step 2 on resumes the samples step 1 parked: prefilled again only under recompute
+    assert redo["resumed_prefill_tokens"] > 0 and keep["resumed_prefill_tokens"] < redo["resumed_prefill_tokens"]
+    assert keep["kv_kept_tokens"] > redo["kv_kept_tokens"]
+
+
 def test_bench_greso_reports_samples_reduction():
     out = greso.run(args(preset="greso"), log=lambda *a: None)
     assert set(out["ratio"]) >= {"samples_reduction", "accuracy_delta"}

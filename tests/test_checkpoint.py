@@ -19,9 +19,11 @@ from trainer.run import checkpoint
 from trainer.run.runner import Runner
 
 # APRIL (a partial-rollout buffer in the state) and GRESO (traces and an RNG state) make the
-# trainer state hold every kind of value a run writes
+# trainer state hold every kind of value a run writes. A checkpoint holds no KV cache: a resume is
+# exact where parked samples are prefilled again at every update (recompute)
 EXTRA = ["april.enabled=true", "april.segment_max_tokens=16", "rollout.max_response_len=96",
-         "greso.enabled=true", "rollout.dynamic_sampling=true", "data.train_size=8"]
+         "greso.enabled=true", "rollout.dynamic_sampling=true", "data.train_size=8",
+         "engine.kv_on_update=recompute"]
 
 
 def _run(run_dir, overrides, steps, **kw):
@@ -164,6 +166,24 @@ def test_resume_from_the_new_format_reproduces_the_uninterrupted_run(two_steps, 
     assert resumed.greso.state_dict() == straight.greso.state_dict()
     # the APRIL buffer too, but for request ids (a process-wide counter: unique, not replayed)
     assert _no_ids(resumed.rollout.state_dict()) == _no_ids(straight.rollout.state_dict())
+
+
+def test_a_resume_with_kept_caches_rebuilds_them_and_says_so(two_steps, tmp_path):
+    """engine.kv_on_update = keep: the checkpoint's parked samples have no cache in the resumed
+    run; they are prefilled under the resumed weights, and the resume event says so."""
+    base, tiny, _, _, _ = two_steps
+    shutil.copytree(base / "run", tmp_path / "resumed")
+    cfg = C.load("demo", tiny + EXTRA + ["engine.kv_on_update=keep", "run.max_steps=3"])
+    sink = MemorySink()
+    with Runner(cfg, tmp_path / "resumed", sink=sink, system_telemetry=False, resume=True,
+                keep_knobs=("engine.kv_on_update",)) as runner:
+        runner.run()
+    assert runner.step == 3
+    event = next(e for e in sink.events if e["kind"] == "run_resumed")
+    assert "prefilled again under the resumed weights" in event["kv_cache"]
+    assert "keep" in event["kv_cache"]
+    # the buffer's samples had tokens: their histories were prefilled again, no cache was kept
+    assert sink.steps[-1]["engine/resumed_prefill_tokens"] > 0
 
 
 def _no_ids(rollout_state):

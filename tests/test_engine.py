@@ -235,7 +235,10 @@ def test_parked_cache_resumes_without_prefill_and_gives_the_same_tokens(builtin)
     assert [s.response_ids for s in samples] == [r.response_ids for r in ref]
 
 
-def test_parked_caches_give_way_to_new_work_and_stay_correct(builtin):
+@pytest.mark.parametrize("park_tokens", [0, -1])
+def test_parked_caches_give_way_to_new_work_and_stay_correct(builtin, park_tokens):
+    """The new work takes the slots: the oldest parked caches leave them, given up with no
+    store (park_tokens 0), copied out to the store with one (-1: as large as the slots)."""
     model, tok = builtin
     greedy = SamplingParams(temperature=0.0, max_new_tokens=150)
     texts = ["[" + ",".join([str(d)] * 14) + "]=" for d in range(1, 10)]
@@ -243,20 +246,24 @@ def test_parked_caches_give_way_to_new_work_and_stay_correct(builtin):
     EmbeddedEngine(model, eos_token_ids=[tok.eos_token_id], max_slots=3,
                    max_seq_len=300).generate(ref)
 
-    eng = EmbeddedEngine(model, eos_token_ids=[tok.eos_token_id], max_slots=3, max_seq_len=300)
+    eng = EmbeddedEngine(model, eos_token_ids=[tok.eos_token_id], max_slots=3, max_seq_len=300,
+                         park_tokens=park_tokens)
     first = [Sample(list(r.prompt_ids), greedy) for r in ref[:3]]
     eng.submit(first)
     for _ in range(8):
         eng.step()
     eng.abort(keep_cache=True)
-    # new work takes the slots: the oldest parked caches are given up
     others = [Sample(list(r.prompt_ids), greedy) for r in ref[3:]]
     eng.submit(others[:2])
     for _ in range(5):
         eng.step()
-    assert len(eng.parked) == 1
-    eng.submit(first)      # one continues from its parked cache, two are prefilled again
+    assert len(eng.parked) == (1 if park_tokens == 0 else 3)
+    assert len(eng.stored) == (0 if park_tokens == 0 else 2)
+    before = eng.stats.resumed_prefill_tokens
+    eng.submit(first)      # continued from their parked caches, or prefilled again
     eng.generate(others[2:])
     while eng.num_pending:
         eng.step()
     assert [s.response_ids for s in first + others] == [r.response_ids for r in ref]
+    history = 2 * (len(first[0].prompt_ids) + 8 - 1)   # the two given up, prefilled again
+    assert eng.stats.resumed_prefill_tokens - before == (history if park_tokens == 0 else 0)

@@ -77,6 +77,12 @@ def train_variant(name: str, preset: str, overrides: list[str], *, steps: int, e
         "rows_per_decode_step": round(engine.slot_steps_used / max(engine.decode_steps, 1), 1),
         "decode_ms_per_token": round(1e3 * engine.decode_s / max(engine.generated_tokens, 1), 4),
         "admit_ms_per_token": round(1e3 * engine.admit_s / max(engine.generated_tokens, 1), 4),
+        # where admissions went: prompts and histories prefilled (a resumed sample's history
+        # again, when its KV cache was not kept), and cached positions resumed samples kept
+        "prefill_tokens": engine.prefill_tokens,
+        "prefill_shared_tokens": engine.prefill_shared_tokens,
+        "resumed_prefill_tokens": engine.resumed_prefill_tokens,
+        "kv_kept_tokens": engine.kv_kept_tokens, "kv_evicted": engine.kv_evicted,
         "reward_mean": round(_mean(s("reward/mean")), 4),
         "zero_var_ratio_mean": round(_mean(s("rollout/zero_var_ratio")), 4),
         "heldout_accuracy": accuracy,

@@ -37,6 +37,10 @@ padded attention costs B x the longest row (`one_long_padded_ms`, `padded_ratio`
 batch with a single padded bucket, as the engine decoded before). Measured interleaved too
 (A B C A B C ...), each run the median of `--step-steps` decode steps.
 
+`decode_cost.against_peak`: each batch's decode step against this machine's limit, measured
+here (trainer/bench/roofline.py: a large matmul's FLOP/s, a large copy's bytes/s): achieved
+GFLOP/s and GB/s and the fraction of the bound (compute or memory) the step reaches.
+
 `decode_cost`: what a generated token costs in a decode step of B rows (every row at
 ~`--step-short` cached tokens), for each B of `--cost-batches` (default 8, 32, 128), and
 `batching_gain` = the cost per token at the smallest B over that at the largest. This is what
@@ -335,23 +339,37 @@ def _decode_cost(model, args, device, dtype, vocab: int, log) -> dict | None:
     batches = [int(b) for b in args.cost_batches.split(",") if b.strip()]
     if not batches:
         return None
+    from trainer.bench import roofline
+
     runs: dict[int, list[float]] = {b: [] for b in batches}
+    work = {}
     for rep in range(max(args.reps, 1) + 1):
         for b in batches:
             eng = _step_engine(model, _Args(args, step_batch=b), device, dtype, vocab, False)
-            ms, _ = _time_steps(eng, args.step_steps, device)
+            ms, lens = _time_steps(eng, args.step_steps, device)
+            work[b] = roofline.decode_work(eng.decoder, b, round(sum(lens) / len(lens)))
             eng.close()
             if rep:
                 runs[b].append(ms / b)
     per_token = {b: statistics.median(v) for b, v in runs.items()}
     lo, hi = min(batches), max(batches)
+    machine = roofline.peak(device, dtype)   # this machine's limit, measured now
     out = {"cached_tokens": args.step_short,
            "per_token_ms": {str(b): _spread(v, 4) for b, v in runs.items()},
            "step_ms": {str(b): round(per_token[b] * b, 3) for b in batches},
            "batching_gain": round(per_token[lo] / per_token[hi], 2),
-           "batching_gain_batches": [lo, hi]}
+           "batching_gain_batches": [lo, hi],
+           "machine_peak": {**machine, "gflops": round(machine["flops"] / 1e9, 1),
+                            "gbytes_per_s": round(machine["bytes_per_s"] / 1e9, 1)},
+           "against_peak": {str(b): roofline.against(work[b], per_token[b] * b / 1e3, machine)
+                            for b in batches}}
     log("  decode cost per token: " + ", ".join(f"B={b} {per_token[b]:.4f} ms" for b in batches)
         + f"; B={lo} -> B={hi}: {out['batching_gain']}x cheaper per token")
+    log(f"  machine peak: {machine['flops'] / 1e9:.1f} GFLOP/s (matmul), "
+        f"{machine['bytes_per_s'] / 1e9:.1f} GB/s (copy); decode step at "
+        + ", ".join(f"B={b} {v['gflops']} GFLOP/s {v['gbytes_per_s']} GB/s = "
+                    f"{v['fraction_of_bound']:.0%} of the {v['bound']} bound"
+                    for b, v in out["against_peak"].items()))
     return out
 
 

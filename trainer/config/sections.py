@@ -127,6 +127,22 @@ class RolloutConfig:
 
 
 @dataclass
+class EngineConfig:
+    kv_on_update: str = param("keep", choices=["keep", "recompute"], tunable=True,
+                              help="a sample parked across a weight update (APRIL's early "
+                              "termination): keep its KV cache (computed by the old weights; "
+                              "only new tokens are prefilled, by the new ones) or drop it and "
+                              "prefill prompt + response again under the new weights (exact); "
+                              "parked caches live in free engine slots, then in a store "
+                              "bounded by kv_park_tokens")
+    kv_park_tokens: int = param(-1, min=-1, max=1 << 30,
+                                help="embedded engine: most cached positions parked samples hold "
+                                "outside the engine's slots (copied out; the oldest are given up "
+                                "beyond it and prefilled again when resumed); -1 = as many as "
+                                "the slots hold (max_slots x max_seq_len), 0 = free slots only")
+
+
+@dataclass
 class AlgoConfig:
     clip_low: float = param(0.2, min=0.0, max=1.0, tunable=True,
                             help="PPO clip range below 1 (ratio >= 1 - clip_low)")
@@ -397,6 +413,7 @@ SECTIONS: dict[str, type] = {
     "model": ModelConfig,
     "data": DataConfig,
     "rollout": RolloutConfig,
+    "engine": EngineConfig,
     "episode": EpisodeConfig,
     "sandbox": SandboxConfig,
     "algo": AlgoConfig,
@@ -423,6 +440,7 @@ class Config:
     lora: LoraConfig = field(default_factory=LoraConfig)
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     mismatch: MismatchConfig = field(default_factory=MismatchConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)

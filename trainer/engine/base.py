@@ -156,6 +156,16 @@ class EngineStats:
     # engine does not time them. Per generated token they show what a full batch costs here
     decode_s: float = 0.0
     admit_s: float = 0.0
+    # the KV cache of samples that left the engine part-way and came back (APRIL's parked
+    # samples, an episode's next turn): prefill tokens spent on a sample's history (it had
+    # response tokens; part of prefill_tokens), cached positions it went on from instead,
+    # parked caches given up (prefilled again if resumed), and, levels rather than counts,
+    # the positions parked caches hold now, and those of them outside the engine's slots
+    resumed_prefill_tokens: int = 0
+    kv_kept_tokens: int = 0
+    kv_evicted: int = 0
+    parked_kv_tokens: int = 0
+    kv_store_tokens: int = 0
 
     def idle_slot_frac(self) -> float:
         if self.slot_steps_capacity == 0:
@@ -163,12 +173,17 @@ class EngineStats:
         return 1.0 - self.slot_steps_used / self.slot_steps_capacity
 
     def minus(self, other: "EngineStats") -> "EngineStats":
-        return EngineStats(*(a - b for a, b in zip(self.astuple(), other.astuple())))
+        """The counters since `other`; the levels (parked_kv_tokens, kv_store_tokens) as they
+        are now."""
+        out = EngineStats(*(a - b for a, b in zip(self.astuple(), other.astuple())))
+        out.parked_kv_tokens, out.kv_store_tokens = self.parked_kv_tokens, self.kv_store_tokens
+        return out
 
     def astuple(self):
         return (self.decode_steps, self.slot_steps_used, self.slot_steps_capacity,
                 self.generated_tokens, self.prefill_tokens, self.prefill_shared_tokens,
-                self.decode_s, self.admit_s)
+                self.decode_s, self.admit_s, self.resumed_prefill_tokens, self.kv_kept_tokens,
+                self.kv_evicted, self.parked_kv_tokens, self.kv_store_tokens)
 
 
 class RolloutEngine:
@@ -196,6 +211,10 @@ class RolloutEngine:
     def update_weights(self, named_tensors, version: int, recompute_kv: bool = False) -> None:
         """Load new policy weights between decode steps; later tokens carry `version`."""
         raise NotImplementedError
+
+    def drop_cache(self, request_ids: Iterable[int]) -> None:
+        """Give up what the engine keeps for these samples (a parked KV cache): they will not
+        come back. The default keeps nothing."""
 
     @property
     def num_pending(self) -> int:
@@ -254,6 +273,11 @@ class EngineWrapper(RolloutEngine):
 
     def update_weights(self, named_tensors, version: int, recompute_kv: bool = False) -> None:
         self.inner.update_weights(named_tensors, version, recompute_kv=recompute_kv)
+
+    def drop_cache(self, request_ids: Iterable[int]) -> None:
+        drop = getattr(self.inner, "drop_cache", None)   # an engine that keeps nothing may not say
+        if drop is not None:
+            drop(request_ids)
 
     # Inherited defaults would answer for the wrapper; the memory is the inner engine's.
     def release_memory(self) -> bool:

@@ -353,6 +353,37 @@ class Decoder:
             x = x + F.linear(a, L["o"], L["o_b"])
             x = x + self._mlp(self._norm(x, L["ln2"]), L)
 
+    @torch.no_grad()
+    def extend(self, cache: KVCache, slot: int, start: int, tokens: list[int]) -> None:
+        """Write the KV entries of `tokens` at positions start.. of `slot`, after the `start`
+        entries it holds (a kept cache continued: only the new tokens run through the model).
+        extend(cache, slot, 0, row) writes what prefill(cache, [slot], [row]) does."""
+        n, end = len(tokens), start + len(tokens)
+        ids = torch.tensor(tokens, dtype=torch.long).to(self.device).unsqueeze(0)
+        cos_t, sin_t = self._rope_tables(end)
+        cos, sin = cos_t[start:end].unsqueeze(1), sin_t[start:end].unsqueeze(1)  # [n, 1, D]
+        # the query at position start + r sees the keys at positions 0 .. start + r
+        mask = (torch.arange(end, device=self.device)
+                <= start + torch.arange(n, device=self.device).unsqueeze(1))
+        x = self.embed[ids]
+        for i, L in enumerate(self.layers):
+            h = self._norm(x, L["ln1"])
+            q, k, v = self._qkv(h, L, cos, sin)                       # [1, n, heads, D]
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+            cache.k[i, slot, :, start:end] = k[0]
+            cache.v[i, slot, :, start:end] = v[0]
+            K, V = cache.k[i, slot:slot + 1, :, :end], cache.v[i, slot:slot + 1, :, :end]
+            a = F.scaled_dot_product_attention(q, K, V, attn_mask=mask,
+                                               enable_gqa=self.n_kv != self.n_heads)
+            a = a.transpose(1, 2).reshape(1, n, -1)
+            x = x + F.linear(a, L["o"], L["o_b"])
+            x = x + self._mlp(self._norm(x, L["ln2"]), L)
+
+    def kv_bytes_per_token(self) -> int:
+        """What one cached position of one sequence holds (keys and values, every layer)."""
+        return (2 * self.n_layers * self.n_kv * self.head_dim
+                * torch.empty((), dtype=self.dtype).element_size())
+
     def plan(self, lengths: list[int], lengths_t: torch.Tensor) -> list[Bucket]:
         """The decode step's attention buckets (see plan_buckets), with their masks."""
         out = []

@@ -11,12 +11,12 @@ Admission prefills every token of prompt + response except the last, which becom
 new samples and partial ones resumed after an abort take the same path.
 
 Slots 0..n-1 hold the n active sequences (compact, so a decode step reads a plain slice).
-`abort(keep_cache=True)` parks an aborted sequence's KV cache in a slot above them, and so does
-a stop at the segment limit (`SamplingParams.segment_max_tokens`): when the same sample is
-submitted again it continues without a new prefill (APRIL resumes a parked sample in the step's
-next round; re-prefilling it cost more than generating). Parked caches are given up, oldest first, when a
-new sequence needs the slot, and dropped when the weights change with `recompute_kv` (their
-keys and values would be stale; the sample is prefilled again under the new weights).
+`abort(keep_cache=True)` parks an aborted sequence's KV cache in a slot above them, and so do
+a stop at the segment limit (`SamplingParams.segment_max_tokens`) and the end of an episode's
+model turn: when the same sample is submitted again it continues without a new prefill, only
+the tokens added since (an environment's turn) are prefilled (trainer/engine/parking.py: the
+bound, eviction, counting). Parked caches are dropped when the weights change with
+`recompute_kv` (the sample is prefilled again under the new weights).
 
 Per decode step the Python work is O(active rows), never O(sequence length): the pending token
 is the sample's last one, the cached lengths are a list kept in step. When a sequence finishes
@@ -35,6 +35,7 @@ import torch
 
 from trainer.engine.base import ABORT, LENGTH, SEGMENT, STOP, EngineStats, RolloutEngine, Sample
 from trainer.engine.decoder import Decoder
+from trainer.engine.parking import ParkedCaches
 from trainer.observe import clock
 from trainer.observe.timeline import BusyRecorder
 
@@ -55,12 +56,12 @@ def slots_from_free_memory(decoder: Decoder, max_seq_len: int, fraction: float =
     return int(max(minimum, min(cap, int(free * fraction) // per_slot)))
 
 
-class EmbeddedEngine(RolloutEngine):
+class EmbeddedEngine(ParkedCaches, RolloutEngine):
     def __init__(self, model, *, eos_token_ids: Iterable[int], max_slots: int | str = 64,
                  max_seq_len: int = 512, seed: int = 0, device: torch.device | None = None,
                  dtype: torch.dtype | None = None, prefill_tokens: int = 8192,
                  kv_memory_fraction: float = 0.5, slots_cap: int = 1024,
-                 attn_bucket_overhead: float | None = None):
+                 attn_bucket_overhead: float | None = None, park_tokens: int = -1):
         params = next(model.parameters())
         self.device = device or params.device
         self.dtype = dtype or params.dtype
@@ -89,7 +90,12 @@ class EmbeddedEngine(RolloutEngine):
         self.queue: deque[Sample] = deque()
         self.slots: list[Sample] = []      # active samples, slot i holds slots[i]
         self.cached: list[int] = []        # cached positions per active slot
-        self.parked: dict[int, tuple[int, int]] = {}  # request id -> (slot, cached), oldest first
+        # parked caches (trainer/engine/parking.py): request id -> (slot, cached, last cached
+        # token), oldest first; the ones outside the slots, at most park_tokens positions (-1:
+        # as many as the slots hold)
+        self.parked: dict[int, tuple[int, int, int]] = {}
+        self.stored: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.park_tokens = self.max_slots * max_seq_len if park_tokens < 0 else park_tokens
         # request id -> the weights version that computed its prompt's KV entries (a running
         # sample of the same prompt may lend them to a new one only when that is today's)
         self.prompt_kv_version: dict[int, int] = {}
@@ -130,6 +136,7 @@ class EmbeddedEngine(RolloutEngine):
                 self.stats.decode_s += time.perf_counter() - t1
             self.busy.record(wall, clock.now(), self.stats.slot_steps_used - used,
                              self.stats.slot_steps_capacity - capacity)
+            self._count_parked()
             return out
 
     def take_busy_spans(self) -> list[tuple[str, float, float, float | None]]:
@@ -145,7 +152,7 @@ class EmbeddedEngine(RolloutEngine):
             wanted = None if request_ids is None else set(request_ids)
             if not keep_cache:
                 for rid in [r for r in self.parked if wanted is None or r in wanted]:
-                    del self.parked[rid]
+                    self._forget(rid)
             out = []
             keep_q: deque[Sample] = deque()
             for s in self.queue:
@@ -160,6 +167,7 @@ class EmbeddedEngine(RolloutEngine):
                     s = self._park(i) if keep_cache else self._evict(i)
                     s.finish_reason = ABORT
                     out.append(s)
+            self._count_parked()
             return out
 
     def update_weights(self, named_tensors, version: int, recompute_kv: bool = False) -> None:
@@ -169,7 +177,7 @@ class EmbeddedEngine(RolloutEngine):
             self.last_sync_bytes = self.decoder.load(named_tensors)
             self.version = version
             if recompute_kv:
-                self.parked.clear()  # stale: resumed samples are prefilled under the new weights
+                self._forget_all()  # stale: resumed samples are prefilled under the new weights
                 if self.slots:
                     self._prefill(list(range(len(self.slots))))
 
@@ -178,7 +186,7 @@ class EmbeddedEngine(RolloutEngine):
             self.queue.clear()
             self.slots.clear()
             self.cached.clear()
-            self.parked.clear()
+            self._forget_all()
             self.prompt_kv_version.clear()
 
     # --- memory (engine and trainer sharing one GPU) ----------------------------------------------
@@ -192,7 +200,7 @@ class EmbeddedEngine(RolloutEngine):
                                    "finish or abort them before releasing the KV cache")
             if self.cache is None:
                 return True
-            self.parked.clear()
+            self._forget_all()
             self.cache.release()
             self.cache = None
             if self.device.type == "cuda":
@@ -283,6 +291,8 @@ class EmbeddedEngine(RolloutEngine):
         if dst:  # positions past a row's own length are garbage its decode never reads
             self.cache.copy_rows(src, dst, shared_len)
         self.stats.prefill_tokens += sum(len(r) for _, r in todo)
+        self.stats.resumed_prefill_tokens += sum(len(r) for i, r in todo
+                                                 if self.slots[i].response_ids)
         for i, r in zip(slot_ids, rows):
             self.cached[i] = len(r)
             self.prompt_kv_version[self.slots[i].request_id] = self.version
@@ -300,64 +310,7 @@ class EmbeddedEngine(RolloutEngine):
                 out.setdefault(tuple(s.prompt_ids[:-1]), k)
         return out
 
-    # --- parked caches ----------------------------------------------------------------------------
-    def _park(self, i: int) -> Sample:
-        """Take active slot i out of the active range, keeping its cache."""
-        last = len(self.slots) - 1
-        if i != last:
-            self.cache.swap(i, last, self.cached[i], self.cached[last])
-            self.slots[i], self.slots[last] = self.slots[last], self.slots[i]
-            self.cached[i], self.cached[last] = self.cached[last], self.cached[i]
-        s, cached = self.slots.pop(), self.cached.pop()
-        self.parked[s.request_id] = (last, cached)
-        return s
-
-    def _parked_at(self, index: int) -> int | None:
-        for rid, (slot, _) in self.parked.items():
-            if slot == index:
-                return rid
-        return None
-
-    def _claim(self, index: int) -> None:
-        """Make slot `index` free for an active sequence: a parked cache there moves to a free
-        slot, or, with none free, the oldest parked cache is given up."""
-        rid = self._parked_at(index)
-        if rid is None:
-            return
-        used = {slot for slot, _ in self.parked.values()} | set(range(len(self.slots)))
-        free = [j for j in range(self.max_slots) if j not in used]
-        if not free:  # give up the oldest parked cache (maybe this one)
-            oldest = next(iter(self.parked))
-            if oldest != rid:
-                slot, _ = self.parked.pop(oldest)
-                free = [slot]
-            else:
-                del self.parked[rid]
-                return
-        _, cached = self.parked[rid]
-        self.cache.move(index, free[0], cached)
-        self.parked[rid] = (free[0], cached)
-
-    def _unpark(self, s: Sample) -> bool:
-        """Activate a parked sample's cache at slot len(self.slots); False if it has none."""
-        entry = self.parked.pop(s.request_id, None)
-        if entry is None:
-            return False
-        slot, cached = entry
-        if cached != len(s.prompt_ids) + len(s.response_ids) - 1:
-            return False  # the sample changed since it was parked: prefill it afresh
-        n = len(self.slots)
-        if slot != n:
-            other = self._parked_at(n)
-            if other is not None:  # swap the two parked caches
-                self.cache.swap(slot, n, cached, self.parked[other][1])
-                self.parked[other] = (slot, self.parked[other][1])
-            else:
-                self.cache.move(slot, n, cached)
-        self.slots.append(s)
-        self.cached.append(cached)
-        return True
-
+    # --- removal -------------------------------------------------------------------------------------
     def _evict(self, i: int) -> Sample:
         """Remove slot i, moving the last active slot into its place (slots stay compact)."""
         s = self.slots[i]
@@ -395,8 +348,9 @@ class EmbeddedEngine(RolloutEngine):
             if s.finish_reason is not None:
                 finished.append(i)
         # descending: each removal touches only slot i and the last active slot; a segment stop
-        # keeps its cache parked (like abort(keep_cache=True)), a finished one frees its slot
-        out = [self._park(i) if self.slots[i].finish_reason == SEGMENT else self._evict(i)
+        # and an episode's turn keep their cache parked (like abort(keep_cache=True)), a
+        # finished sample frees its slot
+        out = [self._park(i) if _comes_back(self.slots[i]) else self._evict(i)
                for i in reversed(finished)]
         return out[::-1]
 
@@ -435,6 +389,15 @@ class EmbeddedEngine(RolloutEngine):
                 choice = torch.where(torch.tensor(greedy, device=self.device),
                                      logits.argmax(dim=-1), choice)
         return choice, logp.gather(1, choice.unsqueeze(1)).squeeze(1)
+
+
+def _comes_back(s: Sample) -> bool:
+    """Whether a sample leaving the engine will be submitted again: stopped at its segment
+    limit, or an episode's model turn that its environment answers (an episode over since is
+    given up by the wrapper: `drop_cache`)."""
+    if s.finish_reason == SEGMENT:
+        return True
+    return s.finish_reason == STOP and s.episode is not None and not s.episode.get("end")
 
 
 def _last(s: Sample) -> int:

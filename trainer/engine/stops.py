@@ -73,7 +73,12 @@ class StopStrings(EngineWrapper):
                 if keep is not None:
                     hits[rid] = keep
         if hits:
-            for s in self.inner.abort(list(hits)):
+            # an episode's turn goes on after its environment's answer: its cache stays parked
+            turns = [rid for rid in hits if self.live[rid].episode is not None]
+            ended = [rid for rid in hits if self.live[rid].episode is None]
+            stopped = ((self.inner.abort(turns, keep_cache=True) if turns else [])
+                       + (self.inner.abort(ended) if ended else []))
+            for s in stopped:
                 self.live.pop(s.request_id, None)
                 keep = hits.get(s.request_id)
                 if keep is None:  # returned by the abort, but not asked for: settle it as is

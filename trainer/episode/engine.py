@@ -22,6 +22,10 @@ bounded as for one response) or aborted (APRIL's early termination, an asynchron
 update). Aborted while its tool runs, it waits for the tool and leaves between turns with the
 result appended, so the next submission starts the next model turn.
 
+The engine keeps an episode's KV cache while its environment answers (the embedded engine parks
+it, trainer/engine/parking.py): the next turn prefills only the environment's tokens, and the cache
+is given up when the episode is over (`drop_cache`).
+
 Per episode, `meta["episode"]` counts turns, tool calls, tool errors, tool seconds and feedback
 messages (plain data: it is checkpointed with the sample). `on_tool(start, end)` hears each tool
 call's wall-clock span (the timeline's "tool" phase).
@@ -106,6 +110,10 @@ class Episodes(EngineWrapper):
         for s in out:
             self.segment.pop(s.request_id, None)
             self._score(s)
+        over = [s.request_id for s in out if s.episode is not None and s.done]
+        drop = getattr(self.inner, "drop_cache", None)
+        if over and drop is not None:   # the engine kept their caches for a turn that won't come
+            drop(over)
         return out
 
     def abort(self, request_ids: Iterable[int] | None = None, keep_cache: bool = False) -> list[Sample]:

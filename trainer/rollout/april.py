@@ -110,6 +110,16 @@ def _group_to_dict(g) -> dict:
                          "request_id": s.request_id, "meta": s.meta} for s in g.samples]}
 
 
+def resume_kv_note(cfg) -> str:
+    """What a resumed run's event says about the KV cache (a checkpoint holds none)."""
+    if cfg.engine.kv_on_update == "keep":
+        return ("not checkpointed: parked samples are prefilled again under the resumed weights "
+                "(engine.kv_on_update = keep: the run would have gone on from caches the "
+                "earlier weights computed, so their next tokens may differ)")
+    return ("not checkpointed: parked samples are prefilled again under the resumed weights, "
+            "as engine.kv_on_update = recompute does at every update (exact)")
+
+
 def version_span(sample: Sample, version: int) -> int:
     """How many versions old the sample's oldest token is (0 for no tokens)."""
     return sample.age(version)
@@ -216,14 +226,16 @@ class AprilRollout:
         # early termination: park everything unfinished in the buffer, except the groups at
         # their last chance (parked, they would be dropped next step) that this step can still
         # train: the step waits for those. A last-chance group beyond the N this step trains
-        # would be dropped next step complete or not, so it is not waited for. The KV cache is
-        # given up: computed by this version's weights, it would be stale under the next, and a
-        # run resumed from a checkpoint (which holds no cache) would continue differently
+        # would be dropped next step complete or not, so it is not waited for. The KV cache:
+        # `engine.kv_on_update = keep` parks it in the engine (computed by this version's
+        # weights, it carries the history into the next; only new tokens run under the new
+        # weights), `recompute` gives it up (the sample is prefilled again under the next
+        # weights: exact, and what a run resumed from a checkpoint, which holds no cache, does)
         span, policy = cfg.april.max_version_span, cfg.april.span_policy
         spared = {s.request_id for g in spared_groups(step, N, version, span, policy)
                   for s in g.samples}
         doomed = None if not spared else [rid for rid in step.owner if rid not in spared]
-        for s in step.engine.abort(doomed, keep_cache=False):
+        for s in step.engine.abort(doomed, keep_cache=cfg.engine.kv_on_update == "keep"):
             c.aborted_tokens += s.segment_tokens
             g = step.owner[s.request_id]
             if id(g) in step.active:

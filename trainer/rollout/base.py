@@ -260,6 +260,10 @@ class StepRun:
         tokens = sum(g.tokens() for g in groups)
         self.ledger.drop(reason, tokens)
         self.counts.discarded_tokens += tokens
+        drop_cache = getattr(self.engine, "drop_cache", None)
+        ids = [s.request_id for g in groups for s in g.samples if not s.done]
+        if ids and drop_cache is not None:   # a parked cache of theirs has no sample to serve
+            drop_cache(ids)
 
     def complete(self) -> int:
         """Complete groups in hand: scored and kept, or not scored yet."""
@@ -289,6 +293,11 @@ def step_metrics(cfg, result: RolloutResult, engine_stats) -> dict[str, float]:
         "rollout/gen_tokens": engine_stats.generated_tokens,
         "rollout/samples": c.groups_started * cfg.rollout.n_samples_per_prompt,
         "timing/gen_s": result.gen_seconds,
+        "engine/prefill_tokens": engine_stats.prefill_tokens,
+        "engine/resumed_prefill_tokens": engine_stats.resumed_prefill_tokens,
+        "engine/kv_kept_tokens": engine_stats.kv_kept_tokens,
+        "engine/kv_evicted": engine_stats.kv_evicted,
+        "engine/parked_kv_tokens": engine_stats.parked_kv_tokens,
     })
     if not scored:
         # nothing was scored this step (an asynchronous step served wholly from the queue, e.g.

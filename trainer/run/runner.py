@@ -36,7 +36,7 @@ from trainer.observe import clock, cost, trackers
 from trainer.observe.metrics import MetricsSink, MultiSink
 from trainer.observe.timeline import CONTROLLER, rank_lane
 from trainer.pilot import episodes as single_turn
-from trainer.rollout import staleness_schedule
+from trainer.rollout import april, staleness_schedule
 from trainer.rollout.asynchronous import AsyncStall, CollectInterrupted
 from trainer.rollout.base import RolloutResult
 from trainer.run import build, checkpoint, step_record
@@ -140,6 +140,8 @@ class Runner:
                          **lora.sizes(self.model),
                          # what each process holds, for the cost account (trainer/observe/cost.py)
                          "devices": self._held_devices(),
+                         # a resume holds no KV cache: how its parked samples go on
+                         **({"kv_cache": april.resume_kv_note(self.cfg)} if self.step else {}),
                          # how many prompts' GRESO history came from another run
                          **({"greso_warm_start": self.greso_warm} if self.greso_warm else {})})
         # said at every start and resume, as the run page and the report keep saying

@@ -80,6 +80,9 @@ def rollout_metrics(run, cfg, result, engine_stats, step_s: float) -> dict[str, 
     m = step_metrics(cfg, result, engine_stats)
     m.update(run.scorer.metrics())
     gen_time = step_s if run.rollout.concurrent else result.gen_seconds
+    decoder = getattr(run.engine, "decoder", None)   # the embedded engine's: its cache layout
+    if decoder is not None:
+        m["engine/parked_kv_mb"] = engine_stats.parked_kv_tokens * decoder.kv_bytes_per_token() / 1e6
     m["perf/gen_tokens_per_s"] = engine_stats.generated_tokens / max(gen_time, 1e-9)
     run.selector.observe(cfg, run.step, result.scored)
     m.update(run.selector.report(cfg, result.counts))
