@@ -183,13 +183,13 @@ def test_the_layers_import_one_way():
 
     # the actions package: what any of its modules imports, outside the package
     actions = imports("actions")
-    for caller in ("worker.alerts", "worker.telemetry", "worker.tasks", "worker.sweep", "views", "api",
+    for caller in ("worker.alerts", "worker.telemetry", "worker.tasks", "worker.sweep", "pages", "api",
                    "live.consumers", "reports"):
         assert members(caller) and not set(members(caller)) & actions, f"actions imports {caller}"
     for checks in ("access.validation", "access.policy", "access.throttle", "errors"):
         assert d + "actions" not in graph[d + checks], f"{checks} imports actions"
     # the checks (access/) import no layer above them: not the actions, the worker, the live feed, the reports
-    for above in ("actions", "worker", "live", "reports", "views", "api"):
+    for above in ("actions", "worker", "live", "reports", "pages", "api", "rows"):
         assert not set(members(above)) & imports("access"), f"access/ imports {above}"
     # validation is pure (settings and the config schema) and throttling stands alone: no webapp module
     assert not set(graph[d + "access.validation"]) and not set(graph[d + "access.throttle"])
