@@ -1,0 +1,3 @@
+"""A run's invariants, checked from what each step trains (rules.py) and audited from a finished
+run's files (audit.py). Pure logic: no engine, no config object, no runner; trainer/run/
+invariant_watch.py feeds a step's trained samples in and reports what it finds."""
