@@ -23,6 +23,9 @@ Rules (thresholds are settings, `RLPILOT_ALERT_*`):
                  (trainer/algo/rollout_correction.py; a bf16 engine's healthy mismatch stays under)
   reward_collapse rollout/zero_var_ratio/all_wrong >= ALERT_COLLAPSE_RATIO for ALERT_COLLAPSE_STEPS
                  steps, once the run has had a step under that ratio (something to collapse from)
+  invariant      a step broke one of the run's invariants (invariants/<rule> > 0: a token beyond
+                 eta or the version span, a sample trained twice, environment tokens carrying
+                 loss; trainer/invariants/rules.py); cleared after ALERT_CLEAR_STEPS healthy steps
   nan_loss       actor/pg_loss non-finite, or a trainer `warning` event about a non-finite update
   heartbeat      no heartbeat for RLPILOT_HEARTBEAT_TIMEOUT_S (the run becomes interrupted)
   stalled        no step finished for max(ALERT_STALL_FACTOR x median step time, ALERT_STALL_MIN_S)
@@ -44,8 +47,8 @@ from webapp.dashboard import actions
 from webapp.dashboard.actions import Record
 from webapp.dashboard.models import MetricPoint, Run, Status
 
-RULES = ("staleness", "kl_high", "kl_rising", "mismatch_high", "reward_collapse", "nan_loss", "heartbeat",
-         "stalled")
+RULES = ("staleness", "kl_high", "kl_rising", "mismatch_high", "reward_collapse", "invariant", "nan_loss",
+         "heartbeat", "stalled")
 # rules raised and cleared by someone else than the sink's Monitor (which must not write back a
 # stale copy of them): `stalled` by the heartbeat thread's StallWatch
 EXTERNAL_RULES = ("stalled",)
@@ -138,6 +141,7 @@ class Monitor:
                                      f"{step} (x{factor:g} from {floor:g} up raises this)",
                                      value=recent, before=before, threshold=factor)
         out += self._mismatch(step, v)
+        out += self._invariants(step, v)
         if "rollout/zero_var_ratio/all_wrong" in v:
             w = number(v["rollout/zero_var_ratio/all_wrong"])
             if w is not None and math.isfinite(w):
@@ -189,6 +193,20 @@ class Monitor:
         key, x, most, _ = over[0]
         return self._set("mismatch_high", True, step, "; ".join(o[3] for o in over),
                          key=key, value=x, threshold=most)
+
+    def _invariants(self, step: int, v: dict[str, Any]) -> list[Record]:
+        """invariant: any invariants/<rule> of the step above 0 (a step without them, e.g.
+        run.check_invariants off, changes nothing)."""
+        counts = {k.removeprefix("invariants/"): number(x) for k, x in v.items()
+                  if k.startswith("invariants/") and k != "invariants/bound"}
+        if not counts:
+            return []
+        broken = {rule: n for rule, n in counts.items() if n is not None and n > 0}
+        if not broken:
+            return self._set("invariant", False, step, "")
+        said = ", ".join(f"{rule} ({n:g} sample{'s' if n != 1 else ''})" for rule, n in broken.items())
+        return self._set("invariant", True, step, f"invariant broken at step {step}: {said}",
+                         rules=sorted(broken), count=sum(broken.values()))
 
     def _set(self, rule: str, on: bool, step: int, message: str, **data) -> list[Record]:
         """Raise once when the condition starts; clear once it has been false for

@@ -1,0 +1,73 @@
+"""A run's invariants, each step: what the step trained, checked against the bounds in force.
+
+    figures = watch.after_step(run, cfg, seqs, groups, version)
+
+From the objective's train sequences (each token's loss weight; a sequence is matched to its
+sample by the response list it was built on) and the step's groups (draw, member index, each
+token's policy version), the rules of trainer/invariants/rules.py at the bound in force after
+the step's knob changes and schedule points (`bounds`). Returns the invariants/* figures (0 when
+healthy); each rule broken is an `invariant_violated` event naming the rule, the step and the
+samples, and with run.stop_on_violation a stop queued at the next boundary, saying why. The
+trained ids go into checkpoints (`state_dict`), so a resumed run still sees a repeat.
+"""
+from __future__ import annotations
+
+from trainer.invariants import rules
+
+STOPPED_BY = "invariants"   # requested_by of the stop run.stop_on_violation queues
+
+
+def bounds(cfg, version: int) -> rules.Bounds:
+    """The token-age bound in force at a step trained at policy `version` (`cfg`: the step's)."""
+    if cfg.async_.enabled:
+        return rules.Bounds(version, "beyond_eta", cfg.async_.max_staleness)
+    if cfg.april.enabled:
+        keeps_old = cfg.april.span_policy != "drop"   # "keep": old groups kept, weighted off-policy
+        return rules.Bounds(version, "beyond_span", None if keeps_old else cfg.april.max_version_span)
+    return rules.Bounds(version, "beyond_span", 0)   # synchronous: its own policy's tokens only
+
+
+def trained_samples(seqs, groups) -> list[rules.TrainedSample]:
+    """The trained samples: each train sequence's loss weights with its sample's versions."""
+    where = {id(s.response_ids): (g.draw, k, s) for g in groups for k, s in enumerate(g.samples)}
+    out = []
+    for seq in seqs:
+        found = where.get(id(seq.response_ids))
+        if found is None:
+            raise LookupError("a train sequence matches no sample of the step's groups "
+                              "(the objective must build it on the sample's response list)")
+        draw, k, s = found
+        out.append(rules.TrainedSample(draw, k, tuple(s.versions), tuple(seq.weights)))
+    return out
+
+
+class InvariantWatch:
+    def __init__(self):
+        self.seen = rules.TrainedIds()
+
+    def after_step(self, run, cfg, seqs, groups, version: int) -> dict[str, float]:
+        """The step's invariants/* figures (run.check_invariants off: none); events and the
+        stop for what it broke (`run.step` is the step's number by now)."""
+        if not cfg.run.check_invariants:
+            return {}
+        limit = bounds(cfg, version)
+        found = rules.check(run.step, trained_samples(seqs, groups), limit, self.seen)
+        for v in found:
+            run.sink.event(run.step, "invariant_violated", v.as_json())
+        if found and cfg.run.stop_on_violation:
+            first = found[0]
+            run.boundary.request_stop({"rule": first.rule, "step": first.step, "count": first.count,
+                                       "message": stop_reason(found)}, requested_by=STOPPED_BY)
+        return rules.figures(found, limit)
+
+    def state_dict(self) -> dict:
+        return self.seen.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.seen.load_state_dict(state or {})
+
+
+def stop_reason(found: list[rules.Violation]) -> str:
+    """Why run.stop_on_violation stops the run, for a person."""
+    broken = "; ".join(f"{v.rule} at step {v.step} ({v.count} sample(s): {v.detail})" for v in found)
+    return f"run.stop_on_violation: an invariant was broken: {broken}"
