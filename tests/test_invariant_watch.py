@@ -89,3 +89,17 @@ def test_a_broken_bound_is_an_event_a_figure_and_with_stop_on_violation_a_stop(t
     (stop,) = [e for e in sink.events if e["kind"] == "stop_requested"]
     assert stop["requested_by"] == "invariants" and stop["reason"]["rule"] == "beyond_span"
     assert f"beyond_span at step {stopped_at}" in stop["reason"]["message"]
+
+
+@pytest.mark.slow
+def test_an_april_driver_that_skips_the_span_check_is_caught(tmp_path, monkeypatch):
+    """The class of a driver bug: buffered groups carried over without their version span checked
+    (here every span reads 0 to the driver) are trained past april.max_version_span = 0."""
+    monkeypatch.setattr("trainer.rollout.april.version_span", lambda sample, version: 0)
+    sink = MemorySink()
+    cfg = C.load("april", TINY + ["run.max_steps=4", "april.over_sampling_batch_size=8",
+                                  "april.segment_max_tokens=4", "april.max_version_span=0"])
+    with Runner(cfg, tmp_path, sink=sink) as r:
+        r.run()
+    assert sum(sink.series("invariants/beyond_span")) > 0
+    assert {e["rule"] for e in sink.events if e["kind"] == "invariant_violated"} == {"beyond_span"}
