@@ -41,8 +41,10 @@ def text(reports: list) -> str:
             where.append(f"steps {_steps(r.recorded_steps)}")
         if r.samples:
             where.append("samples " + ", ".join(r.samples[:5]))
-        if r.rule not in RECHECKED:
+        if r.rule == "env_loss":
             where.append("(a recorded sample shows no loss weight: the run's own count)")
+        elif r.rule not in RECHECKED:
+            where.append("(the run's own data accounting)")
         out.append(f"{r.rule:<15}{run:>6}{again:>9}  {'; '.join(where)}".rstrip())
     broken = [r.rule for r in reports if r.broken]
     unchecked = all(r.recorded is None for r in reports)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from trainer.invariants.rules import RULES
+from trainer.invariants import RULES
 
 RECHECKED = ("beyond_eta", "beyond_span", "trained_twice")
 

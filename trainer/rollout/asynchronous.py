@@ -124,6 +124,10 @@ class AsyncDriver(Driver):
             groups = list(self.queue) + list(self.running.values()) + self._restored
         return sum(g.tokens() for g in groups)
 
+    def held_draws(self) -> set[int]:
+        with self.cond:
+            return {g.draw for g in list(self.queue) + list(self.running.values()) + self._restored}
+
     # --- lifecycle --------------------------------------------------------------------------------
     def start(self, cfg, version: int) -> None:
         self.cfg, self.version = cfg, version

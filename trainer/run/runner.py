@@ -290,7 +290,7 @@ class Runner:
             result, self.engine.stats.minus(stats0), seqs, adv_metrics, train_metrics, ranks,
             train_s=train_s, samples_s=samples_s, sync_s=sync_s, step_s=step_s,
             histograms=histograms))
-        m.update(self.invariants.after_step(self, cfg, seqs, groups, version))
+        m.update(self.invariants.after_step(self, cfg, seqs, result, version))
         self._retune(train_metrics)
         m.update(self._cost_figures())
         self.sink.scalars(self.step, m)

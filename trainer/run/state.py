@@ -131,7 +131,7 @@ def restore(runner, state: dict, tensors: dict) -> None:
     # async.staleness_schedule: its points up to here were applied (before the schedule, the
     # checkpoint at step N was written before the boundary after step N)
     runner.schedule_through = state.get("schedule_through", runner.step - 1)
-    runner.invariants.load_state_dict(state.get("invariants", {}))   # absent before the checks
+    runner.invariants.load_state_dict(state.get("invariants", {}), runner.prompts.cursor)
     if "greso" in tensors:
         runner.greso.load_state_dict(tensors["greso"])
     runner.engine.version = runner.version

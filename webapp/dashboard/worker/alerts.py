@@ -25,7 +25,8 @@ Rules (thresholds are settings, `RLPILOT_ALERT_*`):
                  steps, once the run has had a step under that ratio (something to collapse from)
   invariant      a step broke one of the run's invariants (invariants/<rule> > 0: a token beyond
                  eta or the version span, a sample trained twice, environment tokens carrying
-                 loss; trainer/invariants/rules.py); cleared after ALERT_CLEAR_STEPS healthy steps
+                 loss, a prompt skipped or repeated; trainer/invariants/); cleared after
+                 ALERT_CLEAR_STEPS healthy steps
   nan_loss       actor/pg_loss non-finite, or a trainer `warning` event about a non-finite update
   heartbeat      no heartbeat for RLPILOT_HEARTBEAT_TIMEOUT_S (the run becomes interrupted)
   stalled        no step finished for max(ALERT_STALL_FACTOR x median step time, ALERT_STALL_MIN_S)
@@ -42,6 +43,7 @@ from typing import Any, Callable
 
 from django.conf import settings
 
+from trainer.invariants import RULES as INVARIANT_RULES
 from trainer.pilot.window import kl_rising, median_halves
 from webapp.dashboard import actions
 from webapp.dashboard.actions import Record
@@ -197,8 +199,8 @@ class Monitor:
     def _invariants(self, step: int, v: dict[str, Any]) -> list[Record]:
         """invariant: any invariants/<rule> of the step above 0 (a step without them, e.g.
         run.check_invariants off, changes nothing)."""
-        counts = {k.removeprefix("invariants/"): number(x) for k, x in v.items()
-                  if k.startswith("invariants/") and k != "invariants/bound"}
+        counts = {rule: number(v[f"invariants/{rule}"]) for rule in INVARIANT_RULES
+                  if f"invariants/{rule}" in v}
         if not counts:
             return []
         broken = {rule: n for rule, n in counts.items() if n is not None and n > 0}
