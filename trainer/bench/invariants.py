@@ -52,8 +52,10 @@ def run(args, log=print) -> dict:
                 step_s[check] += sink.series("timing/step_s")[1:]
                 if check:
                     check_s += sink.series("timing/invariants_s")[1:]
+                checks = sink.series("timing/invariants_s")[1:]
                 log(f"{preset} round {r + 1} checks {'on' if check else 'off'}: median step "
-                    f"{statistics.median(sink.series('timing/step_s')[1:]):.3f} s")
+                    f"{statistics.median(sink.series('timing/step_s')[1:]):.3f} s"
+                    + (f", checks {1000 * statistics.median(checks):.2f} ms a step" if checks else ""))
         off, on = statistics.median(step_s[False]), statistics.median(step_s[True])
         check = statistics.median(check_s)
         out["presets"][preset] = {
