@@ -33,7 +33,7 @@ def test_a_healthy_run_holds_everything(tmp_path, capsys):
     assert main(["check", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert out.strip().endswith("all held")
-    assert "beyond_span         0        0" in out
+    assert "beyond_span            0        0" in out
 
 
 def test_a_doctored_sample_file_is_caught_with_the_step_and_sample(tmp_path, capsys):
@@ -58,7 +58,7 @@ def test_the_run_s_own_figures_count_and_the_bound_in_force_is_each_step_s(tmp_p
     assert by_rule(reports)["beyond_eta"] == (0, 0)
     env = next(r for r in reports if r.rule == "env_loss")
     assert (env.recorded, env.recorded_steps) == (2, [2])
-    assert "env_loss            2        -  steps 2" in text(reports)
+    assert "env_loss               2        -  steps 2" in text(reports)
 
 
 def test_a_resumed_run_s_records_again_supersede_and_are_no_repeat(tmp_path):
@@ -73,7 +73,7 @@ def test_a_resumed_run_s_records_again_supersede_and_are_no_repeat(tmp_path):
 def test_a_run_without_figures_is_rechecked_against_its_config(tmp_path, capsys):
     write_run(tmp_path, C.load("demo"), [{"step": 1, "reward/mean": 0.5}], [row(1, 0, 0, staleness=1)])
     assert main(["check", str(tmp_path)]) == 1
-    assert "beyond_span         -        1" in capsys.readouterr().out
+    assert "beyond_span            -        1" in capsys.readouterr().out
 
 
 def test_not_a_run_directory(tmp_path, capsys):
