@@ -103,3 +103,21 @@ def test_an_april_driver_that_skips_the_span_check_is_caught(tmp_path, monkeypat
         r.run()
     assert sum(sink.series("invariants/beyond_span")) > 0
     assert {e["rule"] for e in sink.events if e["kind"] == "invariant_violated"} == {"beyond_span"}
+
+
+@pytest.mark.slow
+def test_environment_tokens_carrying_loss_are_caught_on_real_episodes(tmp_path, monkeypatch):
+    """Multi-turn episodes (the agent preset): their tool results carry no loss, and an objective
+    that forgot to mask them is caught (env_loss)."""
+    small = ["rollout.rollout_batch_size=4", "rollout.n_samples_per_prompt=4", "run.reward_workers=0",
+             "model.threads=1", "run.eval_every=0", "run.log_samples=0", "run.max_steps=2"]
+    healthy = MemorySink()
+    with Runner(C.load("agent", small), tmp_path / "ok", sink=healthy) as r:
+        r.run()
+    assert healthy.series("invariants/env_loss") == [0.0, 0.0]
+    monkeypatch.setattr("trainer.algo.objective._mask_environment", lambda seqs, samples: None)
+    broken = MemorySink()
+    with Runner(C.load("agent", small), tmp_path / "bad", sink=broken) as r:
+        r.run()
+    assert sum(broken.series("invariants/env_loss")) > 0
+    assert "env_loss" in {e["rule"] for e in broken.events if e["kind"] == "invariant_violated"}
