@@ -125,8 +125,11 @@ class AsyncDriver(Driver):
         return sum(g.tokens() for g in groups)
 
     def held_draws(self) -> set[int]:
+        # a group scored since the last collect (dynamic sampling's filtered ones are in no
+        # queue) reaches the trainer's report with the next step
         with self.cond:
-            return {g.draw for g in list(self.queue) + list(self.running.values()) + self._restored}
+            groups = list(self.queue) + list(self.running.values()) + self._restored + self.scored
+        return {g.draw for g in groups}
 
     # --- lifecycle --------------------------------------------------------------------------------
     def start(self, cfg, version: int) -> None:
