@@ -28,6 +28,13 @@ EVIL = '<script>alert("x")</script>'
     ("alert", {"rule": "staleness", "message": "staleness 3 is above the bound 2", "value": 3},
      "staleness: staleness 3 is above the bound 2"),
     ("alert", {"rule": "stalled", "seconds": 61.5}, "stalled: seconds=61.5"),
+    ("invariant_violated", {"rule": "beyond_span", "step": 4, "count": 2, "samples": ["7/0", "7/1"],
+                            "detail": "trained tokens 2 versions old at policy 3; the bound in force is 0"},
+     "beyond_span broken at step 4: 2 sample(s) (7/0, 7/1) — trained tokens 2 versions old at policy 3; "
+     "the bound in force is 0"),
+    ("stop_requested", {"requested_by": "invariants", "reason": {"rule": "env_loss", "message":
+                        "run.stop_on_violation: an invariant was broken: env_loss at step 2"}},
+     "run.stop_on_violation: an invariant was broken: env_loss at step 2 (by invariants)"),
     ("alert_cleared", {"rule": "stalled"}, "stalled cleared"),
     ("warning", {"message": "non-finite loss"}, "non-finite loss"),
     ("checkpoint", {"path": "/runs/1/checkpoints/step_000010"}, "/runs/1/checkpoints/step_000010"),

@@ -601,3 +601,16 @@ def test_monitor_is_pure_logic():
     out = m.check([Record("points", 1, "", {"actor/pg_loss": "NaN"})])
     assert [r.values["rule"] for r in out] == ["nan_loss"]
     assert math.isnan(float("nan"))
+
+
+def test_invariant_alert_names_the_rule_and_the_step(user, make_run):
+    """invariant: a step with invariants/<rule> > 0 raises it once, naming the rule, the step and
+    the count; healthy steps (every figure 0) leave it off, then clear it."""
+    run = make_run(user, "running")
+    ok = {"invariants/beyond_span": 0, "invariants/trained_twice": 0, "invariants/bound": 1,
+          "invariants/prompts_greso_skipped": 5, "invariants/prompts_dropped": 2}   # on purpose: no breach
+    steps = [ok, ok, {**ok, "invariants/beyond_span": 3}, {**ok, "invariants/beyond_span": 1}, ok, ok, ok]
+    got = stream(run, [(s, {**healthy(s), **v}) for s, v in enumerate(steps, 1)])
+    assert got == [(3, "alert", "invariant"), (7, "alert_cleared", "invariant")]
+    ev = RunEvent.objects.get(run=run, kind="alert")
+    assert ev.data["message"] == "invariant broken at step 3: beyond_span (3 samples)"

@@ -17,6 +17,7 @@ def add_parser(sub) -> None:
         engine,
         estimate,
         greso,
+        invariants,
         learn,
         mismatch,
         pilot,
@@ -28,7 +29,7 @@ def add_parser(sub) -> None:
     b = sub.add_parser("bench", help="benchmarks (see `bench -h`)")
     bsub = b.add_subparsers(dest="bench", required=True)
     for module in (learn, april, greso, asynchronous, engine, samples, scale, pilot, mismatch, estimate,
-                   sandbox):
+                   sandbox, invariants):
         p = bsub.add_parser(module.NAME, help=module.HELP, description=module.__doc__,
                             formatter_class=argparse.RawDescriptionHelpFormatter)
         p.add_argument("--json", nargs="?", const=True, default=False, metavar="OUT",

@@ -14,6 +14,7 @@
   docs config [--write | --check]                                  docs/configuration.md
   samples RUN_DIR [--step N] [--worst | --longest]                 what the model wrote
   advise RUN_DIR|EXPORT.json [--window N] [--json]                 the pilot's advice (docs/pilot.md)
+  check RUN_DIR [--json]                                           audit a run's invariants (docs/invariants.md)
   import-gguf FILE [OUT_DIR]                                       a GGUF model -> a local HF directory
   sglang-server --model DIR [--port P]                             a real SGLang server (make sglang)
 """
@@ -308,7 +309,7 @@ def build_parser() -> argparse.ArgumentParser:
     w.set_defaults(func=_cmd_warmup)
 
     from trainer import bench
-    from trainer.cli import advise, cost, docs, estimate, export, reward, samples
+    from trainer.cli import advise, check, cost, docs, estimate, export, reward, samples
     from trainer.engine.sglang import server as sglang_server
     from trainer.models import gguf_import
     gguf_import.add_parser(sub)
@@ -317,6 +318,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_parser(sub)
     docs.add_parser(sub)
     advise.add_parser(sub)
+    check.add_parser(sub)
     cost.add_parser(sub)
     estimate.add_parser(sub)
     export.add_parser(sub)

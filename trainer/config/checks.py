@@ -91,6 +91,9 @@ def check(cfg: Config) -> None:
     if cfg.run.target_accuracy and not cfg.run.eval_every:
         errors["run.target_accuracy"] = ("is forecast from evaluations: set run.eval_every > 0 "
                                          "(or leave the target at 0)")
+    if cfg.run.stop_on_violation and not cfg.run.check_invariants:
+        errors["run.stop_on_violation"] = ("stops on a broken invariant, which only a run that "
+                                           "checks them sees: set run.check_invariants = true")
     mm = cfg.mismatch
     if mm.correction in ("mask", "band") and mm.lower >= mm.upper:
         errors["mismatch.upper"] = (f"the band [{mm.lower:g}, {mm.upper:g}] holds only a ratio of "

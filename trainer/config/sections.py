@@ -348,6 +348,12 @@ class RunConfig:
                              help="groups per step recorded whole for the rollout inspector, drawn at "
                              "random, besides the step's longest and shortest sample and every sample "
                              "whose reward failed (0 = record none)")
+    check_invariants: bool = param(True, help="check each step's invariants from what it trains "
+                                   "(token ages within eta / the version span, no sample trained "
+                                   "twice, no environment token carrying loss): invariants/* figures "
+                                   "and an event per rule broken (docs/invariants.md)")
+    stop_on_violation: bool = param(False, help="stop the run at the next step boundary when an "
+                                    "invariant is broken, saying which (needs run.check_invariants)")
     report_to: list[str] = param([], choices=TRACKERS,
                                  help="trackers the run's metrics are mirrored to, besides rlpilot's "
                                  "own: TensorBoard event files, W&B, MLflow (each needs its optional "

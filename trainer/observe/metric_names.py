@@ -140,6 +140,20 @@ SCALARS: dict[str, str] = {
     "async/trainer_wait_s": "trainer waiting for groups",
     "async/generator_idle_frac": "share of the step the generator was idle",
     "async/trainer_idle_frac": "share of the step the trainer waited",
+    # invariants checked from what each step trains (trainer/invariants/rules.py; docs/invariants.md):
+    # samples that broke each rule this step, 0 when it held
+    "invariants/beyond_eta": "trained samples with a token more than eta versions old (async)",
+    "invariants/beyond_span": "trained samples with a token older than the version span (APRIL; 0 without)",
+    "invariants/trained_twice": "samples trained again (a sample, group or episode trained before)",
+    "invariants/env_loss": "samples whose environment tokens carried loss",
+    "invariants/prompts_skipped": "data-cursor positions drawn and lost (never scored, skipped or "
+    "dropped on purpose, no longer held): prompts of the epoch skipped",
+    "invariants/prompts_repeated": "data-cursor positions handed out again (the cursor moved back)",
+    "invariants/prompts_greso_skipped": "prompts GRESO skipped on purpose (not a breach)",
+    "invariants/prompts_dropped": "unfinished groups' prompts a driver dropped on purpose (APRIL's "
+    "surplus beyond a lowered N'; not a breach)",
+    "invariants/bound": "the token-age bound in force this step (eta, or the version span)",
+    "timing/invariants_s": "seconds the step's invariant checks took",
     # the machine
     "system/cpu_util": "CPU utilisation (% of all cores)", "system/ram_gb": "trainer RSS (GB)",
     "system/gpu_util": "GPU utilisation (%), mean over devices",

@@ -124,6 +124,13 @@ class AsyncDriver(Driver):
             groups = list(self.queue) + list(self.running.values()) + self._restored
         return sum(g.tokens() for g in groups)
 
+    def held_draws(self) -> set[int]:
+        # a group scored since the last collect (dynamic sampling's filtered ones are in no
+        # queue) reaches the trainer's report with the next step
+        with self.cond:
+            groups = list(self.queue) + list(self.running.values()) + self._restored + self.scored
+        return {g.draw for g in groups}
+
     # --- lifecycle --------------------------------------------------------------------------------
     def start(self, cfg, version: int) -> None:
         self.cfg, self.version = cfg, version

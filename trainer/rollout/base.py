@@ -107,6 +107,10 @@ class StepCounts:
     skipped_hard: int = 0
     rounds: int = 0
     top_ups: int = 0            # APRIL: times new groups were started mid-step to keep N' in hand
+    # the data cursor's positions that reached an outcome without a scored group (the run's data
+    # accounting, trainer/invariants/draws.py): GRESO's skips, unfinished groups dropped on purpose
+    greso_draws: list[int] = field(default_factory=list)
+    dropped_draws: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -140,6 +144,11 @@ class Driver:
         """Generated tokens held for a later step (buffered, queued or generating), as far as
         this process knows: the ledger's "waiting" where nothing is inside the engine."""
         return 0
+
+    def held_draws(self) -> set[int]:
+        """The data cursor's positions of the groups held for a later step (buffered, queued,
+        generating): the data accounting's "held"."""
+        return set()
 
     def collect(self, cfg, version: int) -> RolloutResult:
         raise NotImplementedError
@@ -264,6 +273,8 @@ class StepRun:
         ids = [s.request_id for g in groups for s in g.samples if not s.done]
         if ids and drop_cache is not None:   # a parked cache of theirs has no sample to serve
             drop_cache(ids)
+        if reason != "version_span":   # a span drop starts its prompt afresh: it is still held
+            self.counts.dropped_draws += [g.draw for g in groups if not g.scored]
 
     def complete(self) -> int:
         """Complete groups in hand: scored and kept, or not scored yet."""

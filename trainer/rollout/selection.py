@@ -28,6 +28,7 @@ class PromptSelector:
             d = self.filter.decide(problem.id, cfg.greso)
             if not d.skip:
                 return draw, problem
+            counts.greso_draws.append(draw)
             if d.kind == "easy":
                 counts.skipped_easy += 1
             else:

@@ -42,6 +42,9 @@ class SynchronousDriver(Driver):
     def held_tokens(self) -> int:
         return self.buffer.tokens()
 
+    def held_draws(self) -> set[int]:
+        return {g.draw for g in self.buffer.groups}
+
     @property
     def buffer(self) -> april.PartialBuffer:
         return self.april.buffer

@@ -48,6 +48,13 @@ class StepBoundary:
         self.pending.append(cmd)
         return cmd
 
+    def request_stop(self, reason: dict, requested_by: str) -> Command:
+        """Queue the trainer's own stop for the next boundary (`reason`: why, kept in the
+        stop_requested event; e.g. run.stop_on_violation)."""
+        cmd = Command(STOP, requested_by=requested_by, reason=dict(reason))
+        self.pending.append(cmd)
+        return cmd
+
     def interrupted(self) -> bool:
         """Is a stop or pause waiting? Reads the controls (at most every INTERRUPT_POLL_S) and
         keeps what it read for `cross`. Cheap enough to call in a wait loop."""
@@ -105,7 +112,8 @@ class StepBoundary:
         return new_cfg
 
     def _record(self, step: int, cmd: Command, kind: str) -> None:
-        self.sink.event(step, kind, {"requested_by": cmd.requested_by})
+        self.sink.event(step, kind, {"requested_by": cmd.requested_by,
+                                     **({"reason": cmd.reason} if cmd.reason else {})})
 
 
 def _order(cmd: Command) -> int:

@@ -43,6 +43,7 @@ from trainer.run import build, checkpoint, step_record
 from trainer.run import state as run_state
 from trainer.run.controls import AUTO, AUTOPILOT, SCHEDULE, ControlSource
 from trainer.run.evaluate import evaluate
+from trainer.run.invariant_watch import InvariantWatch
 from trainer.run.step_record import StepResults
 from trainer.sandbox.preflight import weak_isolation_warning
 
@@ -99,6 +100,8 @@ class Runner:
         self.schedule_through = -1
         # what a new run took from greso.warm_start (trainer/run/warm_start.py); None otherwise
         self.greso_warm: dict | None = None
+        # the invariants checked each step (trainer/run/invariant_watch.py; a checkpoint keeps it)
+        self.invariants = InvariantWatch()
 
         # rank 0's config (knob values resumed) and checkpoint, for every rank
         resumed, ckpt_state, ckpt_tensors = build.checkpoint_and_config(self, resume, keep_knobs)
@@ -271,7 +274,7 @@ class Runner:
     def train_step(self) -> dict[str, float]:
         """collect (the driver's groups, scored as they complete) -> objective -> update ->
         the inspector's samples -> sync the engine's weights -> the step's record."""
-        cfg = self.cfg
+        cfg, version = self.cfg, self.version
         t_step, stats0 = time.monotonic(), copy.copy(self.engine.stats)
         result = self._collect(cfg, stats0)
         groups = result.groups
@@ -290,6 +293,7 @@ class Runner:
             result, self.engine.stats.minus(stats0), seqs, adv_metrics, train_metrics, ranks,
             train_s=train_s, samples_s=samples_s, sync_s=sync_s, step_s=step_s,
             histograms=histograms))
+        m.update(self.invariants.after_step(self, cfg, seqs, result, version))
         self._retune(train_metrics)
         m.update(self._cost_figures())
         self.sink.scalars(self.step, m)

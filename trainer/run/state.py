@@ -101,7 +101,8 @@ def save(runner) -> Path:
              "device_s": runner.device_seconds_now(), "config": runner.cfg.to_dict(), "knobs": runner.cfg.knob_values(),
              "ledger": runner.rollout.ledger.state_dict(),
              "pilot": runner.pilot.state_dict(runner.cfg),
-             "schedule_through": runner.schedule_through}
+             "schedule_through": runner.schedule_through,
+             "invariants": runner.invariants.state_dict()}
     tensors = {"rng": checkpoint.rng_state(runner.engine.generator),
                "rollout": runner.rollout.state_dict(), "greso": runner.greso.state_dict()}
     shards = None
@@ -130,6 +131,7 @@ def restore(runner, state: dict, tensors: dict) -> None:
     # async.staleness_schedule: its points up to here were applied (before the schedule, the
     # checkpoint at step N was written before the boundary after step N)
     runner.schedule_through = state.get("schedule_through", runner.step - 1)
+    runner.invariants.load_state_dict(state.get("invariants", {}), runner.prompts.cursor)
     if "greso" in tensors:
         runner.greso.load_state_dict(tensors["greso"])
     runner.engine.version = runner.version

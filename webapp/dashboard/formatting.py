@@ -178,6 +178,12 @@ def describe_event(kind: str, data: Any) -> str:
         return f"{d.get('rule') or 'alert'}: {d.get('message') or pairs(d, ('rule',))}"
     if kind == "alert_cleared":
         return f"{d.get('rule') or 'alert'} cleared"
+    if kind == "invariant_violated":   # trainer/run/invariant_watch.py
+        ids = ", ".join(map(str, (d.get("samples") or [])[:10]))
+        return (f"{d.get('rule')} broken at step {d.get('step')}: {d.get('count')} sample(s)"
+                + (f" ({ids})" if ids else "") + (f" — {d['detail']}" if d.get("detail") else ""))
+    if kind == "stop_requested" and isinstance(d.get("reason"), dict) and d["reason"].get("message"):
+        return f"{d['reason']['message']}{by}"
     if kind == "checkpoint":
         return str(d.get("path") or pairs(d))
     if kind == "imported":   # a CLI run directory imported (actions/imports.py)

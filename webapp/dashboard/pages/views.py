@@ -226,6 +226,7 @@ def run_page(request, run_id: int):
                                                   "tracker_links": tracker_links(run),
                                                   "trains": summary.trains(run),
                                                   "sandbox_warning": summary.sandbox_warning(run),
+                                                  "invariants": summary.invariants(run),
                                                   "config_toml": config_mod.to_toml(config_mod.from_dict(run.config)),
                                                   **_lineage(run)})
 
@@ -273,6 +274,7 @@ def report_page(request, run_id: int):
         "active_alerts": active_alerts(run), "events": summary.event_rows(events),
         "checkpoints": summary.checkpoints(run), "trains": summary.trains(run),
         "sandbox_warning": summary.sandbox_warning(run),
+        "invariants": summary.invariants(run),
         "adapter_step": adapter_steps[-1] if adapter_steps else None,
         "config_toml": config_mod.to_toml(config_mod.from_dict(run.config)),
         "can_control": run.can_control(request.user), "is_active": run.status in ACTIVE,

@@ -235,6 +235,7 @@ def export_html(run: Run, max_points: int = 2000) -> str:
         "timeline": summary.knob_timeline(run), "cost": cost.view(account),
         "trains": summary.trains(run), "advice": summary.advice_history(run),
         "sandbox_warning": summary.sandbox_warning(run),
+        "invariants": summary.invariants(run),
         "alerts": summary.alerts(run),
         "events": summary.event_rows(RunEvent.objects.filter(run_id=run.pk).order_by("seq")[:2000]),
         "config_toml": export_toml(run), "generated": timezone.now(), "samples": report_samples(run),

@@ -202,6 +202,23 @@ def sandbox_warning(run: Run) -> str | None:
     return weak_isolation_warning(cfg)
 
 
+def invariants(run: Run) -> dict[str, Any] | None:
+    """The run's invariants for its pages (trainer/invariants/rules.py): {"broken": [{rule, step
+    (the first), count (samples, summed), steps}]}, empty when all held; None when the run
+    reported no invariants/* figure (checks off, or a run from before them): no claim."""
+    if not MetricPoint.objects.filter(run_id=run.pk, key__startswith="invariants/").exists():
+        return None
+    broken: dict[str, dict[str, Any]] = {}
+    for step, data in (RunEvent.objects.filter(run_id=run.pk, kind="invariant_violated")
+                       .order_by("seq").values_list("step", "data")):
+        d = data if isinstance(data, dict) else {}
+        rule = str(d.get("rule") or "invariant")
+        b = broken.setdefault(rule, {"rule": rule, "step": step, "count": 0, "steps": 0})
+        b["count"] += d.get("count") if isinstance(d.get("count"), int) else 0
+        b["steps"] += 1
+    return {"broken": list(broken.values())}
+
+
 def trains(run: Run) -> str:
     """What the run trains, in words (formatting.trains): LoRA's rank and alpha from its config,
     the figures from its latest start or resume."""

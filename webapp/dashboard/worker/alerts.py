@@ -23,6 +23,10 @@ Rules (thresholds are settings, `RLPILOT_ALERT_*`):
                  (trainer/algo/rollout_correction.py; a bf16 engine's healthy mismatch stays under)
   reward_collapse rollout/zero_var_ratio/all_wrong >= ALERT_COLLAPSE_RATIO for ALERT_COLLAPSE_STEPS
                  steps, once the run has had a step under that ratio (something to collapse from)
+  invariant      a step broke one of the run's invariants (invariants/<rule> > 0: a token beyond
+                 eta or the version span, a sample trained twice, environment tokens carrying
+                 loss, a prompt skipped or repeated; trainer/invariants/); cleared after
+                 ALERT_CLEAR_STEPS healthy steps
   nan_loss       actor/pg_loss non-finite, or a trainer `warning` event about a non-finite update
   single_turn    the trainer's `single_turn_episodes` event: a multi-turn run (episode.max_turns > 1)
                  whose episodes all had one model turn for several steps in a row, with the reason
@@ -43,13 +47,14 @@ from typing import Any, Callable
 from django.conf import settings
 
 from trainer.pilot.episodes import EVENT as SINGLE_TURN_EVENT
+from trainer.invariants import RULES as INVARIANT_RULES
 from trainer.pilot.window import kl_rising, median_halves
 from webapp.dashboard import actions
 from webapp.dashboard.actions import Record
 from webapp.dashboard.models import MetricPoint, Run, Status
 
-RULES = ("staleness", "kl_high", "kl_rising", "mismatch_high", "reward_collapse", "nan_loss", "heartbeat",
-         "stalled", "single_turn")
+RULES = ("staleness", "kl_high", "kl_rising", "mismatch_high", "reward_collapse", "invariant", "nan_loss",
+         "heartbeat", "stalled", "single_turn")
 # rules raised and cleared by someone else than the sink's Monitor (which must not write back a
 # stale copy of them): `stalled` by the heartbeat thread's StallWatch
 EXTERNAL_RULES = ("stalled",)
@@ -147,6 +152,7 @@ class Monitor:
         turns = number(v.get("episode/turns/max"))
         if turns is not None and turns > 1:   # episodes of several turns again
             out += self._set("single_turn", False, step, "")
+        out += self._invariants(step, v)
         if "rollout/zero_var_ratio/all_wrong" in v:
             w = number(v["rollout/zero_var_ratio/all_wrong"])
             if w is not None and math.isfinite(w):
@@ -198,6 +204,20 @@ class Monitor:
         key, x, most, _ = over[0]
         return self._set("mismatch_high", True, step, "; ".join(o[3] for o in over),
                          key=key, value=x, threshold=most)
+
+    def _invariants(self, step: int, v: dict[str, Any]) -> list[Record]:
+        """invariant: any invariants/<rule> of the step above 0 (a step without them, e.g.
+        run.check_invariants off, changes nothing)."""
+        counts = {rule: number(v[f"invariants/{rule}"]) for rule in INVARIANT_RULES
+                  if f"invariants/{rule}" in v}
+        if not counts:
+            return []
+        broken = {rule: n for rule, n in counts.items() if n is not None and n > 0}
+        if not broken:
+            return self._set("invariant", False, step, "")
+        said = ", ".join(f"{rule} ({n:g} sample{'s' if n != 1 else ''})" for rule, n in broken.items())
+        return self._set("invariant", True, step, f"invariant broken at step {step}: {said}",
+                         rules=sorted(broken), count=sum(broken.values()))
 
     def _set(self, rule: str, on: bool, step: int, message: str, **data) -> list[Record]:
         """Raise once when the condition starts; clear once it has been false for
