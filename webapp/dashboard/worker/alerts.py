@@ -46,8 +46,8 @@ from typing import Any, Callable
 
 from django.conf import settings
 
-from trainer.pilot.episodes import EVENT as SINGLE_TURN_EVENT
 from trainer.invariants import RULES as INVARIANT_RULES
+from trainer.pilot.episodes import EVENT as SINGLE_TURN_EVENT
 from trainer.pilot.window import kl_rising, median_halves
 from webapp.dashboard import actions
 from webapp.dashboard.actions import Record
