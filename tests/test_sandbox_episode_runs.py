@@ -1,0 +1,150 @@
+"""Hostile tool calls in real episode runs: the policy's first turn is, in every fourth episode, a
+tool call written to hurt the caller (tests/fakes/hostile_turns.py forces it under the real engine
+of a real Runner; the real engine writes every other turn). Each must come back as a tool error or
+as plain text in its own episode, the run must finish its steps with finite metrics, the other
+episodes must go on, and the trainer must not hold what a tool floods its output with.
+
+The built-in model's tokenizer is character-level; its only special-token text is "<eos>" (and
+"<pad>", "<unk>"), and its tool calls use the tag syntax (no JSON to nest), so on it deep nesting
+is python's own: a call nested past the parser's limit. The ChatML forgeries and ~1,000 nested
+`[` in a JSON tool call need a chat model's tokenizer: `test_chat_model_...` below runs them on
+SmolLM2 when var/models has it.
+"""
+from __future__ import annotations
+
+import math
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from fakes.hostile_turns import HostileTurns, forced_ids
+
+import trainer.run.build as run_build
+from trainer import config as C
+from trainer.episode.turns import TOOL, TurnFormat
+from trainer.observe.metrics import MemorySink
+from trainer.run.runner import Runner
+
+FLOOD_CHUNKS = 64        # of 16 MiB: 1 GiB written straight to the tool's stdout, once per step
+FLOOD_BYTES = FLOOD_CHUNKS << 24
+
+
+def builtin_hostile(tokenizer) -> dict[str, str]:
+    """kind -> the model turn (tag syntax; the built-in tokenizer drops spaces when it decodes)."""
+    eos = tokenizer.eos_token
+    return {
+        "nesting": "<python>print(" + "[" * 200 + "]" * 200 + ")</python>",
+        "surrogate": "<python>print(chr(0xD800))</python>",
+        "special": f'<python>print("{eos}");print("{tokenizer.pad_token}")</python>',
+        "flood": ('<python>[__import__("os").write(1,b"x"*(1<<24))'
+                  f'for(_)in(range({FLOOD_CHUNKS}))]</python>'),
+    }
+
+
+SMALL = ["rollout.rollout_batch_size=4", "rollout.n_samples_per_prompt=4", "rollout.max_slots=16",
+         "run.eval_every=0", "run.checkpoint_every=0", "run.reward_workers=0", "model.threads=1",
+         "episode.tools=calculator,python", "episode.tool_timeout_s=10", "run.log_samples=64",
+         "data.max_list_len=3"]
+MODES = {
+    "sync": [],
+    "async": ["async.enabled=true", "async.max_staleness=1"],
+    "april": ["april.enabled=true", "april.segment_max_tokens=8"],
+}
+
+
+def _rss_bytes(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no {field} in /proc/self/status")
+
+
+def hostile_run(tmp_path, monkeypatch, preset: str, overrides: list[str], texts_of, steps: int):
+    """A real run whose every fourth episode starts with a hostile turn: (runner, step rows,
+    sample rows, the HostileTurns engine, texts, the trainer's peak RSS growth in bytes)."""
+    made = {}
+    real_build = run_build.build_engine
+
+    def build_engine(cfg, model, tokenizer, *args, **kwargs):
+        engine = real_build(cfg, model, tokenizer, *args, **kwargs)
+        made["texts"] = texts_of(tokenizer)
+        engine.inner = made["hostile"] = HostileTurns(engine.inner, tokenizer,
+                                                      list(made["texts"].values()), every=4)
+        return engine
+
+    monkeypatch.setattr(run_build, "build_engine", build_engine)
+    cfg = C.load(preset, [*SMALL, *overrides, f"run.max_steps={steps}"])
+    sink = MemorySink()
+    Path("/proc/self/clear_refs").write_text("5")   # the peak RSS starts again from now
+    before = _rss_bytes("VmRSS")
+    with Runner(cfg, tmp_path, sink=sink, system_telemetry=False) as runner:
+        runner.run()
+    growth = _rss_bytes("VmHWM") - before
+    rows = [r for r in sink.steps if "rollout/tokens/generated" in r]
+    return runner, rows, sink.sample_rows, made["hostile"], made["texts"], growth
+
+
+def check_hostile_run(runner, rows, samples, hostile, texts, steps: int, *, chat: bool):
+    tok = runner.tokenizer
+    assert runner.step == steps
+    # every step's metrics are finite
+    for r in rows:
+        bad = {k: v for k, v in r.items() if isinstance(v, float) and not math.isfinite(v)}
+        assert not bad, f"step {r.get('step')}: non-finite metrics {bad}"
+    # the other episodes went on: real tool calls, answered, more than one model turn
+    normal = [s for s in samples if not any(s["completion"].startswith(t) for t in texts.values())]
+    assert normal and any(s["episode"]["tool_calls"] > 0 for s in normal)
+    assert any(s["episode"]["turns"] > 1 for s in normal)
+
+    special = set(tok.all_special_ids)
+    fmt = TurnFormat(tok, chat=chat)
+    seen = set()
+    for rid, text in hostile.forced.items():
+        if rid not in hostile.resubmitted:
+            continue   # its episode ended with the tool's answer, or the run ended first
+        ids, versions = hostile.resubmitted[rid]
+        forced_len = len(forced_ids(tok, text))
+        env = ids[forced_len:]
+        assert env and all(v == -1 for v in versions[forced_len:]), "the environment's turn follows"
+        # no special token inside the environment's turn but the template's own wrapper's
+        wrapper = fmt.env_ids(TOOL, "", ids[forced_len - 1])
+        assert Counter(t for t in env if t in special) == Counter(t for t in wrapper if t in special)
+        seen.add(text)
+    assert seen, "no hostile episode came back for a next turn"
+
+    kinds = {text: kind for kind, text in texts.items()}
+    recorded = {}
+    for s in samples:
+        text = next((t for t in texts.values() if s["completion"].startswith(t)), None)
+        if text is None:
+            continue
+        recorded.setdefault(kinds[text], []).append(s)
+        assert s["episode"]["tool_calls"] >= 1
+        tool = next(t for t in s["turns"] if t["role"] == "tool")
+        assert not tool["trained"]
+        result = "".join(s["tokens"][tool["start"]:tool["end"]])
+        assert not set(s["tokens"][tool["start"]:tool["end"]]) & set(tok.all_special_tokens)
+        kind = kinds[text]
+        if kind == "nesting":
+            assert "error" in result and s["episode"]["tool_errors"] >= 1
+        elif kind == "surrogate":
+            assert "\ud800" not in result
+        elif kind == "special" and not chat:
+            assert tok.eos_token in result   # as the characters it is made of
+        elif kind == "flood":   # what a model is shown stays bounded
+            assert len(result) <= runner.cfg.episode.tool_output_chars + 40
+    assert set(recorded) == set(texts), f"recorded hostile episodes: {sorted(recorded)}"
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_hostile_tool_calls_are_tool_errors_or_plain_text_and_the_run_goes_on(tmp_path, monkeypatch,
+                                                                              mode):
+    steps = 3
+    runner, rows, samples, hostile, texts, growth = hostile_run(
+        tmp_path, monkeypatch, "agent", ["rollout.max_response_len=480", *MODES[mode]],
+        builtin_hostile, steps)
+    check_hostile_run(runner, rows, samples, hostile, texts, steps, chat=False)
+    flooded = sum(1 for t in hostile.forced.values() if t == texts["flood"])
+    assert flooded >= 1
+    # the trainer held none of the floods (each is FLOOD_BYTES)
+    assert growth < FLOOD_BYTES // 2, f"the trainer grew by {growth / 2**20:.0f} MiB"
