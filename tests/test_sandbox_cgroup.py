@@ -34,11 +34,18 @@ def test_sweep_removes_the_empty_groups_of_gone_makers_and_nothing_else(tmp_path
     for d in (gone, mine, busy, old, other):
         d.mkdir()
     (busy / "cgroup.procs").write_text("4242\n")   # (rmdir refuses it, as the kernel would)
+    assert sweep(tmp_path) == []   # too young: a maker in another PID namespace looks gone
+    for d in (gone, mine, busy, old, other):
+        age(d, cgroup.MIN_AGE_S + 1)
     assert sweep(tmp_path) == [gone]
     assert {d.name for d in tmp_path.iterdir()} == {mine.name, busy.name, old.name, other.name}
-    past = time.time() - cgroup.STALE_S - 1
-    os.utime(old, (past, past))
+    age(old, cgroup.STALE_S + 1)
     assert sweep(tmp_path) == [old]
+
+
+def age(d: Path, seconds: float) -> None:
+    past = time.time() - seconds
+    os.utime(d, (past, past))
 
 
 MAKE_AND_DIE = """
@@ -59,6 +66,8 @@ def test_a_group_left_by_a_killed_process_is_removed_by_the_next_maker(monkeypat
                          check=True, cwd=Path(__file__).resolve().parent.parent).stdout
     left = [Path(p) for p in out.split()]
     assert left and all(d.is_dir() for d in left)
+    for d in left:
+        age(d, cgroup.MIN_AGE_S + 1)
     monkeypatch.setattr(cgroup, "_swept", set())   # this process makes its first group again
     group = Cgroup.make(pids=8, memory_bytes=64 << 20)
     try:

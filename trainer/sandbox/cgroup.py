@@ -11,8 +11,8 @@ made (no permission, no controller), `Cgroup.make` returns None and the caller s
 A group is named after the process that made it (`rlpilot-sandbox-<pid>-<random>`). A process
 killed mid-call (a reward worker, a trainer) never removes its call's group, which stays behind
 empty once the sandbox's tree has died with it. The first group a process makes under a parent
-first sweeps that parent (`sweep`): empty sandbox groups whose maker is gone are removed (and
-those named without a maker, by older versions, once they are `STALE_S` old). A group with a
+first sweeps that parent (`sweep`): empty sandbox groups whose maker is gone are removed once
+they are `MIN_AGE_S` old (those named without a maker, by older versions, once `STALE_S` old). A group with a
 process in it is never touched: the kernel refuses to remove it.
 """
 from __future__ import annotations
@@ -27,6 +27,9 @@ from pathlib import Path
 ROOT = Path("/sys/fs/cgroup")
 PREFIX = "rlpilot-sandbox-"
 STALE_S = 60.0   # an empty group named without its maker is a leftover after this long
+# and one whose maker is gone, after this long: a maker in another PID namespace (a container
+# sharing the parent group) looks gone from here, and its group is empty until its job joins
+MIN_AGE_S = 10.0
 _OWNED = re.compile(re.escape(PREFIX) + r"(\d+)-[0-9a-f]+")
 _swept: set[Path] = set()   # the parents this process has swept
 
@@ -52,10 +55,11 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def sweep(parent: Path, *, stale_s: float = STALE_S) -> list[Path]:
+def sweep(parent: Path, *, stale_s: float = STALE_S, min_age_s: float = MIN_AGE_S) -> list[Path]:
     """Remove the empty sandbox groups under `parent` that no call will use again: their maker
-    is gone (or, named without one, they are older than `stale_s`). Returns those removed. A pid
-    reused by a new process keeps its old group until that one ends too."""
+    is gone and they are older than `min_age_s` (or, named without a maker, older than
+    `stale_s`). Returns those removed. A pid reused by a new process keeps its old group until
+    that one ends too."""
     removed = []
     try:
         children = [d for d in parent.iterdir() if d.name.startswith(PREFIX) and d.is_dir()]
@@ -67,7 +71,7 @@ def sweep(parent: Path, *, stale_s: float = STALE_S) -> list[Path]:
         try:
             if pid is not None and _alive(pid):
                 continue
-            if pid is None and now - d.stat().st_mtime < stale_s:
+            if now - d.stat().st_mtime < (stale_s if pid is None else min_age_s):
                 continue
             d.rmdir()   # refused while a process is in it
         except OSError:
