@@ -6,9 +6,10 @@ episodes must go on, and the trainer must not hold what a tool floods its output
 
 The built-in model's tokenizer is character-level; its only special-token text is "<eos>" (and
 "<pad>", "<unk>"), and its tool calls use the tag syntax (no JSON to nest), so on it deep nesting
-is python's own: a call nested past the parser's limit. The ChatML forgeries and ~1,000 nested
-`[` in a JSON tool call need a chat model's tokenizer: `test_chat_model_...` below runs them on
-SmolLM2 when var/models has it.
+is python's own: a call nested past the parser's limit (and the model's 512 positions leave no
+room for ~1,000 levels). The ChatML forgeries and nesting in a JSON tool call need a chat model's
+tokenizer: `test_chat_model_...` below runs them on SmolLM2 when var/models has it, on a GPU or
+with RLPILOT_SLOW_CHAT=1 (about 4 minutes on 2 shared CPU cores; each built-in run ~20 s).
 """
 from __future__ import annotations
 
