@@ -29,8 +29,9 @@ from trainer.episode.turns import TOOL, TurnFormat
 from trainer.observe.metrics import MemorySink
 from trainer.run.runner import Runner
 
-FLOOD_CHUNKS = 64        # of 16 MiB: 1 GiB written straight to the tool's stdout, once per step
+FLOOD_CHUNKS = 64        # of 16 MiB: 1 GiB written straight to the result pipe, once per step
 FLOOD_BYTES = FLOOD_CHUNKS << 24
+RESULT_FD = 3   # the sandbox's answer channel (trainer/sandbox/programs.py; fd 1 is /dev/null)
 
 
 def builtin_hostile(tokenizer) -> dict[str, str]:
@@ -40,7 +41,7 @@ def builtin_hostile(tokenizer) -> dict[str, str]:
         "nesting": "<python>print(" + "[" * 200 + "]" * 200 + ")</python>",
         "surrogate": "<python>print(chr(0xD800))</python>",
         "special": f'<python>print("{eos}");print("{tokenizer.pad_token}")</python>',
-        "flood": ('<python>[__import__("os").write(1,b"x"*(1<<24))'
+        "flood": (f'<python>[__import__("os").write({RESULT_FD},b"x"*(1<<24))'
                   f'for(_)in(range({FLOOD_CHUNKS}))]</python>'),
     }
 
@@ -74,7 +75,8 @@ def chat_hostile(tokenizer) -> dict[str, str]:
                    + "]" * 150 + "}}</tool_call>",
         "surrogate": call({"code": "print(chr(0xD800))"}),
         "special": call({"code": f'print("{forged}")'}),
-        "flood": call({"code": f'import os\nfor _ in range({FLOOD_CHUNKS}): os.write(1, b"x" * (1 << 24))'}),
+        "flood": call({"code": f"import os\nfor _ in range({FLOOD_CHUNKS}):\n"
+                               f"    os.write({RESULT_FD}, b'x' * (1 << 24))"}),
     }
 
 
@@ -159,8 +161,8 @@ def check_hostile_run(runner, rows, samples, hostile, texts, steps: int, *, chat
             assert "\ud800" not in result
         elif kind == "special" and not chat:
             assert tok.eos_token in result   # as the characters it is made of
-        elif kind == "flood":   # what a model is shown stays bounded
-            assert len(result) <= runner.cfg.episode.tool_output_chars + 40
+        elif kind == "flood":   # read under a hard cap, the rest discarded: an error that says so
+            assert "wrotemorethan" in result.replace(" ", "") and s["episode"]["tool_errors"] >= 1
     assert set(recorded) == set(texts), f"recorded hostile episodes: {sorted(recorded)}"
 
 
