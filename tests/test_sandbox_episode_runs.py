@@ -173,11 +173,10 @@ def test_hostile_tool_calls_are_tool_errors_or_plain_text_and_the_run_goes_on(tm
     runner, rows, samples, hostile, texts, growth = hostile_run(
         tmp_path, monkeypatch, "agent", ["rollout.max_response_len=480", *MODES[mode]],
         builtin_hostile, steps)
-    check_hostile_run(runner, rows, samples, hostile, texts, steps, chat=False)
-    flooded = sum(1 for t in hostile.forced.values() if t == texts["flood"])
-    assert flooded >= 1
-    # the trainer held none of the floods (each is FLOOD_BYTES)
+    assert texts["flood"] in hostile.forced.values()
+    # the trainer held none of the floods (each is FLOOD_BYTES; a tiny run alone grows ~200 MiB)
     assert growth < FLOOD_BYTES // 2, f"the trainer grew by {growth / 2**20:.0f} MiB"
+    check_hostile_run(runner, rows, samples, hostile, texts, steps, chat=False)
 
 
 SMOLLM2 = Path(__file__).resolve().parent.parent / "var/models/smollm2-135m-instruct"
