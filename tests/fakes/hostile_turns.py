@@ -3,7 +3,8 @@
 `HostileTurns(inner, tokenizer, texts, every=k)` sits under the episode wrapper
 (trainer/episode/engine.py), around the run's real engine. Every k-th new episode it is given
 does not reach the real engine for its first turn: that turn "is generated" as one of `texts` (in
-turn, tokenized with the run's tokenizer, finished "stop" as a tool call's closing tag would), so
+turn, tokenized with the run's tokenizer by `forced_ids`, finished "stop" as a tool call's closing
+tag would), so
 the episode wrapper hands it to the environment as any model turn. When the episode comes back for
 its next turn, the real engine continues it. `forced` maps each such request id to the text it got;
 `resubmitted` keeps, per request id, the response (ids, versions) as the episode wrapper sent it
