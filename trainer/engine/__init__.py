@@ -54,8 +54,10 @@ def build_engine(cfg, model, tokenizer, device, dtype, max_seq_len: int, *,
     else:
         engine = _engine(cfg, model, tokenizer, device, dtype, max_seq_len, weights_dir, eos,
                          stops, adapter)
-    if adapter:
-        engine.update_weights(adapter, 0)
+    if adapter:   # with the adapted layers' base at the trainer's precision, to merge from
+        from trainer.models.lora import with_bases
+
+        engine.update_weights(with_bases(model.state_dict(), adapter), 0)
     return engine
 
 

@@ -141,9 +141,9 @@ class Runner:
                          "devices": self._held_devices(),
                          # how many prompts' GRESO history came from another run
                          **({"greso_warm_start": self.greso_warm} if self.greso_warm else {})})
-        weak = weak_isolation_warning(self.cfg)
-        if weak:   # said at every start and resume, as the run page and the report keep saying
-            self.sink.event(self.step, "warning", {"message": weak})
+        # said at every start and resume, as the run page and the report keep saying
+        for warning in filter(None, (weak_isolation_warning(self.cfg), lora.dropout_warning(self.cfg))):
+            self.sink.event(self.step, "warning", {"message": warning})
         status = FINISHED
         try:
             if self.step == 0 and self.cfg.run.eval_every:
