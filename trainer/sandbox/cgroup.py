@@ -7,16 +7,83 @@ with `pids.max` and a memory limit; the job's first process joins it before it s
 sandbox (`join_command`), and `kill` ends every process in it. cgroup v2 (the unified hierarchy)
 and v1 (the pids and memory controllers mounted apart) are both handled. Where no group can be
 made (no permission, no controller), `Cgroup.make` returns None and the caller says so.
+
+A group is named after the process that made it (`rlpilot-sandbox-<pid>-<random>`). A process
+killed mid-call (a reward worker, a trainer) never removes its call's group, which stays behind
+empty once the sandbox's tree has died with it. The first group a process makes under a parent
+first sweeps that parent (`sweep`): empty sandbox groups whose maker is gone are removed once
+they are `MIN_AGE_S` old (those named without a maker, by older versions, once `STALE_S` old). A group with a
+process in it is never touched: the kernel refuses to remove it.
 """
 from __future__ import annotations
 
 import os
+import re
 import secrets
 import signal
 import time
 from pathlib import Path
 
 ROOT = Path("/sys/fs/cgroup")
+PREFIX = "rlpilot-sandbox-"
+STALE_S = 60.0   # an empty group named without its maker is a leftover after this long
+# and one whose maker is gone, after this long: a maker in another PID namespace (a container
+# sharing the parent group) looks gone from here, and its group is empty until its job joins
+MIN_AGE_S = 10.0
+_OWNED = re.compile(re.escape(PREFIX) + r"(\d+)-[0-9a-f]+")
+_swept: set[Path] = set()   # the parents this process has swept
+
+
+def group_name() -> str:
+    """A new group's name: this process's pid (its maker) and a random part."""
+    return f"{PREFIX}{os.getpid()}-{secrets.token_hex(6)}"
+
+
+def maker(name: str) -> int | None:
+    """The pid of the process that made the group `name` (None: not in the name)."""
+    m = _OWNED.fullmatch(name)
+    return int(m.group(1)) if m else None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def sweep(parent: Path, *, stale_s: float = STALE_S, min_age_s: float = MIN_AGE_S) -> list[Path]:
+    """Remove the empty sandbox groups under `parent` that no call will use again: their maker
+    is gone and they are older than `min_age_s` (or, named without a maker, older than
+    `stale_s`). Returns those removed. A pid reused by a new process keeps its old group until
+    that one ends too."""
+    removed = []
+    try:
+        children = [d for d in parent.iterdir() if d.name.startswith(PREFIX) and d.is_dir()]
+    except OSError:
+        return removed
+    now = time.time()
+    for d in children:
+        pid = maker(d.name)
+        try:
+            if pid is not None and _alive(pid):
+                continue
+            if now - d.stat().st_mtime < (stale_s if pid is None else min_age_s):
+                continue
+            d.rmdir()   # refused while a process is in it
+        except OSError:
+            continue
+        removed.append(d)
+    return removed
+
+
+def _sweep_once(parent: Path) -> None:
+    if parent not in _swept:
+        _swept.add(parent)
+        sweep(parent)
 
 
 def _own_path(controller: str) -> str | None:
@@ -38,7 +105,7 @@ class Cgroup:
 
     @classmethod
     def make(cls, *, pids: int, memory_bytes: int) -> "Cgroup | None":
-        name = "rlpilot-sandbox-" + secrets.token_hex(6)
+        name = group_name()
         try:
             if (ROOT / "cgroup.controllers").exists():
                 return cls._make_v2(name, pids, memory_bytes)
@@ -56,6 +123,7 @@ class Cgroup:
         parent = parent.parent if parent != ROOT else parent
         base = parent / "rlpilot-sandbox"
         base.mkdir(exist_ok=True)
+        _sweep_once(base)
         (base / "cgroup.subtree_control").write_text("+pids +memory")
         d = base / name
         d.mkdir()
@@ -79,6 +147,7 @@ class Cgroup:
                 own = _own_path(controller)
                 if own is None or not (ROOT / controller).is_dir():
                     raise OSError(f"no {controller} controller")
+                _sweep_once(ROOT / controller / own.lstrip("/"))
                 d = ROOT / controller / own.lstrip("/") / name
                 d.mkdir()
                 made.append(d)
