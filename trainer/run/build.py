@@ -23,7 +23,6 @@ from trainer import config as config_mod
 from trainer import sandbox
 from trainer.algo.learner import Learner
 from trainer.cluster import sharding
-from trainer.engine import build_engine
 from trainer.episode.engine import Episodes
 from trainer.models import lora
 from trainer.models.loading import load_model, load_tokenizer, resolve_device, resolve_dtype
@@ -38,6 +37,7 @@ from trainer.rollout.selection import PromptSelector
 from trainer.run import state as run_state
 from trainer.run import warm_start
 from trainer.run.boundary import StepBoundary
+from trainer.run.engines import build_engine
 from trainer.tasks import build_task
 
 
