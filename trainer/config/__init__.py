@@ -7,7 +7,7 @@ API all read this schema through `schema()`; nothing else lists parameters.
 
 Configs are loaded from TOML (a preset shipped in `trainer/presets/` or a file) and then
 overridden with dotted `section.key=value` pairs (`loading`). Anything wrong -- an unknown key, a
-wrong type, a value out of range (`params`), a rule between keys (`checks`) -- raises
+wrong type, a value out of range (`params`), a rule between keys (`checks`), a value's own syntax (`values`) -- raises
 `ConfigError` whose `errors` maps each dotted key to a message that names the allowed values.
 `text` holds the rules for text any config string (and the webapp's own text) must follow.
 
@@ -29,15 +29,7 @@ from trainer.config.loading import (
     preset_requires,
     to_toml,
 )
-from trainer.config.params import (
-    MAX_STOP_LEN,
-    MAX_STOP_STRINGS,
-    TYPE_NAMES,
-    ConfigError,
-    ParamSpec,
-    param,
-    stop_strings,
-)
+from trainer.config.params import TYPE_NAMES, ConfigError, ParamSpec, param
 from trainer.config.sections import (
     AUTOPILOT_RULES,
     SECTIONS,
@@ -60,6 +52,7 @@ from trainer.config.sections import (
     schema,
 )
 from trainer.config.text import MAX_TEXT_LEN, UNSTORABLE, short_repr, text_problem
+from trainer.config.values import MAX_STOP_LEN, MAX_STOP_STRINGS, stop_strings
 
 __all__ = [
     "AUTOPILOT_RULES", "MAX_STOP_LEN", "MAX_STOP_STRINGS", "MAX_TEXT_LEN", "PRESETS_PACKAGE",

@@ -1,12 +1,19 @@
 """The rules that involve more than one parameter (`check`, run on every config loaded or
-changed) and `pilot.bounds`, whose items each name another parameter."""
+changed) and `pilot.bounds`, whose items each name another parameter. A value's own syntax is its
+parser's (trainer/config/values.py): this module imports no package that acts on the config."""
 from __future__ import annotations
 
 from typing import Iterable
 
-from trainer.config.params import ConfigError, stop_strings
+from trainer.config.params import ConfigError
 from trainer.config.sections import Config, param_spec
-from trainer.engine.sglang.urls import parse_urls
+from trainer.config.values import (
+    parse_schedule,
+    parse_target_modules,
+    parse_tools,
+    parse_urls,
+    stop_strings,
+)
 
 
 def check(cfg: Config) -> None:
@@ -52,11 +59,9 @@ def check(cfg: Config) -> None:
     except ValueError as e:
         errors["pilot.bounds"] = str(e)
     if cfg.async_.staleness_schedule.strip():
-        from trainer.rollout import staleness_schedule
-
         eta = param_spec("async.max_staleness")
         try:
-            staleness_schedule.parse(cfg.async_.staleness_schedule, (eta.min, eta.max))
+            parse_schedule(cfg.async_.staleness_schedule, (eta.min, eta.max))
         except ValueError as e:
             errors["async.staleness_schedule"] = str(e)
         else:
@@ -72,8 +77,6 @@ def check(cfg: Config) -> None:
                                          "pi_prox: set async.prox_logp = 'recompute' (loglinear "
                                          "interpolates it from the engine's own log-probabilities)")
     try:
-        from trainer.episode.environments import parse_tools
-
         parse_tools(cfg.episode.tools)
     except ValueError as e:
         errors["episode.tools"] = str(e)
@@ -82,9 +85,7 @@ def check(cfg: Config) -> None:
                                       "episode.max_turns > 1")
     if cfg.lora.rank:
         try:
-            from trainer.models.lora import target_modules
-
-            target_modules(cfg.lora.target_modules)
+            parse_target_modules(cfg.lora.target_modules)
         except ValueError as e:
             errors["lora.target_modules"] = str(e)
     if cfg.run.target_accuracy and not cfg.run.eval_every:

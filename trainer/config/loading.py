@@ -13,8 +13,7 @@ import tomli_w
 
 from trainer.config.checks import check
 from trainer.config.params import ConfigError
-from trainer.config.sections import BUILTIN_MODELS, SECTIONS, Config, param_spec
-from trainer.models.gguf_import import KNOWN as GGUF_SOURCES  # stdlib only: no torch here
+from trainer.config.sections import BUILTIN_MODELS, IMPORTED_MODELS, SECTIONS, Config, param_spec
 
 PRESETS_PACKAGE = "trainer.presets"
 
@@ -59,7 +58,7 @@ def preset_requires(name: str) -> str | None:
     path = preset_dict(name).get("model", {}).get("path", "builtin")
     if _shipped(path):
         return None
-    source = GGUF_SOURCES.get(Path(path).name)
+    source = IMPORTED_MODELS.get(Path(path).name)
     how = (f"create it with `python -m trainer import-gguf {source}`" if source
            else "a model directory of your own")
     return f"opt-in: needs model.path = {path} ({how}; docs/models.md)"

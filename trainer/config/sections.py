@@ -15,6 +15,9 @@ from trainer.config.params import ConfigError, ParamSpec, param
 # model.path names of the models rlpilot ships -> their folder in trainer/assets (the one place
 # they are named; trainer/models/loading.py loads them)
 BUILTIN_MODELS = {"builtin": "builtin-sum", "builtin-tools": "builtin-tools"}
+# the model directories `python -m trainer import-gguf SOURCE` writes by default -> SOURCE (a
+# preset naming one says how to make it; trainer/models/gguf_import.py writes them)
+IMPORTED_MODELS = {"smollm2-135m-instruct": "smollm2"}
 
 # what run.report_to may name (trainer/observe/trackers/: one adapter each)
 TRACKERS = ("tensorboard", "wandb", "mlflow")
