@@ -1,14 +1,9 @@
 """The RNG state of a pool: its members' sampling generators as one for checkpoints."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from trainer.engine.pool_members import FAILURES, LOST, Member, derived_seed
-
-if TYPE_CHECKING:
-    from trainer.engine.pool import EnginePool
 
 
 class PoolGenerator:
@@ -18,7 +13,7 @@ class PoolGenerator:
     A member that fails meanwhile is lost as in any other call (its restart draws a fresh
     stream)."""
 
-    def __init__(self, pool: EnginePool):
+    def __init__(self, pool):   # the EnginePool (trainer/engine/pool.py) whose members these are
         self.pool = pool
 
     def _on(self, m: Member, method: str, *args):
