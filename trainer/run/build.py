@@ -21,12 +21,12 @@ import torch
 
 from trainer import config as config_mod
 from trainer import sandbox
+from trainer.accounting.inspector import InspectorRecorder
 from trainer.algo.learner import Learner
 from trainer.cluster import sharding
 from trainer.episode.engine import Episodes
 from trainer.models import lora
 from trainer.models.loading import load_model, load_tokenizer, resolve_device, resolve_dtype
-from trainer.observe.inspector import InspectorRecorder
 from trainer.observe.system import ProcessMeter, SystemSampler
 from trainer.observe.timeline import CONTROLLER, TOOLS_LANE, Timeline
 from trainer.pilot.live import LivePilot

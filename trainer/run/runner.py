@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from trainer import config as config_mod
+from trainer.accounting import cost
 from trainer.algo import objective
 from trainer.algo.learner import TrainSequence
 from trainer.cluster import distributed, training_ranks
@@ -32,7 +33,7 @@ from trainer.engine.base import GenerationGaveUp
 from trainer.episode.engine import apply_limits
 from trainer.episode.environments import offered_tools
 from trainer.models import lora
-from trainer.observe import clock, cost, trackers
+from trainer.observe import clock, trackers
 from trainer.observe.metrics import MetricsSink, MultiSink
 from trainer.observe.timeline import CONTROLLER, rank_lane
 from trainer.rollout import staleness_schedule

@@ -8,7 +8,7 @@ from typing import Any
 from django.conf import settings
 from django.core.cache import cache
 
-from trainer.observe import cost, forecast
+from trainer.accounting import cost, forecast
 from trainer.rollout.ledger import REASONS
 from webapp.dashboard import formatting
 from webapp.dashboard.models import MetricPoint, Run, RunEvent, TimelineSlice

@@ -8,8 +8,8 @@ from __future__ import annotations
 from typing import Any
 
 from trainer import config as config_mod
-from trainer.observe import cost
-from trainer.observe import estimate as estimate_rule
+from trainer.accounting import cost
+from trainer.accounting import estimate as estimate_rule
 from webapp.dashboard.models import Estimate, Run, TimelineSlice
 from webapp.dashboard.reports.cost import devices, rates_of
 

@@ -183,8 +183,8 @@ def calibrate_estimate(estimate_id: int) -> str:
     """Calibrate the estimate's run on this worker for at most RLPILOT_ESTIMATE_SECONDS (its
     process group killed past that and a grace, its directory removed) and record the estimate,
     or why there is none (the `estimate` task's body; tests call it). Returns its status."""
-    from trainer.observe import estimate as estimate_rule
-    from trainer.observe.run_files import CostError
+    from trainer.accounting import estimate as estimate_rule
+    from trainer.accounting.run_files import CostError
     from webapp.dashboard.models import Estimate
     from webapp.dashboard.reports.cost import rates_of
 
