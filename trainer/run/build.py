@@ -6,7 +6,7 @@ KL: `track_reference`) and the tokenizer. Rank 0, the controller, also holds wha
 reports: the task and its prompts, the engine, the rollout driver with its prompt selector
 (GRESO) and scorer (the reward pool), the step boundary, the pilot, the inspector's recorder,
 the timeline and the telemetry. The other ranks hold None for the engine, the reward pool and the
-telemetry (trainer/cluster/training_ranks.py sends them their share of each update).
+telemetry (trainer/run/training_ranks.py sends them their share of each update).
 
 `collaborators` sets them as the Runner's attributes (runner.engine, runner.rollout, ...). A
 resumed run: `checkpoint_and_config` (rank 0 reads the latest checkpoint, every rank gets its

@@ -27,7 +27,7 @@ from trainer import config as config_mod
 from trainer.accounting import cost
 from trainer.algo import objective
 from trainer.algo.learner import TrainSequence
-from trainer.cluster import distributed, training_ranks
+from trainer.cluster import distributed
 from trainer.engine import generation_device, rollout_precision
 from trainer.engine.base import GenerationGaveUp
 from trainer.episode.engine import apply_limits
@@ -39,7 +39,7 @@ from trainer.observe.timeline import CONTROLLER, rank_lane
 from trainer.rollout import staleness_schedule
 from trainer.rollout.asynchronous import AsyncStall, CollectInterrupted
 from trainer.rollout.base import RolloutResult
-from trainer.run import build, checkpoint, step_record
+from trainer.run import build, checkpoint, step_record, training_ranks
 from trainer.run import state as run_state
 from trainer.run.controls import AUTO, AUTOPILOT, SCHEDULE, ControlSource
 from trainer.run.evaluate import evaluate
