@@ -80,7 +80,7 @@ def check(cfg: Config) -> None:
         parse_tools(cfg.episode.tools)
     except ValueError as e:
         errors["episode.tools"] = str(e)
-    if cfg.episode.feedback and cfg.episode.max_turns == 1:
+    if cfg.episode.feedback and not cfg.episode.multi_turn:
         errors["episode.feedback"] = ("feedback needs a turn after the answer: set "
                                       "episode.max_turns > 1")
     if cfg.lora.rank:

@@ -158,8 +158,8 @@ def apply_knob_change(cfg: Config, knobs: dict[str, Any]) -> tuple[Config, dict[
     if errors:
         raise ConfigError(errors)
     new = apply_overrides(cfg, knobs)
-    if cfg.episode.max_turns == 1 and new.episode.max_turns > 1:
-        # the engine was built without an environment (trainer/engine/__init__.py)
+    if not cfg.episode.multi_turn and new.episode.multi_turn:
+        # the engine was built without an environment (trainer/run/engines.py)
         raise ConfigError({"episode.max_turns": "this run was launched single-turn "
                            "(episode.max_turns = 1): it has no environment to answer a turn; "
                            "fork it with episode.max_turns > 1"})

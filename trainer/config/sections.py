@@ -293,6 +293,12 @@ class EpisodeConfig:
                                    "beyond, marked)")
     tool_workers: int = param(2, min=1, max=64, help="tool calls run at once, beside decoding")
 
+    @property
+    def multi_turn(self) -> bool:
+        """Turns after the first, with an environment to answer them: the one reading of
+        `max_turns` (1 = single-turn) that every package asks."""
+        return self.max_turns > 1
+
 
 @dataclass
 class SandboxConfig:

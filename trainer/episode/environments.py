@@ -34,7 +34,7 @@ DONE = Reply(None)
 def offered_tools(cfg) -> tuple[str, ...] | None:
     """The tools a new episode is offered (`episode.tools`), or None: single-turn
     (`episode.max_turns` = 1)."""
-    return parse_tools(cfg.episode.tools) if cfg.episode.max_turns > 1 else None
+    return parse_tools(cfg.episode.tools) if cfg.episode.multi_turn else None
 
 
 class Environment:

@@ -57,7 +57,7 @@ def build_engine(cfg, model, tokenizer, device, dtype, max_seq_len: int, *,
     dtype = engine_dtype(r.dtype, dtype)
     eos = stop_token_ids(model, tokenizer)  # the tokenizer's eos and the generation config's
     stops = stop_strings(r.stop)
-    if cfg.episode.max_turns > 1:
+    if cfg.episode.multi_turn:
         engine = with_episodes(cfg, tokenizer, lambda tool_stops: _engine(
             cfg, model, tokenizer, device, dtype, max_seq_len, weights_dir, eos,
             stops + [s for s in tool_stops if s not in stops], adapter))
