@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Iterable
 
 from trainer.config.params import ConfigError
-from trainer.config.sections import Config, param_spec
+from trainer.config.schema import Config, param_spec
 from trainer.config.values import (
     parse_schedule,
     parse_target_modules,

@@ -13,7 +13,8 @@ import tomli_w
 
 from trainer.config.checks import check
 from trainer.config.params import ConfigError
-from trainer.config.sections import BUILTIN_MODELS, IMPORTED_MODELS, SECTIONS, Config, param_spec
+from trainer.config.schema import SECTIONS, Config, param_spec
+from trainer.config.sections import BUILTIN_MODELS, IMPORTED_MODELS
 
 PRESETS_PACKAGE = "trainer.presets"
 
