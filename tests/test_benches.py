@@ -238,3 +238,21 @@ def test_judged_skips_by_hand():
             {"step": 3, "greso/skips_judged": 5, "greso/wrong_skip_ratio": 0.6}]
     assert greso.judged_skips(rows) == (4, 5)
     assert greso.judged_skips(rows, first_step=2) == (3, 2)
+
+
+def test_bench_sandbox_interleaves_both_isolations_and_says_the_load():
+    from trainer import sandbox
+    from trainer.bench import sandbox as bench_sandbox
+    if sandbox.unavailable("bwrap") is not None:
+        pytest.skip(f"no isolation boundary here: {sandbox.unavailable('bwrap')}")
+    before = sandbox.current()
+    try:
+        out = bench_sandbox.run(argparse.Namespace(reps=2, calls=1, asserts=3, batch=4, workers=1),
+                                log=lambda *a: None)
+    finally:
+        sandbox.use(before)
+    assert out["isolations"] == ["bwrap", "process"]
+    assert set(out["ratio"]) == {"tool_ms", "reward_ms", "batch_samples_per_s"}
+    assert len(out["batch_ratio_by_round"]) == 2 and len(out["loadavg"]) == 2
+    for iso in out["isolations"]:
+        assert out[iso]["batch_samples_per_s"] > 0 and out[iso]["tool_ms_min"] <= out[iso]["tool_ms"]

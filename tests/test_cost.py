@@ -77,6 +77,38 @@ def test_what_an_advices_drops_cost_per_100_steps_by_hand():
     assert cost.drops_per_100_steps(ROWS, {}, ("stale",)) is None
 
 
+def test_a_resumed_steps_drops_are_priced_once_at_its_last_attempt_by_hand():
+    """Step 2 ran, the run died, it resumed from step 1's checkpoint and ran step 2 again: 2 s x 3
+    cores = 6 device-s over 100 tokens, 10 stale. The advice prices step 2 once, at the attempt
+    whose figures the run went on with (a dashboard row is that attempt's: its points win), and
+    counts 2 steps: 100 x (10 x 6/100) / 2 = 30 device-s per 100 steps. Summing the attempts
+    priced both rows of step 2 at 12 + 6 device-s: 100 x (40 x 18/400 + 10 x 18/100) / 3 = 120."""
+    from trainer.pilot.advice import at_stake
+
+    again = LAID + [(2, [{"lane": "rank 0", "phase": "training", "start": 200.0, "end": 202.0}], DEVICES)]
+    rows = ROWS + [{"step": 2, "rollout/tokens/generated": 100, "rollout/waste/stale": 10}]
+    assert cost.step_device_seconds_by_step(again) == {1: pytest.approx(18.0), 2: pytest.approx(6.0)}
+    assert cost.drops_per_100_steps(rows, cost.step_device_seconds_by_step(again), ("stale",)) == pytest.approx(30.0)
+    stake = at_stake({"staleness"}, rows, again, {"cpu": 0.36})["staleness"]
+    assert stake["device_s"] == pytest.approx(30.0) and stake["price"] == pytest.approx(30 / 3600 * 0.36)
+
+
+def test_overlapping_asynchronous_steps_are_not_billed_twice_by_hand():
+    """Step 2's generation began while step 1 trained: the steps cover 100-106 and 103-110, 6 and
+    7 s alone, 10 s together. 3 cores: 18 and 21 device-s alone, 30 held; each step's share is
+    scaled by 30/39. Stale drops 60 of 600 and 70 of 700 tokens: 100 x (1.8 + 2.1) x 30/39 / 2 =
+    150 device-s per 100 steps (195 unscaled)."""
+    overlap = [(1, [{"lane": "rank 0", "phase": "training", "start": 100.0, "end": 106.0}], DEVICES),
+               (2, [{"lane": "engine", "phase": "generating", "start": 103.0, "end": 108.0},
+                    {"lane": "rank 0", "phase": "training", "start": 108.0, "end": 110.0}], DEVICES)]
+    rows = [{"step": 1, "rollout/tokens/generated": 600, "rollout/waste/stale": 60},
+            {"step": 2, "rollout/tokens/generated": 700, "rollout/waste/stale": 70}]
+    per_step = cost.step_device_seconds_by_step(overlap)
+    assert per_step == {1: pytest.approx(18 * 30 / 39), 2: pytest.approx(21 * 30 / 39)}
+    assert sum(per_step.values()) == pytest.approx(30.0)   # what the run held over those steps
+    assert cost.drops_per_100_steps(rows, per_step, ("stale",)) == pytest.approx(150.0)
+
+
 def test_no_rate_means_hours_only_and_a_rate_reprices_the_whole_run():
     hours = cost.run_cost(LAID, ROWS, {})
     assert hours["price"] is None and hours["price_figures"] is None and hours["waste_price"] is None

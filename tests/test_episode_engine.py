@@ -139,11 +139,27 @@ def test_max_turns_ends_the_episode_without_running_the_last_call():
 
 
 def test_the_environment_cannot_overrun_the_token_budget():
+    """Room for 5 tokens: not even the result's wrapper fits, so nothing of it is written (never
+    "<resu", a message cut inside its wrapper); the episode ends on the budget."""
     budget = len("<calc>2+3</calc>") + 5
     s = run(episodes(TOOL_SCRIPT), sample(max_new_tokens=budget))
-    assert len(s.response_ids) == budget and s.finish_reason == LENGTH
+    assert len(s.response_ids) <= budget and s.finish_reason == LENGTH
     assert s.meta["episode"]["end"] == "budget"
-    assert text(s.response_ids) == "<calc>2+3</calc><resu"
+    assert text(s.response_ids) == "<calc>2+3</calc>"
+
+
+def test_a_message_longer_than_the_budget_left_is_cut_at_a_word_and_marked():
+    """The agent preset's case: a 96-token budget, a tool error of 94 characters (tokens, for
+    the character-level model). With 44 tokens left, the error is cut after a whole word, marked
+    "...", and its wrapper closed: "<result>error: the calculator...</result>" (41 tokens: the
+    next word would not fit); the episode ends on the budget."""
+    call = "<calc>2+x</calc>"
+    s = run(episodes(call + ">5"), sample(max_new_tokens=len(call) + 44))
+    got = text(s.response_ids)
+    assert got == call + "<result>error: the calculator...</result>", got
+    assert s.finish_reason == LENGTH and s.meta["episode"]["end"] == "budget"
+    assert s.versions[len(call):] == [ENV_VERSION] * (len(got) - len(call))
+    assert s.meta["episode"]["tool_errors"] == 1
 
 
 def test_parked_mid_turn_and_resumed_equals_the_whole_episode():

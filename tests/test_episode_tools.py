@@ -133,6 +133,26 @@ def test_a_parse_error_becomes_the_text_the_model_is_told():
     assert T.format_error(KeyError()) == "error: KeyError"
 
 
+def test_an_error_is_short_and_marked_where_it_is_cut():
+    """A failed call's message takes little of a short response budget (the agent preset's 96
+    tokens held 76 tokens of one): at most ERROR_CHARS, cut at a word and marked with CUT."""
+    long = "the call " + "went very wrong " * 20
+    text = T.format_error(long)
+    assert len(text) <= T.ERROR_CHARS and text.endswith(T.CUT), text
+    assert (text[:-len(T.CUT)] + " ").startswith("error: the call went very wrong ")
+    assert long.startswith(text[len("error: "):-len(T.CUT)] + " "), text   # cut at a word's end
+    short = "error: unknown tool 'foo'; the tools are calculator"
+    assert T.format_error("unknown tool 'foo'; the tools are calculator") == short   # whole: no mark
+    # a model's long tool name, from the parser and from run_tool; a long python error line
+    env_text = T.format_error(ToolCallError(T._unknown("x" * 300, ["calculator"])))
+    assert len(env_text) <= T.ERROR_CHARS and env_text.endswith(T.CUT), env_text
+    r = run_tool(ToolCall("y" * 300, {}), timeout_s=1)
+    assert r.error and len(r.text) <= T.ERROR_CHARS and r.text.endswith(T.CUT), r.text
+    r = python("raise ValueError('" + "bad value " * 40 + "')")
+    assert r.error and r.text.startswith("error: ValueError: bad value bad value"), r.text
+    assert len(r.text) <= T.ERROR_CHARS and r.text.endswith(T.CUT), r.text
+
+
 # --- calculator ----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("expression, text", [

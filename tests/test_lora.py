@@ -274,3 +274,96 @@ def test_every_technique_and_engine_layout_trains_the_adapters(tmp_path, preset,
     assert {r["perf/weight_sync_bytes"] for r in sink.steps} == {factors * members}
     # B starts at zeros (the policy is the base): the updates moved it
     assert any(t.abs().max() > 0 for k, t in _adapters(runner.model).items() if "lora_B" in k)
+
+
+def _dropouts(model) -> list[float]:
+    """Each adapted layer's dropout as it runs (PEFT: Identity for 0), and the config's."""
+    return ([getattr(layer.lora_dropout[lora.ADAPTER], "p", 0.0) for _, layer in lora._lora_layers(model)]
+            + [model.peft_config[lora.ADAPTER].lora_dropout])
+
+
+def test_a_dropout_change_at_resume_or_fork_takes_effect_and_is_recorded(tmp_path):
+    """The checkpoint's adapter_config.json says the dropout it was written with; PEFT's load
+    keeps that one. The resumed or forked run's `lora.dropout` is the one that trains, and its
+    next checkpoint records it."""
+    from trainer.run.fork import fork_run_dir, parent_config
+
+    _run(tmp_path / "run", ["run.checkpoint_every=2", "lora.dropout=0.2"], steps=2)
+    fork_run_dir(tmp_path / "run", 2, tmp_path / "fork", ["lora.dropout=0", "run.max_steps=4"])
+    forked = Runner(parent_config(tmp_path / "fork"), tmp_path / "fork", sink=MemorySink(),
+                    system_telemetry=False, resume=True)
+    with forked:
+        assert set(_dropouts(forked.model)) == {0.0}
+        assert lora.dropout(forked.model) == 0.0
+    cfg = C.load("demo", TINY_RUN + LORA + ["lora.dropout=0.5", "run.max_steps=4",
+                                            "run.checkpoint_every=4"])
+    resumed = Runner(cfg, tmp_path / "run", sink=MemorySink(), system_telemetry=False, resume=True)
+    with resumed:
+        assert set(_dropouts(resumed.model)) == {0.5}
+        resumed.run()
+    saved = tmp_path / "run" / "checkpoints" / "step_000004" / "model" / "adapter_config.json"
+    assert json.loads(saved.read_text())["lora_dropout"] == 0.5
+
+
+def test_dropout_above_zero_is_warned_about():
+    """pi_theta with dropout against a dropout-free pi_old and engine: the warning says so."""
+    on = C.load("demo", ["lora.rank=4", "lora.dropout=0.1"])
+    assert "PPO ratio" in lora.dropout_warning(on)
+    assert lora.dropout_warning(C.load("demo", ["lora.rank=4"])) is None   # the default: 0
+    assert lora.dropout_warning(C.load("demo", ["lora.dropout=0.1"])) is None   # LoRA off
+    with pytest.raises(ValueError, match="lora.dropout"):
+        lora.set_dropout(adapted_builtin(), 1.0)
+
+
+# a base weight of scale 0.02 and an adapter delta of 1e-4, below bfloat16's step there (2^-13):
+# round(0.01997) = 0.02001953125, and round(0.01997 + 1e-4) = round(0.02007) = 0.02001953125 too;
+# adding the delta to the rounded base rounds twice: round(0.02001953125 + 1e-4) = 0.0201416015625
+W32, DELTA = 0.01997, 1e-4
+ONCE, TWICE = 0.02001953125, 0.0201416015625
+
+
+def _one_delta(model) -> str:
+    """Factors whose product is DELTA at [0, 0] of layer 0's q_proj, zero elsewhere, on a base
+    weight of W32 there. Returns the weight's plain name."""
+    layer = dict(lora._lora_layers(model))["base_model.model.model.layers.0.self_attn.q_proj"]
+    with torch.no_grad():
+        for _, other in lora._lora_layers(model):
+            other.lora_B[lora.ADAPTER].weight.zero_()
+        layer.get_base_layer().weight[0, 0] = W32
+        layer.lora_A[lora.ADAPTER].weight.zero_()
+        layer.lora_A[lora.ADAPTER].weight[0, 0] = 1.0
+        layer.lora_B[lora.ADAPTER].weight[0, 0] = DELTA / layer.scaling[lora.ADAPTER]
+    return "model.layers.0.self_attn.q_proj.weight"
+
+
+@pytest.mark.parametrize("processes", [0, 1])
+def test_a_bfloat16_engine_merges_a_float32_base_and_its_delta_rounding_once(processes):
+    """A float32 trainer, a bfloat16 engine: the merged weight is round_bf16(W + delta), as the
+    merged model SGLang and the exports get, not round_bf16(round_bf16(W) + delta) from the
+    engine's own rounded base. The embedded engine and a generation process alike."""
+    from trainer import engine as engines
+
+    tok = load_tokenizer("builtin")
+    model = adapted_builtin(rank=1, targets="q_proj,v_proj")
+    name = _one_delta(model)
+    assert torch.tensor(W32 + DELTA).to(torch.bfloat16).item() == ONCE   # the hand values
+    assert (torch.tensor(W32).to(torch.bfloat16).float() + DELTA).to(torch.bfloat16).item() == TWICE
+    merged = lora.merged_weights(model)[name][0, 0]
+    assert merged.to(torch.bfloat16).item() == ONCE
+    cfg = C.load("demo", ["lora.rank=1", "lora.target_modules=q_proj,v_proj", "rollout.dtype=bfloat16",
+                          f"cluster.gen_procs={processes}"])
+    eng = engines.build_engine(cfg, lora.base_copy(model), tok, CPU, torch.float32, 128,
+                               adapter=lora.adapter_update(model))
+    try:
+        if processes:   # the child merges what its shared buffer holds: the float32 base
+            shared = eng.members[0].engine.loaded_weights()
+            assert shared[name].dtype == torch.float32 and shared[name][0, 0].item() == torch.tensor(W32).item()
+            assert (shared[name + lora.LORA_B].float() @ shared[name + lora.LORA_A].float())[0, 0].item() \
+                == pytest.approx(DELTA, rel=1e-6)
+        else:
+            assert eng.decoder.w[name][0, 0].item() == ONCE
+            # the next update merges onto the float32 base again, not onto the last merge
+            eng.update_weights(lora.adapter_update(model), 1)
+            assert eng.decoder.w[name][0, 0].item() == ONCE
+    finally:
+        eng.close()

@@ -632,3 +632,17 @@ def test_the_docs_list_every_threshold_with_its_default_and_source():
     page = (Path(__file__).resolve().parents[1] / "docs" / "pilot.md").read_text()
     for t in Thresholds.describe():
         assert f"| `{t['name']}` | {t['default']:g} |" in page and t["source"] in page, t["name"]
+
+
+def test_aprils_rule_figures_are_computed_once_with_the_defaults_read_as_the_rollout_reads_them():
+    """N' and the segment limit in effect (0: 2 x the batch, half of max_response_len, as
+    trainer/rollout/april.py reads them) beside the rules of thumb; the run page's line and the
+    advice both take these figures."""
+    cfg = config_mod.apply_overrides(config_mod.load("demo"), {
+        "april.enabled": True, "rollout.rollout_batch_size": 4, "rollout.n_samples_per_prompt": 4,
+        "rollout.max_response_len": 96, "april.over_sampling_batch_size": 0, "april.segment_max_tokens": 0})
+    f = april.rule_figures(cfg, longest=201, mean=20.0)
+    assert (f["over_sampling"], f["ratio"], f["rule_batch"], f["segment"]) == (8, 2.0, (6, 8), 48)
+    assert (f["first_segment"], f["over_sampled_samples"], f["buffer_sizing"]) == (101, 16, 320)
+    none = april.rule_figures(config_mod.apply_overrides(cfg, {"april.over_sampling_batch_size": 4}))
+    assert (none["first_segment"], none["over_sampled_samples"], none["buffer_sizing"]) == (None, 0, None)

@@ -96,6 +96,9 @@ def test_figures_by_hand():
     assert by_age["age0/abs_logp_diff"] == pytest.approx(0.5)
     assert by_age["age1/kl"] == pytest.approx(k3[1]) and by_age["age1/abs_logp_diff"] == 1.0
     assert by_age["age2plus/kl"] == 0.0
+    # the largest |d| per age: the engine's own (age 0) apart from the drift of older tokens
+    assert (by_age["age0/abs_logp_diff_max"], by_age["age1/abs_logp_diff_max"],
+            by_age["age2plus/abs_logp_diff_max"]) == (0.5, 1.0, 0.0)
     assert rc.figures(old, roll, torch.zeros_like(mask), lower=0.5, upper=1.5) == {}
 
 

@@ -154,3 +154,28 @@ def test_the_runner_says_what_it_does_between_steps(tmp_path, monkeypatch):
         r.run()
         assert r.phase is None
     assert seen == [("eval", "evaluating"), ("eval", "evaluating"), ("save", "saving a checkpoint")]
+
+
+def test_a_run_told_to_stop_mid_step_ends_interrupted_not_failed(tmp_path, tiny_overrides, monkeypatch):
+    """Ctrl-C or a worker's shutdown (SystemExit) in step 3: the run's last word is
+    `run_interrupted` with the checkpoint a resume continues from, not an `error`, and its
+    directory reads as interrupted."""
+    from webapp.dashboard.files import run_files
+
+    runner, sink = make(tmp_path, tiny_overrides + ["run.checkpoint_every=2"], steps=5)
+    real = runner.train_step
+
+    def train_step():
+        if runner.step == 2:
+            raise SystemExit(-241)
+        return real()
+
+    monkeypatch.setattr(runner, "train_step", train_step)
+    with pytest.raises(SystemExit), runner:
+        runner.run()
+    kinds = [e["kind"] for e in sink.events]
+    assert "error" not in kinds and kinds[-1] == "run_interrupted"
+    assert sink.events[-1]["resumable_from_step"] == 2
+    assert "SystemExit: -241" in sink.events[-1]["message"]
+    ending = run_files.inspect(tmp_path).ending
+    assert (ending.status, ending.step) == ("interrupted", 2) and "told to stop" in ending.error

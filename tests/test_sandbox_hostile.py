@@ -291,6 +291,24 @@ def test_the_candidate_never_sees_the_tests():
                               "dev", "tmp", "sandbox", "root", "opt", "home"}, r["root"]
 
 
+def test_the_host_s_third_party_packages_are_out_of_reach():
+    # the interpreter and its standard library only: the host's site-packages folders are empty
+    # inside (and read-only), so no .pth file a host installed there runs in every job
+    r = bare("""
+import json, os, site, sys
+folders = {p: sorted(os.listdir(p)) for p in site.getsitepackages() if os.path.isdir(p)}
+try:
+    open(next(iter(folders)) + "/planted.pth", "w").write("import os")
+    wrote = True
+except (OSError, StopIteration):
+    wrote = False
+print(json.dumps({"folders": folders, "wrote": wrote, "exit": callable(exit)}))
+""")
+    assert "folders" in r, r
+    assert r["folders"] and all(listing == [] for listing in r["folders"].values()), r["folders"]
+    assert r["wrote"] is False and r["exit"] is True   # site itself still ran (exit, quit)
+
+
 # --- the caller: whatever the model's text does is a tool error, or plain text ---------------
 
 def test_deep_nesting_in_a_tool_call_is_a_tool_error():

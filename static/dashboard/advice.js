@@ -1,6 +1,6 @@
 // The advice panel of the run page (#advice): the pilot's advice (GET /api/runs/<id>/advice;
 // docs/pilot.md) with Apply and Dismiss, its evidence figures shaded on the charts, what became of
-// each piece (pending, applied at step N, rejected, dismissed), and the autopilot's checkboxes.
+// each piece (pending, applied from step N, rejected, dismissed), and the autopilot's checkboxes.
 //
 // RLAdvice.create(ctx), ctx = {page, state, charts, knobs, cookie(name)}, from run.js (charts:
 // RLCharts.create's, for the highlight; knobs: RLKnobs.create's, which sends the changes); returns
@@ -8,9 +8,9 @@
 // (the event's "text", formatting.describe_event). Every text is inserted as text.
 (function () {
   "use strict";
-  const el = RLCharts.el, fmt = RLCharts.fmt;   // static/dashboard/charts.js, loaded first
+  const el = RLCommon.el, fmt = RLCommon.fmt, sig = RLCommon.sig;   // static/dashboard/common.js
   // Read on load and again when new steps arrive (at most every ADVICE_EVERY_MS). What became of
-  // a piece of advice (Apply pending, applied at step N, rejected, dismissed) comes from the
+  // a piece of advice (Apply pending, applied from step N, rejected, dismissed) comes from the
   // run's events, so a reload or a second viewer shows the same.
   const ADVICE_EVERY_MS = 3000;
   const pairKey = (rule, key) => rule + "|" + key;
@@ -28,7 +28,6 @@
     const page = ctx.page, state = ctx.state, charts = ctx.charts, knobs = ctx.knobs, RUN = page.id;
     const adv = {
       list: [], cursor: 0, steps: null, loads: 0,
-      fetching: false, again: false, lastFetch: 0, timer: null,
       dismissed: new Set(),    // "rule|evidence_key" dismissed (advice_dismissed events, this page's clicks)
       requested: {},           // evidence_key -> {change_id, state: "pending" | "rejected", text}
       byChange: {},            // change_id -> evidence_key of the advice it applies
@@ -43,10 +42,8 @@
       p.hidden = !text;
       p.className = isError ? "error" : "muted";
     }
-    function loadAdvice() {
-      adv.fetching = true;
-      adv.lastFetch = Date.now();
-      fetch("/api/runs/" + RUN + "/advice", { credentials: "same-origin" })
+    function readAdvice() {
+      return fetch("/api/runs/" + RUN + "/advice", { credentials: "same-origin" })
         .then(r => r.json().then(j => ({ ok: r.ok, j: j })))
         .then(function (res) {
           if (!res.ok) { adviceMessage("The advice could not be read: " + errorText(res.j), true); return; }
@@ -58,18 +55,10 @@
           renderAdvice();
           adviceBox.setAttribute("data-loads", String(adv.loads));
         })
-        .catch(() => adviceMessage("The advice could not be read (network).", true))
-        .finally(function () {
-          adv.fetching = false;
-          if (adv.again) { adv.again = false; scheduleAdvice(); }
-        });
+        .catch(() => adviceMessage("The advice could not be read (network).", true));
     }
-    function scheduleAdvice() {
-      if (adv.fetching) { adv.again = true; return; }
-      if (adv.timer) return;
-      const wait = Math.max(0, adv.lastFetch + ADVICE_EVERY_MS - Date.now());
-      adv.timer = setTimeout(function () { adv.timer = null; loadAdvice(); }, wait);
-    }
+    const reads = RLCommon.poller(ADVICE_EVERY_MS, readAdvice);   // common.js
+    const loadAdvice = reads.load, scheduleAdvice = reads.schedule;
     // an event that changes what became of a piece of advice
     function adviceOnEvent(m) {
       const d = m.data || {};
@@ -154,8 +143,8 @@
       if (a.expected) li.appendChild(el("div", { class: "advice-expected" }, "expected: " + a.expected));
       const c = a.cost_per_100_steps;   // what the drops it is about cost now (docs/cost.md)
       if (c) li.appendChild(el("div", { class: "advice-cost" }, "at stake: the " + c.reasons.join(", ") +
-        " drops cost " + (c.device_s / 3600).toPrecision(3) + " device-hours per 100 steps at the present pace" +
-        (c.price !== null && c.price !== undefined ? " (price " + Number(c.price.toPrecision(3)) + ")" : "")));
+        " drops cost " + sig(c.device_s / 3600) + " device-hours per 100 steps at the present pace" +
+        (c.price !== null && c.price !== undefined ? " (price " + sig(c.price) + ")" : "")));
       const ev = el("ul", { class: "evidence" });
       (a.evidence || []).forEach(function (f, i) {
         const b = el("button", { type: "button", class: "figure", "data-metric": f.name, "data-first": f.first_step,
@@ -188,7 +177,7 @@
     function appliedItem(e) {   // an applied piece of advice the pilot no longer gives
       const li = el("li", { "data-key": e.key, "data-state": "applied" });
       const head = el("div", { class: "advice-head" });
-      head.appendChild(el("span", { class: "advice-state applied" }, (e.undo ? "undone" : "applied") + " at step " + e.step));
+      head.appendChild(el("span", { class: "advice-state applied" }, (e.undo ? "undone" : "applied") + " from step " + RLCommon.actsFrom(e.step)));
       li.appendChild(head);
       li.appendChild(el("div", { class: "advice-applied-text" }, e.text));
       const message = adv.messages[e.key];   // unless the change's own text says it (the autopilot's)
@@ -205,7 +194,7 @@
         // applied after this advice was read (its cursor): the advice is what was applied
         const done = adv.applied.filter(e => e.key === a.evidence_key && e.cursor > adv.cursor).pop();
         const req = adv.requested[a.evidence_key];
-        const st = done ? { state: "applied", text: (done.undo ? "undone" : "applied") + " at step " + done.step }
+        const st = done ? { state: "applied", text: (done.undo ? "undone" : "applied") + " from step " + RLCommon.actsFrom(done.step) }
           : req && req.state === "pending" ? { state: "pending", text: "pending: applies at the next step boundary" }
           : req && req.state === "rejected" ? { state: "rejected", text: req.text }
           : {};

@@ -18,37 +18,14 @@
 // Nothing here inserts user text as HTML, and text handed to Plotly (titles, legend names,
 // annotations, hover text) goes through plotlyText(): Plotly renders a subset of HTML in those.
 //
-// The helpers every page script shares come from here too (loaded first): el() (an element,
-// its text as text), fmt() (a number as the pages write it), plotlyText() and holdable() (the
-// hover-hold of a live chart, used by these charts and by the timeline, timeline.js).
+// The helpers every page script shares are common.js' (RLCommon: el, fmt, plotlyText, ...);
+// holdable() here is the hover-hold of a live chart, used by these charts and by the timeline
+// (timeline.js).
 (function () {
   "use strict";
   const HOLD_MS = 10000;   // the longest a resting pointer holds a live chart still
 
-  // an element with attributes and, if given, its text (as text, never HTML)
-  function el(tag, attrs, text) {
-    const e = document.createElement(tag);
-    for (const k in (attrs || {})) e.setAttribute(k, attrs[k]);
-    if (text !== undefined && text !== null) e.textContent = String(text);
-    return e;
-  }
-  // A value as the pages write it (the server's formatting.number does the same): a number to
-  // `digits` significant digits (4 unless given), never cutting its whole part (from 10^(digits-1)
-  // up, a whole number: 16384, not 16380), without an exponent for ordinary magnitudes; a list as
-  // "[a, b]"; anything else as its string.
-  function fmt(v, digits) {
-    digits = digits || 4;
-    if (Array.isArray(v)) return "[" + v.map(x => fmt(x, digits)).join(", ") + "]";
-    if (typeof v !== "number") return String(v);
-    if (Math.abs(v) >= Math.pow(10, digits - 1)) return v.toFixed(0);
-    return String(Number(v.toPrecision(digits)));
-  }
-  // Plotly's text fields understand <b>, <i>, <br>, <a href>, <span style>...: escape them (Plotly
-  // turns &lt; &gt; &amp; back into the characters).
-  function plotlyText(s) {
-    return String(s === undefined || s === null ? "" : s)
-      .replace(/&/g, "&amp;").replace(/</g, "&lt;").replace(/>/g, "&gt;");
-  }
+  const el = RLCommon.el, fmt = RLCommon.fmt, plotlyText = RLCommon.plotlyText;   // common.js, loaded first
   // The hover-hold. Any redraw of a Plotly div (extendTraces included) removes its hover label,
   // and a live run brings a step a second or faster: while the pointer rests on a point of `div`,
   // the div is held (data-held="1"), for at most HOLD_MS, and catches up when the pointer leaves.
@@ -172,8 +149,11 @@
     return Array.isArray(c.y2) ? c.y2.indexOf(key) >= 0 : !!c.y2 && i === 1;
   }
   // the metrics a band is drawn against: per chart with "band", the key on its |Δ log p| axis
+  // (and its fallback's)
   function bandKeys() {
-    return registry().charts.filter(c => c.band && c.keys).map(c => c.keys[c.y2 && c.keys.length > 1 ? 1 : 0]);
+    const axisKey = (c, keys) => keys[c.y2 && keys.length > 1 ? 1 : 0];
+    return [].concat.apply([], registry().charts.filter(c => c.band && c.keys).map(
+      c => [axisKey(c, c.keys)].concat(c.fallback ? [axisKey(c, c.fallback.keys)] : [])));
   }
 
   // counts -> log10(1 + count) colour, with colour-bar ticks that read as real counts
@@ -189,7 +169,7 @@
     const charts = specs(state);
     let revision = 0;
     charts.forEach(function (c) {
-      c.div = el("div", { id: "chart-" + c.id, class: "chart empty", "data-npoints": "0" });
+      c.div = el("div", { id: "chart-" + c.id, class: "chart empty" + (c.split ? " split" : ""), "data-npoints": "0" });
       container.appendChild(c.div);
     });
     function keysOf(c) {
@@ -200,11 +180,23 @@
       const lay = { title: { text: plotlyText(title), font: { size: 13 } }, margin: { l: 48, r: 40, t: 32, b: 32 },
                     showlegend: true, legend: { orientation: "h", y: -0.2, font: { size: 10 } },
                     xaxis: {}, uirevision: c.id, datarevision: ++revision };
-      if (c.y2) {
+      if (c.y2 && c.split) {
+        // two panels, one scale each: the y2 keys below, the x axis under them. Overlaid, each
+        // axis fits its own peak to the plot's top, so two unrelated values (2 turns and a share
+        // of 1.0; a KL and the band's |Δ log p|) land on one pixel row and read as equal
+        lay.yaxis = { domain: [0.56, 1], rangemode: "tozero" };   // magnitudes: counts, shares, KL
+        lay.yaxis2 = { domain: [0, 0.44], anchor: "x", rangemode: "tozero" };
+        lay.xaxis = { anchor: "y2" };
+      } else if (c.y2) {
         // tickmode "auto": Plotly syncs an overlaying axis' ticks to the left axis' grid by
         // default, which labels the right axis with odd values (0.4882, 0.696); it has no grid
         lay.yaxis2 = { overlaying: "y", side: "right", showgrid: false, tickmode: "auto" };
         lay.margin.r = 60;   // room for the right axis' tick labels
+      }
+      if (c.axes) {   // what each axis counts
+        lay.yaxis = Object.assign(lay.yaxis || {}, { title: { text: plotlyText(c.axes[0]), font: { size: 11 } } });
+        if (lay.yaxis2 && c.axes[1]) lay.yaxis2.title = { text: plotlyText(c.axes[1]), font: { size: 11 } };
+        lay.margin.l = 60;
       }
       if (c.band) {   // magnitudes (a KL, |Δ log p|): both axes from 0, so the band's headroom reads
         lay.yaxis = Object.assign(lay.yaxis || {}, { rangemode: "tozero" });
@@ -452,7 +444,6 @@
     });
   }
 
-  window.RLCharts = { create: create, stateFromSnapshot: stateFromSnapshot, ema: ema, el: el, fmt: fmt,
-                      plotlyText: plotlyText, holdable: holdable, histAxis: histAxis, band: findBand,
-                      bandKeys: bandKeys, bandShapes: bandShapes };
+  window.RLCharts = { create: create, stateFromSnapshot: stateFromSnapshot, ema: ema, holdable: holdable,
+                      histAxis: histAxis, band: findBand, bandKeys: bandKeys, bandShapes: bandShapes };
 })();

@@ -6,7 +6,7 @@
                    "perf/gen_tokens_per_s", "actor/kl", "rollout/response_len/mean", "async/staleness/max",
                    "rollout/zero_var_ratio", "greso/skip_rate", "timing/step_s", "system/gpu_util",
                    "episode/turns", "episode/tool_use_rate"];   // listed only where a run has them
-  const el = RLCharts.el;
+  const el = RLCommon.el, plotlyText = RLCommon.plotlyText;   // static/dashboard/common.js
   const data = [];          // per run: {key: {steps, values}}
   const divs = {};
   const chartsEl = document.getElementById("compare-charts");
@@ -59,10 +59,10 @@
         n += s.steps.length;
         const fork = r.fork_step !== null && r.fork_step !== undefined ? " (fork of #" + r.parent + " @ " + r.fork_step + ")" : "";
         return { type: "scatter", mode: s.steps.length < 60 ? "lines+markers" : "lines",
-                 name: RLCharts.plotlyText("#" + r.id + " " + r.name + fork), x: s.steps, y: RLCharts.ema(s.values, alpha), marker: { size: 4 } };
+                 name: plotlyText("#" + r.id + " " + r.name + fork), x: s.steps, y: RLCharts.ema(s.values, alpha), marker: { size: 4 } };
       });
       const band = RLCharts.bandShapes(bandOf(key), "y");
-      Plotly.react(div, traces, { title: { text: RLCharts.plotlyText(key), font: { size: 13 } }, margin: { l: 48, r: 20, t: 32, b: 32 },
+      Plotly.react(div, traces, { title: { text: plotlyText(key), font: { size: 13 } }, margin: { l: 48, r: 20, t: 32, b: 32 },
         legend: { orientation: "h", y: -0.2, font: { size: 10 } }, uirevision: key, shapes: forkLines.concat(band.shapes),
         annotations: band.annotations }, { displaylogo: false, responsive: true });
       div.setAttribute("data-npoints", String(n));
@@ -85,7 +85,7 @@
       (left ? left + " run" + (left > 1 ? "s" : "") + " without a cost account or an accuracy left out. " : "") +
       (priced ? "" : "Device-hours: not every run has a rate. ") + (held ? "" : "Training accuracy: not every run was evaluated.");
     Plotly.react(div, [{ type: "scatter", mode: "markers+text", x: shown.map(p => p.x), y: shown.map(p => p.y),
-                         text: shown.map(p => RLCharts.plotlyText("#" + p.r.id + " " + p.r.name)), textposition: "top center",
+                         text: shown.map(p => plotlyText("#" + p.r.id + " " + p.r.name)), textposition: "top center",
                          marker: { size: 10 } }],
       { margin: { l: 56, r: 20, t: 12, b: 44 }, height: 320,
         xaxis: { title: { text: priced ? "price" : "device-hours (GPU-hours + CPU core-hours)" }, rangemode: "tozero" },

@@ -13,16 +13,7 @@
   const out = document.getElementById("launch-estimate");
   if (!form || !btn || !out) return;
 
-  function cookie(name) {
-    const m = document.cookie.match("(?:^|; )" + name + "=([^;]*)");
-    return m ? decodeURIComponent(m[1]) : "";
-  }
-  function duration(s) {   // 42 s, 7.5 min, 3.2 h
-    if (s < 120) return Math.round(s) + " s";
-    if (s < 7200) return (s / 60).toFixed(1) + " min";
-    return (s / 3600).toFixed(1) + " h";
-  }
-  const sig = v => Number(v.toPrecision(3)).toString();
+  const cookie = RLCommon.cookie, duration = RLCommon.duration, sig = RLCommon.sig;   // common.js
 
   function request() {
     const data = new FormData(form);

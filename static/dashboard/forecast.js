@@ -4,25 +4,24 @@
 // new steps arrive (at most every FORECAST_EVERY_MS). The forecast part only while the run is
 // active. Every text is inserted as text.
 //
-// RLForecast.create(runId, element) -> {load, schedule}, from run.js.
+// RLForecast.create(runId, element, active, onRead) -> {load, schedule, status(active)}, from
+// run.js; onRead(reply) hears every read of the run (run.js: APRIL's context for the tuning panel).
 (function () {
   "use strict";
   const FORECAST_EVERY_MS = 5000;
+  const duration = RLCommon.duration, money = RLCommon.sig;   // static/dashboard/common.js
 
-  function duration(s) {   // 42 s, 7.5 min, 3.2 h
-    if (s < 120) return Math.round(s) + " s";
-    if (s < 7200) return (s / 60).toFixed(1) + " min";
-    return (s / 3600).toFixed(1) + " h";
-  }
-  function money(v) { return Number(v.toPrecision(3)).toString(); }
-
-  function range(lo, hi, fmt) {   // "(a–b)", "(a or later)" when the late end is unbounded
+  // A range "(a–b)"; "(up to b)" when its low end is 0 (the spread of a few uneven steps reaches
+  // below nothing: "0 s" would claim the run may be over now); "(a or later)" when the late end is
+  // unbounded.
+  function range(lo, hi, fmt) {
     if (lo === null || lo === undefined) return "";
-    return hi === null || hi === undefined ? " (" + fmt(lo) + " or later)" : " (" + fmt(lo) + "–" + fmt(hi) + ")";
+    if (hi === null || hi === undefined) return " (" + fmt(lo) + " or later)";
+    return lo > 0 ? " (" + fmt(lo) + "–" + fmt(hi) + ")" : " (up to " + fmt(hi) + ")";
   }
 
   function soFar(c) {
-    const hours = Object.keys(c.device_hours).map(k => c.device_hours[k].toPrecision(3) + " " + k + " device-hours");
+    const hours = Object.keys(c.device_hours).map(k => money(c.device_hours[k]) + " " + k + " device-hours");
     let t = "So far: " + (hours.length ? hours.join(", ") : "no device time yet");
     if (c.price !== null && c.price !== undefined) t += ", price " + money(c.price);
     t += "; idle " + Math.round(100 * c.idle_share) + "%";
@@ -49,11 +48,10 @@
   function text(f, c) {
     let t = c ? soFar(c) + " " : "";
     if (!f) return t.trim();
-    t += "To go: " + f.steps_left + " steps, about " + duration(f.seconds) + " (" +
-      duration(f.low_s) + "–" + duration(f.high_s) + ") at " + f.pace_s.toFixed(2) +
-      " s a step over the last " + f.window;
+    t += "To go: " + f.steps_left + " steps, about " + duration(f.seconds) + range(f.low_s, f.high_s, duration) +
+      " at " + f.pace_s.toFixed(2) + " s a step over the last " + f.window;
     if (f.price !== null && f.price !== undefined)
-      t += "; price about " + money(f.price) + " (" + money(f.price_low) + "–" + money(f.price_high) + ")";
+      t += "; price about " + money(f.price) + range(f.price_low, f.price_high, money);
     t += ".";
     if (f.target) t += " " + target(f.target);
     return t;
@@ -77,34 +75,35 @@
     }).join(", ") + " (" + (100 * c.waste_share).toFixed(1) + "% of the run's device time)." : "No generated token dropped so far.";
   }
 
-  function create(runId, node) {
-    const st = { timer: null, fetching: false, again: false, last: 0 };
-    function load() {
-      if (!node) return;
-      st.fetching = true;
-      st.last = Date.now();
-      fetch("/api/runs/" + runId, { credentials: "same-origin" })
+  // The line of run `runId` in `node`. The forecast part only while the run is active: ended()
+  // drops it at once (the status arrived on the stream) and a reply read before then shows no "To
+  // go" either; started() lets it back (a resumed run).
+  function create(runId, node, isActive, onRead) {
+    let active = isActive !== false, cost = null;
+    function show(f) {
+      node.hidden = !f && !cost;
+      node.textContent = f || cost ? text(f, cost) : "";
+    }
+    function read() {
+      return fetch("/api/runs/" + runId, { credentials: "same-origin" })
         .then(r => (r.ok ? r.json() : null))
         .then(function (d) {
-          const f = d && d.forecast;
-          const c = d && d.cost_so_far;
-          node.hidden = !f && !c;
-          if (f || c) node.textContent = text(f, c);
-          if (c) wasteCaption(c);
-        })
-        .catch(function () { /* the next step asks again */ })
-        .finally(function () {
-          st.fetching = false;
-          if (st.again) { st.again = false; schedule(); }
+          if (!d) return;
+          if (onRead) onRead(d);
+          if (!node) return;
+          cost = d.cost_so_far || null;
+          show(active ? d.forecast : null);
+          if (cost) wasteCaption(cost);
         });
     }
-    function schedule() {
-      if (st.fetching) { st.again = true; return; }
-      if (st.timer) return;
-      const wait = Math.max(0, st.last + FORECAST_EVERY_MS - Date.now());
-      st.timer = setTimeout(function () { st.timer = null; load(); }, wait);
+    const reads = RLCommon.poller(FORECAST_EVERY_MS, read);
+    function status(isActive) {
+      if (isActive === active) return;
+      active = isActive;
+      if (!active && node) show(null);
+      reads.schedule();
     }
-    return { load: load, schedule: schedule };
+    return { load: reads.load, schedule: reads.schedule, status: status };
   }
   window.RLForecast = { create: create, text: text };
 })();

@@ -12,8 +12,8 @@
 (function () {
   "use strict";
 
-  const el = RLCharts.el;   // static/dashboard/charts.js, loaded first
-  function num(v, digits) { return v === null || v === undefined ? "—" : RLCharts.fmt(v, digits); }
+  const el = RLCommon.el;   // static/dashboard/common.js, loaded first
+  function num(v, digits) { return v === null || v === undefined ? "—" : RLCommon.fmt(v, digits); }
   // one colour per policy version (cycled), light enough to read text on
   const PALETTE = ["#bfdbfe", "#fde68a", "#bbf7d0", "#fbcfe8", "#ddd6fe", "#fed7aa", "#a5f3fc", "#e5e7eb",
                    "#fecaca", "#d9f99d"];
@@ -30,7 +30,6 @@
     return plural(ep.turns, "turn") + " · " + plural(ep.tool_calls || 0, "tool call") +
       (ep.tool_errors ? " (" + ep.tool_errors + " failed)" : "");
   }
-  const ENDS = { answer: "answered", max_turns: "out of turns (episode.max_turns)", budget: "out of tokens (max_response_len)" };
   // log-probability -> white (certain) .. red (surprising), saturating at -5
   function logprobColour(lp) {
     if (lp === null || lp === undefined || typeof lp !== "number") return "#f3f4f6";
@@ -372,7 +371,7 @@
         const ep = s.episode;
         meta(dl, "episode", plural(ep.turns, "model turn") + " · " + plural(ep.tool_calls || 0, "tool call") +
              (ep.tool_errors ? " (" + ep.tool_errors + " failed)" : "") + " · " + num(ep.tool_s || 0, 3) + " s in tools" +
-             (ep.end ? " · " + (ENDS[ep.end] || ep.end) : ""));
+             (ep.end ? " · " + (ep.end_text || ep.end) : ""));   // the server's words (rows/samples.py)
       }
       meta(dl, "TIS weight", num(s.tis_weight));
       meta(dl, "reward status", s.reward_status + (s.reward_error ? ": " + s.reward_error : ""));

@@ -5,10 +5,10 @@
 // (advice.js) sends its changes through send() too.
 //
 // RLKnobs.create(ctx), ctx = {page, state, cookie(name), showMessage(text, isError)}, from run.js;
-// returns {send, reply, markChange, renderValues, renderButton}. Every text is inserted as text.
+// returns {send, reply, markChange, renderValues, renderButton, renderAprilContext}. Every text is inserted as text.
 (function () {
   "use strict";
-  const el = RLCharts.el, fmt = RLCharts.fmt;   // static/dashboard/charts.js, loaded first
+  const el = RLCommon.el, fmt = RLCommon.fmt;   // static/dashboard/common.js, loaded first
 
   // Grouped by technique / section. The knobs that matter most for the techniques this run uses
   // come first (η, APRIL's early termination, GRESO's alpha), then the rest of the enabled
@@ -102,35 +102,16 @@
         .forEach(t => knobGroup(t, TECHNIQUES[t].label, "not used by this run", rest(t), false));
     })();
 
-    // APRIL's rules of thumb beside the run's values, as context (nothing enforces them; the
-    // pilot's APRIL advice cites the same, trainer/pilot/april.py): the over-sampling ratio, the
-    // segment limit against the response lengths so far, the buffer in tokens
+    // APRIL's rules of thumb beside the run's values, as context (nothing enforces them): the
+    // server's line (webapp/dashboard/reports/advice.py april_context, from trainer/pilot/april.py's
+    // figures, which the pilot's APRIL advice cites too), in the page and in each read of the run
+    // (run.js hands it over: renderAprilContext(text))
     const aprilBox = techniqueEnabled("april") ? el("p", { class: "muted", id: "april-context" }, "") : null;
     if (aprilBox) (knobRows.querySelector('[data-group="key"]') || knobRows).appendChild(aprilBox);
-    function values(name) {
-      const s = state.series[name];
-      return s ? s.values.filter(v => v !== null && isFinite(v)) : [];
-    }
-    function renderAprilContext() {
-      if (!aprilBox) return;
-      const cfg = page.config || {}, rollout = cfg.rollout || {}, launched = cfg.april || {};
-      const knob = k => Number(state.knobs["april." + k] !== undefined ? state.knobs["april." + k] : launched[k] || 0);
-      const batch = Number(rollout.rollout_batch_size || 0);
-      const nPrime = knob("over_sampling_batch_size") || 2 * batch;
-      const segment = knob("segment_max_tokens") || Math.max(1, Math.floor(Number(rollout.max_response_len || 0) / 2));
-      const parts = [];
-      if (batch) parts.push("N′ " + nPrime + " is " + (nPrime / batch).toFixed(1) + "x the batch of " + batch + " (1.5–2x)");
-      const longest = values("rollout/response_len/max").reduce((a, v) => Math.max(a, v), 0), p90 = values("rollout/response_len/p90").pop();
-      parts.push("segment limit " + segment + (longest ? " against responses of p90 " + fmt(p90) + ", longest " + fmt(longest)
-        + " tokens (first at half the longest: " + Math.ceil(longest / 2) + ", then from the idle slots)" : " (no response lengths yet)"));
-      const buffer = values("april/buffer_tokens").pop(), mean = values("rollout/response_len/mean").pop();
-      // the write-up's sizing: mean length x the over-sampled samples / the throughput gain (not
-      // measured on a live run: taken as 1, which sizes the buffer at its largest)
-      const extra = Math.max(0, nPrime - batch) * Number(rollout.n_samples_per_prompt || 1);
-      if (buffer !== undefined) parts.push("buffer " + fmt(buffer) + " tokens" + (mean !== undefined && extra ?
-        " against the sizing rule's " + fmt(Math.round(mean * extra)) + " (mean length " + fmt(mean) + " × " + extra +
-        " over-sampled samples ÷ the throughput gain, taken as 1)" : ""));
-      aprilBox.textContent = "APRIL's rules of thumb: " + parts.join(" · ");
+    let aprilText = page.april_context || "";
+    function renderAprilContext(text) {
+      if (typeof text === "string") aprilText = text;
+      if (aprilBox) aprilBox.textContent = aprilText;
     }
 
     // the "Current" column, from state.knobs

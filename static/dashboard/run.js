@@ -2,7 +2,7 @@
 // stop/pause/resume/kill, the alerts banner and the event log (each event's text is the server's).
 // The panels are modules of their own, made here: the live tuning (knobs.js, RLKnobs) and the
 // pilot's advice with the autopilot (advice.js, RLAdvice); the shared helpers are charts.js'
-// (RLCharts). Scripts, in order: charts.js, inspector.js, advice.js, knobs.js, run.js.
+// (RLCharts) and common.js' (RLCommon). Scripts, in order: common.js, charts.js, inspector.js, advice.js, knobs.js, run.js.
 // Everything a user typed is inserted with textContent, never as HTML.
 (function () {
   "use strict";
@@ -17,12 +17,8 @@
   const MAX_LOCAL = 4000;
   const ACTIVE = page.active_statuses;   // models.ACTIVE, from the server
 
-  // --- helpers (el: static/dashboard/charts.js, loaded first) -------------------------------------
-  const el = RLCharts.el;
-  function cookie(name) {
-    const m = document.cookie.match("(^|;)\\s*" + name + "=([^;]*)");
-    return m ? decodeURIComponent(m[2]) : "";
-  }
+  // --- helpers (static/dashboard/common.js, loaded first) -----------------------------------------
+  const el = RLCommon.el, cookie = RLCommon.cookie;
   // --- charts (static/dashboard/charts.js) ----------------------------------------------------
   state.config = page.config;
   // the rollout inspector (static/dashboard/inspector.js): a click on a chart opens that step's samples
@@ -85,6 +81,7 @@
     e.className = "status s-" + status;
     const title = document.getElementById("alerts-title");   // an ended run's alerts are history
     if (title) title.textContent = ACTIVE.indexOf(status) >= 0 ? "Alerts" : "Alerts active when the run ended";
+    forecast.status(ACTIVE.indexOf(status) >= 0);   // an ended run has nothing to go
     updateButtons();
   }
   function rewind(step) {
@@ -108,13 +105,11 @@
       for (const k in m.values) addPoint(k, m.step, m.values[k]);
       setStep(m.step);
       advice.schedule();   // new steps: the advice may have changed
-      forecast.schedule();   // ... and the pace
-      knobs.renderAprilContext();   // ... and the response lengths APRIL's rules of thumb read
+      forecast.schedule();   // ... and the pace, and the lengths APRIL's rules of thumb read
     } else if (m.type === "histogram") {
       addHist(m);
     } else if (m.type === "status") {
-      setStatus(m.status, m.cursor, m.allowed_actions);
-      forecast.schedule();   // an ended run has nothing left to forecast
+      setStatus(m.status, m.cursor, m.allowed_actions);   // ... and tells the forecast
       logEvent(m.step, "status", m.text);
       if (m.message) { const e = document.getElementById("run-error"); e.textContent = m.message; e.hidden = false; }
     } else if (m.type === "event") {
@@ -152,7 +147,8 @@
       for (const k in (d.changes || {})) state.knobs[k] = d.changes[k].new;
       state.annotations.push({ step: m.step, text: m.text });
       knobValuesChanged();
-      knobs.markChange(d.change_id, "applied", "applied at step " + m.step);
+      forecast.schedule();   // the pace and APRIL's context may have moved with it
+      knobs.markChange(d.change_id, "applied", "applied from step " + RLCommon.actsFrom(m.step));
       advice.onOutcome(d.change_id);
       advice.onEvent(m);
     } else if (m.kind === "knob_rejected") {
@@ -206,7 +202,11 @@
   // --- the panels: live tuning (static/dashboard/knobs.js), advice and autopilot (advice.js) -------
   const knobs = RLKnobs.create({ page: page, state: state, cookie: cookie, showMessage: showMessage });
   const advice = RLAdvice.create({ page: page, state: state, charts: charts, knobs: knobs, cookie: cookie });
-  const forecast = RLForecast.create(RUN, document.getElementById("run-forecast"));   // forecast.js
+  // forecast.js reads the run (GET /api/runs/<id>) when steps arrive: its cost line, and APRIL's
+  // rules of thumb beside the run's values for the tuning panel
+  const forecast = RLForecast.create(RUN, document.getElementById("run-forecast"),
+                                     ACTIVE.indexOf(state.status) >= 0,
+                                     d => knobs.renderAprilContext(d.april_context || ""));
   forecast.load();
   function knobValuesChanged() {   // the tuning panel's current values and the autopilot's checkboxes
     knobs.renderValues();
@@ -290,7 +290,6 @@
       for (const k in state.series) { const s = state.series[k].steps; if (s.length) maxStep = Math.max(maxStep, s[s.length - 1]); }
       setStep(maxStep);
       state.cursor = data.cursor;
-      knobs.renderAprilContext();
       scheduleDraw();
       connect();
     });

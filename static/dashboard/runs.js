@@ -29,8 +29,8 @@
   const table = document.getElementById("runs-table");
   if (!table) return;
   const FIG = ["reward/accuracy", "reward/mean", "rollout/response_len/mean", "perf/gen_tokens_per_s"];
-  // a figure: 3 significant digits, whole from 100 up (RLCharts.fmt, charts.js); blank when missing
-  const fmt = v => typeof v === "number" ? RLCharts.fmt(v, 3) : "";
+  // a figure: 3 significant digits, whole from 100 up (RLCommon.fmt, common.js); blank when missing
+  const fmt = v => typeof v === "number" ? RLCommon.fmt(v, 3) : "";
   function refresh() {
     fetch("/api/runs?limit=200", { credentials: "same-origin" }).then(r => r.ok ? r.json() : null).then(function (data) {
       if (!data) return;

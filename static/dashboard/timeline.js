@@ -25,7 +25,7 @@
   const OTHER = "#9ca3af";
   const KEEP_SHORT = new Set(["tool"]), SHORT_MIN = 0.002;   // trainer/observe/timeline.py KEEP_SHORT
 
-  const plotlyText = RLCharts.plotlyText;
+  const plotlyText = RLCommon.plotlyText;
   // rank 0, rank 1, ... first (by number), then the generators by name
   function laneOrder(a, b) {
     const ra = /^rank (\d+)$/.exec(a), rb = /^rank (\d+)$/.exec(b);

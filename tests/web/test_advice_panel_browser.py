@@ -3,7 +3,7 @@ whose metrics trigger three pieces of advice (test_advice_panel.advice_rows); ea
 its move, confidence, expected effect and evidence; a click on an evidence figure shades its
 steps on the chart of that metric (the rectangle in the Plotly layout of the drawn chart);
 Apply -> pending, then the trainer's knob_applied for it (through the trainer's own boundary
-code) -> "applied at step 30"; Dismiss hides another, after a reload too; the autopilot's
+code) -> "applied from step 31"; Dismiss hides another, after a reload too; the autopilot's
 checkboxes send pilot.autopilot; the autopilot's own change reads as text in the event log; a
 watcher sees the advice without the buttons; the report lists what happened. Screenshots:
 /tmp/advice-*.png."""
@@ -34,9 +34,10 @@ def test_the_advice_panel_in_the_browser(live_asgi, django_user_model, monkeypat
     from test_advice_panel import advice_rows, trainer_applies
 
     from trainer.config import AUTOPILOT_RULES
-    from webapp.dashboard import actions, advice
+    from webapp.dashboard import actions
     from webapp.dashboard.actions import Record
     from webapp.dashboard.models import KnobChange, Run, RunEvent
+    from webapp.dashboard.reports import advice
 
     assert shutil.which(CHROMIUM), f"{CHROMIUM} is missing"
     owner = django_user_model.objects.create_user("erin", password="erin-pw-123")
@@ -97,7 +98,7 @@ def test_the_advice_panel_in_the_browser(live_asgi, django_user_model, monkeypat
         expect(page.locator(f"#kc-{change.change_id}")).to_have_text("pending: algo.kl_coef = 0.01")
         page.screenshot(path=SHOTS.format("02-apply-pending"), full_page=True)
         trainer_applies(Run.objects.get(pk=run.pk), 30)
-        expect(kl_item).to_contain_text("applied at step 30")
+        expect(kl_item).to_contain_text("applied from step 31")
         expect(page.locator("#event-log")).to_contain_text("algo.kl_coef: 0 → 0.01 (by erin, from health advice)")
         # the trainer goes on: the advice is read again and starts from the new value, a new item,
         # while the applied one stays
@@ -108,7 +109,7 @@ def test_the_advice_panel_in_the_browser(live_asgi, django_user_model, monkeypat
         expect(page.locator("#advice-steps")).to_have_text("steps 21–40")
         expect(page.locator('#advice-list li[data-rule="health"] .advice-move')).to_have_text(
             ["algo.kl_coef: 0.01 → 0.02"])
-        expect(kl_item).to_contain_text("applied at step 30")
+        expect(kl_item).to_contain_text("applied from step 31")
         expect(kl_item).to_contain_text(kl["message"])
         expect(item(page, entropy["evidence_key"])).to_have_count(0)   # no collapse within steps 21-40
 
@@ -124,7 +125,7 @@ def test_the_advice_panel_in_the_browser(live_asgi, django_user_model, monkeypat
         expect(page.locator("#conn")).to_have_text("live")
         expect(page.locator("#advice-steps")).to_have_text("steps 21–40")
         expect(item(page, length["evidence_key"])).to_have_count(0)
-        expect(item(page, kl["evidence_key"])).to_contain_text("applied at step 30")
+        expect(item(page, kl["evidence_key"])).to_contain_text("applied from step 31")
 
         # --- the autopilot: a checkbox per rule sends pilot.autopilot, a list knob
         expect(page.locator("#autopilot-rules input")).to_have_count(len(AUTOPILOT_RULES))
@@ -157,7 +158,7 @@ def test_the_advice_panel_in_the_browser(live_asgi, django_user_model, monkeypat
             "staleness: async.max_staleness 0 → 1 — eta holds generation back")
         expect(page.locator("#event-log")).to_contain_text(
             "autopilot: async.max_staleness 0 → 1 (staleness: eta holds generation back)")
-        expect(page.locator('#advice-list li[data-key="0123456789ab"]')).to_contain_text("applied at step 40")
+        expect(page.locator('#advice-list li[data-key="0123456789ab"]')).to_contain_text("applied from step 41")
         page.screenshot(path=SHOTS.format("04-autopilot"), full_page=True)
         page.locator("#advice").screenshot(path=SHOTS.format("04b-panel"))
 

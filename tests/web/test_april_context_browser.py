@@ -1,6 +1,8 @@
 """APRIL's rules of thumb on the live run page, in headless Chromium: beside the key knobs, the
 over-sampling ratio, the segment limit against the response lengths so far and the buffer in
-tokens against the write-up's sizing rule, as a person reads them, updated by a new step's metrics."""
+tokens against the write-up's sizing rule, as a person reads them, updated by a new step's metrics.
+The line is the server's (webapp/dashboard/reports/advice.py april_context, from trainer/pilot/april.py's
+figures): in the page, and in each read of the run the page makes when steps arrive."""
 import shutil
 
 import pytest
@@ -46,7 +48,8 @@ def test_the_live_page_shows_aprils_rules_of_thumb_beside_the_runs_values(live_a
             "responses of p90 50, longest 202 tokens (first at half the longest: 101, then from the "
             "idle slots) · buffer 313 tokens against the sizing rule's 320 (mean length 20 × 16 over-sampled "
             "samples ÷ the throughput gain, taken as 1)")
-        actions.append(run.pk, [points(3, 250.0, 40.0)], {"step": 3})   # a new step, live
-        expect(context).to_contain_text("longest 250 tokens (first at half the longest: 125")
+        # a new step, live: the page reads the run again (at most every 5 s) and shows the server's line
+        actions.append(run.pk, [points(3, 250.0, 40.0)], {"step": 3})
+        expect(context).to_contain_text("longest 250 tokens (first at half the longest: 125", timeout=40_000)
         expect(context).to_contain_text("buffer 40 tokens")
         assert not errors, errors

@@ -176,7 +176,7 @@ def test_the_runs_list_has_each_runs_device_hours_and_price(alice, user, make_ru
 
 
 def test_an_advices_drops_are_priced_per_100_steps(user, make_run, settings):
-    from webapp.dashboard import advice
+    from webapp.dashboard.reports import advice
 
     settings.RLPILOT_RATE_CPU_CORE_HOUR = 0.36
     run = recorded(make_run, user)

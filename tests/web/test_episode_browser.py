@@ -342,7 +342,7 @@ def test_an_agent_run_launched_from_the_form_shows_its_episodes(live_asgi, djang
         expect(page.locator('[data-current="episode.max_turns"]')).to_have_text("3")
         page.fill('#knob-rows input[name="episode.max_turns"]', "2")
         page.click("#knob-apply")
-        expect(page.locator("#knob-changes li").first).to_have_text(re.compile(r"applied at step \d+"),
+        expect(page.locator("#knob-changes li").first).to_have_text(re.compile(r"applied from step \d+"),
                                                                     timeout=120_000)
         expect(page.locator('[data-current="episode.max_turns"]')).to_have_text("2")
         change = KnobChange.objects.get(run_id=rid, status=KnobChange.APPLIED)

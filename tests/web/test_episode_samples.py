@@ -1,5 +1,5 @@
 """Multi-turn episodes in the rollout inspector's web side: an episode row's turns and counters
-cleaned for the database (webapp/dashboard/sample_rows.py), served whole by the samples API (the
+cleaned for the database (webapp/dashboard/rows/samples.py), served whole by the samples API (the
 list carries the counters only), and in the exports (the samples CSV as JSON columns; the offline
 report with the completion turn by turn and the environment's runs named "env")."""
 import csv
@@ -56,8 +56,11 @@ def test_an_episode_row_is_stored_cleaned_and_served(alice, user, make_run):
 
     listed = alice.get(f"/api/runs/{run.pk}/samples", {"fields": "summary", "order": "step"}).json()["samples"]
     assert [s["episode"] for s in listed][0]["tool_calls"] == 1 and "turns" not in listed[0]
+    # why each episode ended, in the server's words (the inspector shows them as they come)
+    assert [s["episode"].get("end_text") for s in listed] == ["answered", None, None], listed
     whole = alice.get(f"/api/runs/{run.pk}/samples/{ep.pk}").json()["sample"]
-    assert whole["turns"] == ep.turns and whole["episode"] == ep.episode and whole["segments"] == ep.segments
+    assert whole["turns"] == ep.turns and whole["segments"] == ep.segments
+    assert whole["episode"] == {**ep.episode, "end_text": "answered"}
 
 
 def test_the_exports_carry_an_episode_turn_by_turn(alice, user, make_run):

@@ -90,14 +90,14 @@ def _records(first_step):
 
 
 def test_every_event_message_carries_the_server_s_text(alice, user, make_run):
-    """The WebSocket's frames (streams.messages_after), GET /api/runs/<id>/metrics (the page's first
+    """The WebSocket's frames (stream.messages_after), GET /api/runs/<id>/metrics (the page's first
     read) and the exported report's data: each event and status message has `text`, the line
     describe_event writes (the page has no copy of its own)."""
-    from webapp.dashboard.live import streams
+    from webapp.dashboard.rows import stream
 
     run = make_run(user, "running")
     actions.append(run.pk, _records(1), {"step": len(EVENTS)})
-    frames, _ = streams.messages_after(run.pk, 0)
+    frames, _ = stream.messages_after(run.pk, 0)
     snapshot = alice.get(f"/api/runs/{run.pk}/metrics").json()["events"]
     for messages in (frames, snapshot):
         events = [m for m in messages if m["type"] in ("event", "status")]

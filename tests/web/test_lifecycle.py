@@ -28,8 +28,8 @@ from webapp.dashboard.lifecycle import (
 )
 from webapp.dashboard.lifecycle import PAUSE as WANT_PAUSE
 from webapp.dashboard.lifecycle import STOP as WANT_STOP
-from webapp.dashboard.live import streams
 from webapp.dashboard.models import KnobChange, Run, RunEvent, Status
+from webapp.dashboard.rows import stream
 
 # (status, desired, action) -> (new status, new desired) for every action a person may take;
 # every other (status, desired, action) is refused. Written out by hand from the product's rules
@@ -149,7 +149,7 @@ def test_every_status_frame_carries_the_allowed_actions(alice, make_run):
     actions.control(run, alice, "pause")
     actions.append(run.pk, [Record("event", 1, "paused", {})])
     actions.control(run, alice, "stop")
-    msgs, _ = streams.messages_after(run.pk, 0)
+    msgs, _ = stream.messages_after(run.pk, 0)
     frames = [(m["type"], m.get("kind"), m.get("allowed_actions")) for m in msgs]
     assert frames == [
         ("status", None, ["stop", "pause", "kill", "knobs"]),              # make_run's

@@ -123,7 +123,7 @@ def test_the_mismatch_chart_draws_live_with_its_band(live_asgi, django_user_mode
         page.fill('#knob-rows input[name="mismatch.upper"]', "4")
         page.select_option('#knob-rows select[name="mismatch.correction"]', "truncate")
         page.click("#knob-apply")
-        expect(page.locator("#knob-changes li").first).to_have_text(re.compile(r"applied at step \d+"),
+        expect(page.locator("#knob-changes li").first).to_have_text(re.compile(r"applied from step \d+"),
                                                                     timeout=120_000)
         expect(page.locator('[data-current="mismatch.upper"]')).to_have_text("4")
         expect(page.locator('[data-current="mismatch.correction"]')).to_have_text("truncate")

@@ -183,7 +183,9 @@ def test_compare_page_carries_each_runs_mismatch_band(alice, user, make_run):
     assert [r["mismatch"] for r in page["runs"]] == [{"lower": 0.5, "upper": 2.0}, {"lower": 0.5, "upper": 4.0}, {}]
     specs = json.loads(re.search(r'<script id="chart-specs" type="application/json">(.*?)</script>', html).group(1))
     band = [c for c in specs["charts"] if c.get("band")]
-    assert [c["keys"][1] for c in band] == ["mismatch/abs_logp_diff_max"]
+    # the engine's own (age 0), and all tokens' where a run has no age split (its fallback)
+    assert [(c["keys"][1], c["fallback"]["keys"][1]) for c in band] == [
+        ("mismatch/age0/abs_logp_diff_max", "mismatch/abs_logp_diff_max")]
 
 
 # --- exports -------------------------------------------------------------------------------------

@@ -302,7 +302,7 @@ def test_metrics_cursor_keys_and_downsampling(alice, user, make_run):
 
 
 def test_downsample_keeps_extremes():
-    from webapp.dashboard.live.streams import downsample
+    from webapp.dashboard.rows.stream import downsample
 
     steps = list(range(10_000))
     values = [0.0] * 10_000

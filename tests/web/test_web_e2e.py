@@ -198,13 +198,13 @@ def test_browser_flow(live_asgi, django_user_model, monkeypatch, tmp_path):
         assert page.evaluate("() => !document.querySelector('#chart-hist-april-buffer-age').layout")
         shot(page, shots, "live")
 
-        # change knobs: pending, then applied at step N, η moves, annotations on the charts
+        # change knobs: pending, then applied from step N + 1, η moves, annotations on the charts
         page.click('#knob-rows details[data-group="optim"] > summary')
         page.fill('#knob-rows input[name="optim.lr"]', "3e-5")
         page.fill('#knob-rows input[name="async.max_staleness"]', "3")
         page.click("#knob-apply")
         change = page.locator("#knob-changes li").first
-        expect(change).to_have_text(re.compile(r"applied at step \d+"), timeout=60_000)
+        expect(change).to_have_text(re.compile(r"applied from step \d+"), timeout=60_000)
         expect(page.locator('[data-current="optim.lr"]')).to_have_text(re.compile(r"^(3e-5|0\.00003)$"))
         expect(page.locator('[data-current="async.max_staleness"]')).to_have_text("3")
         expect(page.locator("#event-log")).to_contain_text("knob_applied")

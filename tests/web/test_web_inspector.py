@@ -10,10 +10,11 @@ import math
 import pytest
 from helpers import NoBell, sample_row
 
-from webapp.dashboard import actions, sample_rows
+from webapp.dashboard import actions
 from webapp.dashboard.actions import Record
 from webapp.dashboard.models import RolloutSample, Run
 from webapp.dashboard.reports import exports
+from webapp.dashboard.rows import samples as sample_rows
 from webapp.dashboard.worker.telemetry import DbSink
 
 pytestmark = pytest.mark.django_db
@@ -117,7 +118,7 @@ def test_samples_are_capped_oldest_steps_thinned_first(user, make_run, settings)
     gaps = [b - a for a, b in zip(steps, steps[1:])]
     assert gaps == sorted(gaps, reverse=True)                 # sparser the older
     # a long run with the default cap: ~500 steps of 40 samples over 2000 steps, evenly spread
-    from webapp.dashboard.sample_rows import _level
+    from webapp.dashboard.rows.samples import _level
 
     kept = []
     for s in range(1, 2001):   # thin()'s rule on step numbers alone (the database is slow for this)
@@ -351,13 +352,13 @@ def test_samples_reach_the_socket_while_the_channel_layer_is_down(alice, user, m
 
 def test_messages_after_carries_samples_for_polling_readers(user, make_run):
     """Polling consumers (the embedded setup, and any consumer while the channel layer is down)
-    read streams.messages_after: the samples frames are there, between the rows of their seq."""
-    from webapp.dashboard.live import streams
+    read stream.messages_after: the samples frames are there, between the rows of their seq."""
+    from webapp.dashboard.rows import stream
 
     run = make_run(user, "running")
     cur = Run.objects.get(pk=run.pk).last_seq
     fill(run, steps=3)
-    msgs, new = streams.messages_after(run.pk, cur)
+    msgs, new = stream.messages_after(run.pk, cur)
     kinds = [m["type"] for m in msgs]
     assert kinds == ["metrics", "samples"] * 3
     assert [m["cursor"] for m in msgs] == sorted(m["cursor"] for m in msgs) and new == msgs[-1]["cursor"]

@@ -144,7 +144,7 @@ def test_a_multi_process_run_from_the_form(preset, cluster, layout, engine_procs
         page.fill('#knob-rows input[name="optim.lr"]', NEW_LR)
         page.click("#knob-apply")
         expect(page.locator("#knob-changes li").first).to_have_text(
-            re.compile(r"applied at step \d+"), timeout=60_000)
+            re.compile(r"applied from step \d+"), timeout=60_000)
         applied = KnobChange.objects.get(run_id=rid).applied_step
         assert applied and applied >= 1
         # the ranks step together with the new rate: a later step's actor/lr is it

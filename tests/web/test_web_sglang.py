@@ -150,7 +150,7 @@ def test_a_run_on_a_real_sglang_server_from_the_browser(sglang_server, sglang_si
         page.fill('#knob-rows input[name="optim.lr"]', NEW_LR)
         page.click("#knob-apply")
         expect(page.locator("#knob-changes li").first).to_have_text(
-            re.compile(r"applied at step \d+"), timeout=120_000)
+            re.compile(r"applied from step \d+"), timeout=120_000)
         expect(page.locator('[data-current="optim.lr"]')).to_have_text(re.compile(r"^(2e-5|0\.00002)$"))
         expect(page.locator("#event-log")).to_contain_text("knob_applied")
 

@@ -13,8 +13,8 @@ import pytest
 
 from webapp.dashboard import actions
 from webapp.dashboard.actions import Record
-from webapp.dashboard.live import streams
 from webapp.dashboard.models import Run, TimelineSlice
+from webapp.dashboard.rows import stream
 
 pytestmark = [pytest.mark.django_db(transaction=True)]
 
@@ -39,7 +39,7 @@ def test_spans_are_stored_cleaned_and_streamed(make_run, user):
     assert row.step == 1 and len(row.spans) == 5
     assert row.spans[-1] == {"lane": "engine", "phase": "generating", "start": 1.0, "end": 2.0,
                              "occupancy": 1.0}   # clamped into [0, 1]
-    msgs, _ = streams.messages_after(run.pk, cursor)
+    msgs, _ = stream.messages_after(run.pk, cursor)
     assert msgs == [{"type": "timeline", "step": 1, "spans": row.spans, "cursor": row.seq}]
 
 

@@ -21,9 +21,10 @@ server's time is held but not recorded: it is never counted idle.
 
 A run resumed on another layout is paid for each part with the devices its start recorded
 (`with_layouts`). Priced waste scales the steps' device-seconds to add up to the run's:
-asynchronous steps overlap in time. Pure functions over what a run writes (timeline slices,
-metrics rows, the `devices` of its run_started / run_resumed events); `python -m trainer cost
-RUN` prints them (trainer/cli/cost.py), the report's Cost card shows them.
+asynchronous steps overlap in time. The advice's figure (`drops_per_100_steps`) is a pace: each
+step once, at its last attempt, its device-seconds scaled the same way. Pure functions over
+what a run writes (timeline slices, metrics rows, the `devices` of its run_started /
+run_resumed events); `python -m trainer cost RUN` prints them (trainer/cli/cost.py), the report's Cost card shows them.
 """
 from __future__ import annotations
 
@@ -137,14 +138,38 @@ def step_walls(slices, steps_only: bool = False) -> list[float]:
     return out
 
 
+def last_attempts(slices) -> list[tuple[int, list[dict], dict]]:
+    """The (step, spans, devices) slices of each step's last attempt, in the order written: a
+    resume records the steps after its checkpoint again, and the run went on from the second
+    attempt (a dashboard's metric row is that attempt's: its points win). A slice of the step
+    just written is that attempt's unless it trains (a run's end writes its final checkpoint
+    apart; a resume that retrains the last step written trains again); slices without devices
+    are left out."""
+    attempts: dict[int, list] = {}
+    last = None
+    for x in slices:
+        if x[0] != last or any(s["phase"] == "training" for s in x[1]):
+            attempts[x[0]] = []   # a later attempt replaces an earlier one
+        attempts[x[0]].append(x)
+        last = x[0]
+    chosen = {id(x) for parts in attempts.values() for x in parts}
+    return [x for x in slices if id(x) in chosen and x[2]]
+
+
 def step_device_seconds_by_step(slices) -> dict[int, float]:
-    """{step: its device-seconds} of (step, spans, devices) slices, a step's slices summed (a
-    run's end, a resume's retrained steps); slices without devices are left out."""
+    """{step: its device-seconds} of (step, spans, devices) slices: its last attempt's
+    (`last_attempts`; an earlier attempt's drops are not in the rows priced with it), each
+    step's cover × its devices, scaled so that the steps add up to what the run held over
+    them (asynchronous steps overlap in time: each step's cover alone counts the overlap
+    twice)."""
+    kept = last_attempts(slices)
     out: dict[int, float] = {}
-    for step, spans, devices in slices:
-        if devices:
-            out[step] = out.get(step, 0.0) + step_device_seconds(spans, devices)
-    return out
+    for step, spans, devices in kept:
+        out[step] = out.get(step, 0.0) + step_device_seconds(spans, devices)
+    held = sum(covered_seconds(part) * sum(int(d["count"]) for d in devices.values())
+               for devices, part in segments(kept))
+    raw = sum(out.values())
+    return {step: s * held / raw for step, s in out.items()} if raw else out
 
 
 def new_cover(spans: list[dict], reach: float) -> tuple[float, float]:
@@ -210,10 +235,12 @@ def priced_waste(slices: list[tuple[int, list[dict], dict]], rows: list[dict], t
 
 def drops_per_100_steps(rows: list[dict], step_device_s: dict[int, float], reasons) -> float | None:
     """Device-seconds the drops for `reasons` cost per 100 steps over the steps of `rows`: each
-    step's drops × its device-seconds per generated token, summed, / the steps × 100. None
-    without a step whose device-seconds are known."""
+    step's drops × its device-seconds per generated token (`step_device_seconds_by_step`),
+    summed, / the steps × 100. A step recorded twice (a resume) counts once, with its last
+    row. None without a step whose device-seconds are known."""
     spent, steps = 0.0, 0
-    for r in rows:
+    last = {r["step"]: r for r in rows if "rollout/tokens/generated" in r}
+    for r in last.values():
         made, held = r.get("rollout/tokens/generated"), step_device_s.get(r["step"])
         if made is None or held is None:
             continue

@@ -8,11 +8,13 @@ and shortest sample and every sample whose reward failed or timed out. The draw 
 most G·n + 2 + (failed rewards) rows per step.
 
 Each row carries the sample's story: its prompt and completion, reward (raw score, penalty),
-advantage, length, how it finished, the policy versions of its tokens as segments (APRIL's
-partial rollouts and asynchronous staleness), the mean importance weight of its tokens where it
-is known before the update (APRIL's TIS or mask weights; the asynchronous behaviour weight with
-`async.prox_logp = recompute`, not with `loglinear`, which the learner interpolates), the
-reward's status, whether the update trained it, and per token the text and log-probability. Rows go to the metrics sink
+advantage, length (every token of the response: the web app lays an episode's turns out by it;
+the environment's tokens are shown apart), how it finished, the policy versions of its
+tokens as segments (APRIL's partial rollouts and asynchronous staleness), the mean importance
+weight of its model tokens where it is known before the update (APRIL's TIS or mask weights; the
+asynchronous behaviour weight with `async.prox_logp = recompute`, not with `loglinear`, which the
+learner interpolates), the reward's status, whether the update trained it, and per token the
+text and log-probability. Rows go to the metrics sink
 (`MetricsSink.samples`): samples.jsonl on the CLI, the database in the web app.
 
 A multi-turn episode's row (trainer/episode/) also carries its `turns`: the response's runs of

@@ -81,12 +81,18 @@ def token_weights(versions: list[int], version: int, behaviour_logp: list[float]
              weighted by min(pi_current / pi_behaviour, cap) (truncated importance sampling).
     Then every token's weight is multiplied by decay ** age. The weights scale the clipped
     surrogate alone (grpo.token_loss's `is_weights`): the KL penalty and the token count see the
-    mask.
+    mask. An environment token (version ENV_VERSION: no policy sampled it, it has no age) gets
+    mask 0 and weight 1: it is never in the loss, and never one of APRIL's masked tokens.
     """
     mask, weights, old = [], [], []
     for i, v in enumerate(versions):
         age = version - v
         w = 1.0
+        if v == ENV_VERSION:
+            mask.append(0.0)
+            weights.append(1.0)
+            old.append(behaviour_logp[i] if current_logp is None else current_logp[i])
+            continue
         mask.append(0.0 if age > 0 and mode == "mask" else 1.0)
         if mode == "tis":
             if current_logp is None:
@@ -114,12 +120,12 @@ def train_sequences(groups, cfg, version: int, logprobs: Logprobs) -> Objective:
             seqs.append(TrainSequence(s.prompt_ids, s.response_ids, s.logprobs,
                                       float(adv[gi, si]), s.params.temperature))
             samples.append(s)
+    _mask_environment(seqs, samples)   # before any weight or count reads the mask
     m = {"actor/advantage_abs_mean": float(adv.abs().mean()) if adv.numel() else 0.0}
     hists: dict = {}
     fix = correction(cfg)
     if cfg.async_.enabled:
         decoupled_loss = _decoupled(seqs, samples, cfg, version, logprobs, fix, m, hists)
-        _mask_environment(seqs, samples)
         return Objective([s for s in seqs if any(w > 0 for w in s.weights)], m, decoupled_loss,
                          hists)
     # pi_old: the engine's behaviour logprobs, or the trainer's; APRIL's off-policy tokens
@@ -154,14 +160,14 @@ def train_sequences(groups, cfg, version: int, logprobs: Logprobs) -> Objective:
                 s.versions, version, s.logprobs, cur if trainers_old or mode == "tis" else None,
                 mode=mode, cap=cfg.april.tis_cap, decay=cfg.april.decay)
             seq.is_weights = pg if any(w != 1.0 for w in pg) else None
-            masked += seq.weights.count(0.0)
-            s.meta["is_weight"] = (sum(m * w for m, w in zip(seq.weights, pg))  # the inspector's
-                                   / max(len(pg), 1))
+            model = [v != ENV_VERSION for v in s.versions]   # the environment's are not APRIL's
+            masked += sum(1 for x, own in zip(seq.weights, model) if own and x == 0.0)
+            s.meta["is_weight"] = (sum(x * w for x, w, own in zip(seq.weights, pg, model) if own)
+                                   / max(sum(model), 1))   # the inspector's: over model tokens
         elif trainers_old and cur is not None:
             seq.old_logprobs = cur
     if fix.on and seqs:   # pi_old is the trainer's, as measured
         _correct(seqs, samples, measured, fix, m)
-    _mask_environment(seqs, samples)
     seqs = [s for s in seqs if any(w > 0 for w in s.weights)]
     if offpolicy:
         m["april/masked_tokens"] = masked

@@ -151,8 +151,8 @@ def figures(old_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tens
 
 def figures_by_age(old_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor,
                    ages: torch.Tensor) -> dict[str, float]:
-    """k3 KL and mean |d| per policy-version age bucket ("age0/kl", ...): age 0 is the engine's
-    mismatch alone; older tokens add the policy's drift since they were sampled."""
+    """k3 KL, mean and largest |d| per policy-version age bucket ("age0/kl", ...): age 0 is the
+    engine's mismatch alone; older tokens add the policy's drift since they were sampled."""
     out = {}
     for name, lo, hi in AGE_BUCKETS:
         sel = mask.float() * (ages >= lo).float()
@@ -164,6 +164,7 @@ def figures_by_age(old_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: tor
         d = (old_logp - rollout_logp) * sel
         out[f"{name}/kl"] = float((grpo.kl_k3(rollout_logp, old_logp) * sel).sum()) / n
         out[f"{name}/abs_logp_diff"] = float(d.abs().sum()) / n
+        out[f"{name}/abs_logp_diff_max"] = float(d.abs().max())
     return out
 
 

@@ -40,7 +40,7 @@ class LoraConfig:
     alpha: float = param(16.0, min=0.001, max=100_000.0,
                          help="LoRA: the adapters' scale is alpha / rank")
     dropout: float = param(0.0, min=0.0, max=0.9, help="LoRA: dropout on the adapters' input "
-                           "while training")
+                           "while training; keep 0 for RL (it adds noise to the PPO ratio)")
     target_modules: str = param("all-linear", help="LoRA: the linear layers that get adapters, "
                                 "comma-separated (q_proj,v_proj,...), or all-linear (every one "
                                 "but the output head)")

@@ -219,12 +219,15 @@ class Decoder:
     def load(self, named_tensors) -> int:
         """Copy new weights in place (fused matrices included: their parts are views); the
         names it does not hold are ignored. LoRA factors (trainer/models/lora.py
-        `adapter_update`: W#lora_A, W#lora_B) set W to the base W it held before the first
-        ones plus B @ A. Returns the bytes received."""
+        `adapter_update`: W#lora_A, W#lora_B) set W to round(base + B @ A), added in float32
+        and rounded to the engine's precision once: the base is W as sent along with factors
+        (kept at the finer of its precision and the engine's: a float32 trainer's base under a
+        bfloat16 engine is not rounded twice), else the W held before the first factors.
+        Returns the bytes received."""
         from trainer.models.lora import LORA_A, LORA_B
 
         items = named_tensors.items() if isinstance(named_tensors, dict) else named_tensors
-        copied, factors = 0, {}
+        copied, factors, sent = 0, {}, {}
         for name, t in items:
             if name.endswith((LORA_A, LORA_B)):
                 factors.setdefault(name[:-len(LORA_A)], {})[name[-len(LORA_A):]] = t
@@ -232,10 +235,13 @@ class Decoder:
             elif name in self.w:
                 self.w[name].copy_(t.detach())
                 copied += self.w[name].numel() * self.w[name].element_size()
+                sent[name] = t
         for name, ab in factors.items():   # after the plain weights: a base sent along stays base
             if name in self.w and LORA_A in ab and LORA_B in ab:
-                if name not in self.lora_base:
-                    self.lora_base[name] = self.w[name].clone()
+                if name in sent or name not in self.lora_base:
+                    src = sent.get(name, self.w[name]).detach()
+                    self.lora_base[name] = src.to(self.device, torch.promote_types(src.dtype, self.dtype),
+                                                  copy=True)
                 base = self.lora_base[name]
                 delta = ab[LORA_B].to(self.device, torch.float32) @ ab[LORA_A].to(self.device, torch.float32)
                 self.w[name].copy_((base.float() + delta).to(self.dtype))

@@ -39,6 +39,7 @@ from typing import Iterable
 import torch
 
 from trainer.engine.base import EngineError, EngineStats, RolloutEngine, Sample, SamplingParams
+from trainer.models.lora import merge_inputs
 
 # the child's command line carries this module's name: `ps` (and the tests) can find it
 CHILD_MODULE = "trainer.engine.process"
@@ -242,7 +243,10 @@ class ProcessEngine(RolloutEngine):
         # the async worker thread and the trainer thread both talk to the child
         self._recv_lock, self._send_lock = threading.Lock(), threading.Lock()
         state = model.state_dict() if weights is None else weights
-        self.weights = SharedWeights.create({k: v.detach().to(dtype) if v.is_floating_point()
+        # LoRA: the base of each adapted layer and the factors stay at the trainer's precision,
+        # which the child merges from (trainer/models/lora.py `merge_inputs`)
+        own = merge_inputs(state)
+        self.weights = SharedWeights.create({k: v.detach().to(dtype) if v.is_floating_point() and k not in own
                                              else v.detach() for k, v in state.items()})
         ours, theirs = socket.socketpair()
         try:

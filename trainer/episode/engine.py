@@ -12,7 +12,9 @@ engine, when its episode is over:
 - the environment has nothing to add (a final answer, right or, with feedback, out of turns);
 - `episode.max_turns` model turns were generated (the last turn's tool call is not run);
 - the token budget (`SamplingParams.max_new_tokens`, model and environment tokens together) is
-  spent, mid-turn (the engine's "length") or by the environment's message (cut, "length").
+  spent, mid-turn (the engine's "length") or by the environment's message ("length": the message
+  cut after a whole word and marked "...", or left out when not even its wrapper fits; never cut
+  inside its wrapper).
 
 An episode also leaves part-way, as any partial response does, and is resumed later from where it
 stopped: at its segment limit (APRIL: the tokens generated since its submission, over turns, are
@@ -175,15 +177,14 @@ class Episodes(EngineWrapper):
         if reply.role != "tool":
             ep["feedback"] += 1
         last = s.response_ids[-1] if s.response_ids else None
-        try:
-            ids = self.fmt.env_ids(reply.role, reply.text, last)
+        room = s.params.max_new_tokens - len(s.response_ids)
+        try:   # cut to the budget at a word, marked, or left out whole (turns.env_ids_within)
+            ids, whole = self.fmt.env_ids_within(reply.role, reply.text, last, room)
         except Exception as e:  # noqa: BLE001 -- a result the tokenizer refuses is the tool's error
             ep["tool_errors"] += int(not reply.error)
-            ids = self.fmt.env_ids(reply.role, format_error(f"the tool's result could not be "
-                                                           f"tokenized ({type(e).__name__})"), last)
-        room = s.params.max_new_tokens - len(s.response_ids)
-        cut = len(ids) > room
-        ids = ids[:max(room, 0)]
+            ids, whole = self.fmt.env_ids_within(reply.role, format_error(
+                f"the tool's result could not be tokenized ({type(e).__name__})"), last, room)
+        cut = not whole
         s.response_ids.extend(ids)
         s.logprobs.extend([0.0] * len(ids))
         s.versions.extend([ENV_VERSION] * len(ids))

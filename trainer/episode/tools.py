@@ -14,9 +14,10 @@ whitespace may follow it. Two syntaxes:
 
 A malformed call raises `ToolCallError`, whose message is what the model is told. `run_tool` never
 raises: a failure (bad arguments, an error in the code, a timeout, a memory or sandbox limit) is its
-result's text, "error: ...", with `error=True`. Every result's text is at most `max_output_chars`
-long. Limits: the python tool's `timeout_s` and the sandbox's memory (`CODE_MEMORY_BYTES`); the
-calculator refuses expressions over 1000 characters and integers over 1000 digits.
+result's text, "error: ...", with `error=True`, at most ERROR_CHARS long (cut at a word, marked
+"..."). Every result's text is at most `max_output_chars` long. Limits: the python tool's
+`timeout_s` and the sandbox's memory (`CODE_MEMORY_BYTES`); the calculator refuses expressions
+over 1000 characters and integers over 1000 digits.
 """
 from __future__ import annotations
 
@@ -39,6 +40,12 @@ ARGUMENT = {"calculator": "expression", "python": "code"}   # each tool's one ar
 TAG = {"calculator": "calc", "python": "python"}            # each tool's tag in the tag syntax
 JSON_OPEN, JSON_CLOSE = "<tool_call>", "</tool_call>"
 
+# A failure's message is what the model is told, inside its response budget (environment tokens
+# count: the agent preset's 96 tokens once held a 76-token error, cut mid-word): at most
+# ERROR_CHARS, cut at a word's end and marked with CUT (ASCII: the built-in character-level
+# model's vocabulary has no "…").
+ERROR_CHARS = 120
+CUT = "..."
 MAX_EXPRESSION_CHARS = 1000
 MAX_NESTING = 32          # JSON levels a tool call may nest (its arguments are one flat object)
 MAX_DIGITS = 1000
@@ -62,10 +69,23 @@ class ToolCallError(ValueError):
 
 
 def format_error(err: Exception | str) -> str:
-    """The text a failure is written back as: "error: <what went wrong>"."""
+    """The text a failure is written back as: "error: <what went wrong>", at most ERROR_CHARS
+    (cut at a word's end, ending with CUT)."""
     if isinstance(err, BaseException):
         err = str(err) or type(err).__name__
-    return f"error: {err}"
+    return clip_words(f"error: {err}", ERROR_CHARS)
+
+
+def clip_words(text: str, limit: int) -> str:
+    """`text` in at most `limit` characters: whole when it fits, else cut after its last whole
+    word that fits (mid-word only when a word is longer than half the limit), ending with CUT."""
+    if len(text) <= limit:
+        return text
+    head = text[:max(0, limit - len(CUT))]
+    space = head.rfind(" ")
+    if space > limit // 2:
+        head = head[:space]
+    return head.rstrip() + CUT
 
 
 def stop_strings(syntax: str, tools: Iterable[str]) -> list[str]:

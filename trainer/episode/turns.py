@@ -17,7 +17,7 @@ Two formats, picked by the tokenizer (the same choice as prompts: `data.chat_tem
 """
 from __future__ import annotations
 
-from trainer.episode.tools import JSON_SYNTAX, TAG_SYNTAX
+from trainer.episode.tools import JSON_SYNTAX, TAG_SYNTAX, clip_words
 
 TOOL, FEEDBACK = "tool", "feedback"   # who speaks in an environment turn
 _SENTINEL = {"user": "\u2063USER\u2063", "assistant": "\u2063MODEL\u2063", TOOL: "\u2063ENV\u2063"}
@@ -63,6 +63,26 @@ class TurnFormat:
         if after:
             ids += tok(after, add_special_tokens=False).input_ids
         return ids
+
+    def env_ids_within(self, role: str, content: str, last_id: int | None,
+                       room: int) -> tuple[list[int], bool]:
+        """`env_ids` in at most `room` tokens, and whether the message is whole. Too long: its
+        content cut after a whole word and marked (tools.clip_words), the longest cut whose
+        message, wrapper included, fits; not even the wrapper and the mark fit: no tokens (a
+        message is never cut inside its wrapper, nor without a mark)."""
+        ids = self.env_ids(role, content, last_id)
+        if len(ids) <= room:
+            return ids, True
+        best: list[int] = []
+        lo, hi = 0, len(content) - 1
+        while lo <= hi:   # the longest cut that fits: its length grows with the characters kept
+            mid = (lo + hi) // 2
+            cut = self.env_ids(role, clip_words(content, mid), last_id)
+            if len(cut) <= room:
+                best, lo = cut, mid + 1
+            else:
+                hi = mid - 1
+        return best, False
 
     def _around(self, role: str, last_id: int | None) -> tuple[str, str]:
         if not self.chat:

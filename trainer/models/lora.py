@@ -68,6 +68,36 @@ def load(model, folder: str | Path, trainable: bool = True):
         return PeftModel.from_pretrained(model, str(folder), is_trainable=trainable)
 
 
+def set_dropout(model, p: float) -> None:
+    """Dropout `p` on the adapters' input from now on (`lora.dropout`), recorded in the adapter's
+    config (its next checkpoint's adapter_config.json). Dropout has no weights: a checkpoint's
+    adapters load under any value, and PEFT's `from_pretrained` would keep the saved one."""
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"lora.dropout must be in [0, 1), not {p!r}")
+    for _, layer in _lora_layers(model):   # as PEFT builds them: Identity for p = 0
+        layer.lora_dropout[ADAPTER] = torch.nn.Dropout(p) if p > 0 else torch.nn.Identity()
+    model.peft_config[ADAPTER].lora_dropout = p
+
+
+def dropout_warning(cfg) -> str | None:
+    """Why `lora.dropout` > 0 hurts RL (None when it is 0 or LoRA is off): the trainer's pi_theta
+    is a dropout-noised network while pi_old and the engine's behaviour policy are not, so the
+    PPO ratio moves by noise, not learning, and clipping and the mismatch figures see it."""
+    if not enabled(cfg) or cfg.lora.dropout <= 0:
+        return None
+    return (f"lora.dropout = {cfg.lora.dropout:g}: the policy trains with dropout on its adapters "
+            f"while pi_old and the engine sample without it, so the PPO ratio pi/pi_old carries "
+            f"dropout noise (clipped tokens, a noisy KL); RL recipes train LoRA with dropout 0")
+
+
+def dropout(model) -> float:
+    """The adapters' dropout as their layers apply it (0 for none)."""
+    ps = {getattr(layer.lora_dropout[ADAPTER], "p", 0.0) for _, layer in _lora_layers(model)}
+    if len(ps) > 1:
+        raise ValueError(f"the adapters' layers disagree on their dropout: {sorted(ps)}")
+    return ps.pop() if ps else 0.0
+
+
 def is_adapted(model) -> bool:
     from peft import PeftModel
 
@@ -146,6 +176,23 @@ def factor_state(state: dict[str, torch.Tensor], layer_scales: dict) -> dict[str
         w = _plain(layer) + ".weight"
         out[w + LORA_A], out[w + LORA_B] = a.clone(), b * scale
     return out
+
+
+def merge_inputs(names) -> set[str]:
+    """Of tensor `names` (an engine's weights and an adapter update's factors), what an engine
+    that holds the base merges from: the factors and the base weight of each adapted layer. An
+    engine keeps these at their own precision (a float32 trainer's, under a bfloat16 engine), so
+    that W + B·A is rounded to the engine's precision once (`Decoder.load`)."""
+    names = set(names)
+    bases = {n[:-len(LORA_A)] for n in names if n.endswith(LORA_A)}
+    return {n for n in names if n in bases or n.endswith((LORA_A, LORA_B))}
+
+
+def with_bases(base_state: dict[str, torch.Tensor], factors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`factors` (an adapter update) with the base weight of each adapted layer from
+    `base_state`: an engine's first update, from which it keeps its base (`merge_inputs`)."""
+    return {**{n: base_state[n] for n in merge_inputs([*base_state, *factors]) if n in base_state},
+            **factors}
 
 
 def adapter_weights(model) -> dict[str, torch.Tensor]:

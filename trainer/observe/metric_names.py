@@ -20,7 +20,7 @@ SCALARS: dict[str, str] = {
     "eval/tool_use_rate": "held-out share of episodes that called a tool (multi-turn runs)",
     "eval/turns_mean": "held-out model turns per episode, mean (multi-turn runs)",
     # rollout
-    "rollout/response_len/mean": "mean response length (tokens)",
+    "rollout/response_len/mean": "mean response length (tokens the model wrote)",
     "rollout/response_len/p50": "median response length", "rollout/response_len/p90": "p90 length",
     "rollout/response_len/max": "longest response",
     "rollout/truncated_ratio": "share of responses cut at max_response_len",
@@ -113,7 +113,7 @@ SCALARS: dict[str, str] = {
     "april/segment_max_tokens": "current segment limit",
     "april/top_ups": "times new groups were started mid-step as others completed or were filtered",
     "april/offpolicy_token_ratio": "share of trained tokens from older policies",
-    "april/masked_tokens": "off-policy tokens masked out of the loss",
+    "april/masked_tokens": "off-policy model tokens masked out of the loss",
     # GRESO
     "greso/skip_rate": "share of drawn prompts skipped", "greso/skip_rate/easy": "easy ones",
     "greso/skip_rate/hard": "hard ones", "greso/p_easy": "exploration probability, easy",
@@ -145,10 +145,11 @@ PATTERNS = {r"^system/gpu\d+/(util|mem_gb|power_w)$": "per-GPU telemetry",
             r"^proc/[A-Za-z0-9_-]+/(cpu_pct|rss_gb)$": "per-process CPU (% of one core) and memory (GB)",
             # by policy-version age (APRIL, asynchronous): age 0 is the engine's mismatch alone,
             # older tokens add the policy's drift since they were sampled
-            r"^mismatch/age(0|1|2plus)/(kl|abs_logp_diff)$": "mismatch by token age (versions)"}
+            r"^mismatch/age(0|1|2plus)/(kl|abs_logp_diff|abs_logp_diff_max)$":
+                "mismatch by token age (versions): k3 KL, mean and largest |log pi_old - log pi_rollout|"}
 
 HISTOGRAM_AXES: dict[str, str] = {  # histogram name -> what its x axis counts
-    "rollout/response_len": "response length (tokens)",
+    "rollout/response_len": "response length (tokens the model wrote)",
     "async/staleness": "staleness (policy versions behind)",
     "april/version_span": "versions spanned by one sample (policy versions)",
     "april/buffer_age": "age of a buffered partial sample (policy versions)",
@@ -159,7 +160,9 @@ HISTOGRAM_AXES: dict[str, str] = {  # histogram name -> what its x axis counts
 # key has no data (no GPU); "pattern": traces for every matching name (one per device);
 # "prefix": every name under it; type "hist"/"heat": the histogram `name`; "eta": draw eta;
 # "band": draw the mismatch band's |log| ends (mismatch.lower, mismatch.upper) on the y2 axis;
-# "y2": 1 draws the second key on a right axis, "y2": [names] those keys.
+# "y2": 1 draws the second key on a right axis, "y2": [names] those keys; "split": the y2 keys on
+# a panel of their own below the others (two scales that never share a pixel row: a value's
+# height on one says nothing about the other's); "axes": the [left/top, right/bottom] axis titles.
 CHARTS: list[dict] = [
     {"id": "system", "title": "GPU utilisation (%) and memory (GB), mean over devices",
      "keys": ["system/gpu_util", "system/gpu_mem_gb"], "y2": 1,
@@ -174,8 +177,8 @@ CHARTS: list[dict] = [
     {"id": "reward", "title": "Reward and accuracy",
      "keys": ["reward/mean", "reward/accuracy", "eval/accuracy"]},
     {"id": "kl", "title": "KL to the reference (k3)", "keys": ["actor/kl"]},
-    {"id": "episodes", "title": "Episodes: model turns (mean, max; left) and shares (right): "
-     "tool use, out of turns",
+    {"id": "episodes", "title": "Episodes: model turns (top), shares of episodes (bottom)",
+     "split": True, "axes": ["model turns", "share of episodes"],
      "keys": ["episode/turns", "episode/turns/max", "eval/turns_mean", "episode/tool_use_rate",
               "episode/max_turns_ratio", "eval/tool_use_rate"],
      "y2": ["episode/tool_use_rate", "episode/max_turns_ratio", "eval/tool_use_rate"]},
@@ -183,9 +186,15 @@ CHARTS: list[dict] = [
      "keys": ["episode/tool_calls", "episode/tool_errors"]},
     {"id": "tool-time", "title": "Tool seconds per step, and environment tokens (right axis)",
      "keys": ["episode/tool_s", "episode/env_tokens"], "y2": 1},
-    {"id": "mismatch", "title": "Engine vs trainer: KL (k3) and max |Δ log p|",
-     "keys": ["mismatch/kl", "mismatch/abs_logp_diff_max"], "y2": 1, "band": True},
-    {"id": "mismatch-age", "title": "Engine vs trainer by token age (versions): KL (k3)",
+    # the engine's own disagreement: tokens the current policy sampled (age 0); a run that mixes
+    # versions (APRIL, asynchronous) splits by age, and its older tokens' share is staleness
+    {"id": "mismatch", "title": "Engine vs trainer: the engine's own (age-0 tokens)",
+     "keys": ["mismatch/age0/kl", "mismatch/age0/abs_logp_diff_max"], "y2": 1, "split": True,
+     "band": True, "axes": ["KL (k3)", "max |Δ log p|"],
+     "fallback": {"title": "Engine vs trainer (every token the current policy's)",
+                  "keys": ["mismatch/kl", "mismatch/abs_logp_diff_max"]}},
+    # older tokens' KL is the policy's drift since they were sampled: staleness, beside age 0
+    {"id": "mismatch-age", "title": "Staleness: KL (k3) of older tokens (age 1, 2+) vs age 0",
      "pattern": r"^mismatch/age[^/]+/kl$"},
     {"id": "mismatch-correction",
      "title": "Engine vs trainer: tokens outside the band, and the correction",

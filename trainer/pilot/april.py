@@ -13,35 +13,45 @@ from trainer.pilot.advice import Advice, derived, figure, knob_advice, note_advi
 from trainer.pilot.thresholds import Thresholds
 from trainer.pilot.window import Window
 
+# the values in effect, as the rollout reads them (0 means 2 x the batch, half of max_response_len)
+from trainer.rollout.april import over_sampling
+from trainer.rollout.april import segment_limit as segment
+
 OVERSAMPLE = "april.over_sampling_batch_size"
 SEGMENT = "april.segment_max_tokens"
 SPAN = "april.max_version_span"
 OVERSAMPLE_RULE = (1.5, 2.0)   # N' over the batch, the rule of thumb
 
 
-def over_sampling(cfg) -> int:
-    """N' in effect (0 means 2 x rollout_batch_size, as trainer/rollout/april.py reads it)."""
-    return cfg.april.over_sampling_batch_size or 2 * cfg.rollout.rollout_batch_size
-
-
-def segment(cfg) -> int:
-    """The segment limit in effect (0 means half of max_response_len)."""
-    return cfg.april.segment_max_tokens or max(1, cfg.rollout.max_response_len // 2)
+def rule_figures(cfg, longest: float = 0, mean: float | None = None) -> dict:
+    """The run's APRIL values beside the rules of thumb, computed here once for the advice and
+    the run page (webapp/dashboard/reports/advice.py): N' in effect and its ratio to the batch against
+    1.5-2x (`rule_batch`: that range in groups); the segment limit in effect against half of the
+    `longest` response seen (`first_segment`: the rule's first value, None without a length);
+    and the write-up's buffer sizing, mean length × the over-sampled samples ÷ the throughput
+    gain, the gain not measured on a live run and taken as 1 (the largest buffer; None without
+    a `mean` length or with nothing over-sampled)."""
+    batch, n_prime = cfg.rollout.rollout_batch_size, over_sampling(cfg)
+    lo, hi = OVERSAMPLE_RULE
+    extra = max(0, n_prime - batch) * cfg.rollout.n_samples_per_prompt
+    return {"batch": batch, "over_sampling": n_prime, "ratio": n_prime / batch, "rule": OVERSAMPLE_RULE,
+            "rule_batch": (math.ceil(lo * batch), int(hi * batch)), "segment": segment(cfg),
+            "longest": longest, "first_segment": half(longest) if longest else None,
+            "over_sampled_samples": extra,
+            "buffer_sizing": round(mean * extra) if mean is not None and extra else None}
 
 
 def rules_of_thumb(w: Window, cfg) -> str:
-    """The rules of thumb beside the run's values: the over-sampling ratio against 1.5-2x, the
-    segment limit against half of the longest response seen (the window's largest
-    rollout/response_len/max)."""
-    batch, n_prime = cfg.rollout.rollout_batch_size, over_sampling(cfg)
-    lo, hi = OVERSAMPLE_RULE
-    parts = [f"N' {n_prime} is {n_prime / batch:.1f}x the batch (rule of thumb "
-             f"{lo:g}-{hi:g}x: {math.ceil(lo * batch)}-{int(hi * batch)})"]
-    longest = longest_response(w)
-    if longest:
-        parts.append(f"segment limit {segment(cfg)} against half of the longest response "
-                     f"({longest} tokens): {half(longest)} (the rule of thumb's first value, then "
-                     "adjusted from the idle decode slots)")
+    """The rules of thumb beside the run's values (`rule_figures`, the longest response: the
+    window's largest rollout/response_len/max)."""
+    f = rule_figures(cfg, longest_response(w))
+    (lo, hi), (lo_n, hi_n) = f["rule"], f["rule_batch"]
+    parts = [f"N' {f['over_sampling']} is {f['ratio']:.1f}x the batch (rule of thumb "
+             f"{lo:g}-{hi:g}x: {lo_n}-{hi_n})"]
+    if f["longest"]:
+        parts.append(f"segment limit {f['segment']} against half of the longest response "
+                     f"({f['longest']} tokens): {f['first_segment']} (the rule of thumb's first "
+                     "value, then adjusted from the idle decode slots)")
     return "rules of thumb: " + "; ".join(parts)
 
 

@@ -53,6 +53,11 @@ class Group:
         """Generated tokens (an episode's environment tokens are not the engine's)."""
         return sum(s.model_tokens for s in self.samples)
 
+    def lengths(self) -> list[int]:
+        """Each response's length: the tokens the model wrote (an episode's tool results and
+        feedback are the environment's, not the model's)."""
+        return [s.model_tokens for s in self.samples]
+
 
 class PromptSource:
     """Hands out training problems in order; the cursor is the only state (checkpointed)."""
@@ -273,7 +278,7 @@ def step_metrics(cfg, result: RolloutResult, engine_stats) -> dict[str, float]:
     """What every driver's step reports: rewards, lengths, zero-variance shares, engine use."""
     c, scored = result.counts, result.scored
     rewards = [r for g in scored for r in g.rewards]
-    lengths = [len(s.response_ids) for g in scored for s in g.samples]
+    lengths = response_lengths(scored)
     n_groups, n = max(len(scored), 1), max(len(rewards), 1)
     kinds = [classify(g.rewards) for g in scored]
     all_correct, all_wrong = kinds.count("all_correct"), kinds.count("all_wrong")
@@ -304,6 +309,11 @@ def step_metrics(cfg, result: RolloutResult, engine_stats) -> dict[str, float]:
     })
     m.update(episode_metrics([s for g in scored for s in g.samples]))
     return m
+
+
+def response_lengths(groups: list[Group]) -> list[int]:
+    """The groups' response lengths in model tokens (the length figures and histogram)."""
+    return [n for g in groups for n in g.lengths()]
 
 
 def episode_metrics(samples: list[Sample]) -> dict[str, float]:

@@ -2,9 +2,9 @@
 
 The rollout drivers call the `Scorer` with groups whose samples have all finished (the
 asynchronous driver from its generation thread, hence the lock). Each sample gets its raw score
-(the verifier's), its reward (with the overlong penalty, trainer/algo/objective.py) and its
-reward status (ok / error / timeout, with the reason), and the step's and the run's error and
-timeout counts grow.
+(the verifier's), its reward (with the overlong penalty, trainer/algo/objective.py, on the tokens
+the model wrote: an episode's tool results are not its length) and its reward status (ok / error /
+timeout, with the reason), and the step's and the run's error and timeout counts grow.
 """
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ class Scorer:
         completions = [self.tokenizer.decode(final_turn(s), skip_special_tokens=True) for s in samples]
         batch = self.rewards.score_batch(problems, completions)
         raw = list(batch.scores)
-        shaped = objective.shaped_rewards(raw, [len(s.response_ids) for s in samples], self.cfg())
+        shaped = objective.shaped_rewards(raw, [s.model_tokens for s in samples], self.cfg())
         statuses = batch.statuses or ["ok"] * len(raw)
         notes = batch.notes or [""] * len(raw)
         i = 0

@@ -34,7 +34,7 @@ class SynchronousDriver(Driver):
     def __init__(self, engine, tokenizer, select, scorer):
         self.engine, self.tokenizer, self.select, self.scorer = engine, tokenizer, select, scorer
         self.april = april.AprilRollout()
-        self.length_history: dict[str, float] = {}  # problem id -> mean response length
+        self.length_history: dict[str, float] = {}  # problem id -> mean model tokens
         self.next_batch: int | None = None          # dynamic sampling's next first round
         self.ledger = TokenLedger()
         self.said_short = False  # a step fell short and said so; reset by a knob change
@@ -88,7 +88,7 @@ class SynchronousDriver(Driver):
         if step.dynamic:
             self.next_batch = dynamic.first_round_size(N, c.filtered_groups, len(step.scored))
         for g in step.scored:
-            lens = [len(s.response_ids) for s in g.samples]
+            lens = g.lengths()
             self.length_history[g.problem.id] = sum(lens) / len(lens)
         m = {"rollout/groups_started": c.groups_started, "rollout/rounds": c.rounds,
              "rollout/effective_groups": len(step.ready),

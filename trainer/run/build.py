@@ -84,6 +84,8 @@ def collaborators(run, resumed, tensors, *, system_telemetry: bool) -> None:
         base = load_model(cfg.model.path, run.device, run.dtype)
         run.model = (lora.load(base, resumed[0] / "model") if resumes_weights and not resumed[1]
                      else lora.wrap(base, cfg)).eval()   # a sharded checkpoint's: read below
+        # the checkpoint's adapter config has the dropout it was written with: this run's wins
+        lora.set_dropout(run.model, cfg.lora.dropout)
     else:
         policy_path = (str(resumed[0] / "model") if resumes_weights and not resumed[1]
                        else cfg.model.path)

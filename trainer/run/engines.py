@@ -17,6 +17,7 @@ from trainer.episode.environments import Environment, parse_tools
 from trainer.episode.tools import stop_strings as tool_stop_strings
 from trainer.episode.turns import TurnFormat
 from trainer.models.loading import stop_token_ids
+from trainer.models.lora import with_bases
 from trainer.tasks import task_spec
 from trainer.tasks.prompts import PromptRenderer
 
@@ -64,8 +65,8 @@ def build_engine(cfg, model, tokenizer, device, dtype, max_seq_len: int, *,
     else:
         engine = _engine(cfg, model, tokenizer, device, dtype, max_seq_len, weights_dir, eos,
                          stops, adapter)
-    if adapter:
-        engine.update_weights(adapter, 0)
+    if adapter:   # with the adapted layers' base at the trainer's precision, to merge from
+        engine.update_weights(with_bases(model.state_dict(), adapter), 0)
     return engine
 
 

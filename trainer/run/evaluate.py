@@ -26,7 +26,7 @@ def evaluate(engine: RolloutEngine, tokenizer, problems, score_batch, *, tempera
     n = len(problems)
     out = {"accuracy": sum(1 for r in scores if r >= 1.0) / n,
            "reward_mean": sum(scores) / n,
-           "response_len_mean": sum(len(s.response_ids) for s in samples) / n,
+           "response_len_mean": sum(s.model_tokens for s in samples) / n,   # the model's
            "n": n, "seconds": time.monotonic() - t0}
     if tools is not None:
         episodes = [s.meta["episode"] for s in samples]

@@ -46,7 +46,7 @@ from trainer.run.evaluate import evaluate
 from trainer.run.step_record import StepResults
 from trainer.sandbox.preflight import weak_isolation_warning
 
-FINISHED, STOPPED, FAILED = "finished", "stopped", "failed"
+FINISHED, STOPPED, FAILED, INTERRUPTED = "finished", "stopped", "failed", "interrupted"
 
 
 class RunFailed(RuntimeError):
@@ -142,9 +142,9 @@ class Runner:
                          "devices": self._held_devices(),
                          # how many prompts' GRESO history came from another run
                          **({"greso_warm_start": self.greso_warm} if self.greso_warm else {})})
-        weak = weak_isolation_warning(self.cfg)
-        if weak:   # said at every start and resume, as the run page and the report keep saying
-            self.sink.event(self.step, "warning", {"message": weak})
+        # said at every start and resume, as the run page and the report keep saying
+        for warning in filter(None, (weak_isolation_warning(self.cfg), lora.dropout_warning(self.cfg))):
+            self.sink.event(self.step, "warning", {"message": warning})
         status = FINISHED
         try:
             if self.step == 0 and self.cfg.run.eval_every:
@@ -180,6 +180,14 @@ class Runner:
                 self.save_checkpoint()
             self.sink.event(self.step, "error", {"message": f"{type(e).__name__}: {e}",
                                                  "resumable_from_step": self.step})
+            raise
+        except (KeyboardInterrupt, SystemExit) as e:
+            # told to stop from outside (Ctrl-C, a worker's shutdown): not the run's failure; the
+            # step in flight is lost and a resume continues from the last checkpoint
+            status = INTERRUPTED
+            self.sink.event(self.step, "run_interrupted", {
+                "message": f"the process was told to stop mid-step ({type(e).__name__}: {e})",
+                "resumable_from_step": checkpoint.latest_step(self.run_dir)})
             raise
         except BaseException as e:
             status = FAILED

@@ -17,7 +17,7 @@ from trainer.engine.base import EngineStats
 from trainer.observe import clock
 from trainer.observe.metrics import histogram, length_edges
 from trainer.observe.timeline import CONTROLLER, rank_lane
-from trainer.rollout.base import RolloutResult, step_metrics
+from trainer.rollout.base import RolloutResult, response_lengths, step_metrics
 
 
 @dataclass
@@ -88,7 +88,7 @@ def rollout_metrics(run, cfg, result, engine_stats, step_s: float) -> dict[str, 
         run.sink.histogram(run.step, name, histogram(values, edges))
 
     m.update(run.rollout.report(cfg, result, run.version, step_s, hist))
-    lengths = [len(s.response_ids) for g in result.scored for s in g.samples]
+    lengths = response_lengths(result.scored)
     if lengths:
         hist("rollout/response_len", lengths, length_edges(cfg.rollout.max_response_len))
     return m

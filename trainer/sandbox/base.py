@@ -88,8 +88,8 @@ class Sandbox(Protocol):
 
 def run(sandbox: Sandbox, job: Job, stdin: bytes = b"") -> Outcome:
     """Run `job` to its end (or its wall limit) with `stdin`, and collect its stdout."""
-    deadline = time.monotonic() + job.limits.wall_s
     session = sandbox.start(job)
+    deadline = time.monotonic() + job.limits.wall_s   # from the job's start, not before it
     try:
         try:
             session.send(stdin)

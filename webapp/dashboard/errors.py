@@ -1,6 +1,6 @@
 """The errors a write refuses with, each with the HTTP status the API answers (the pages show
 the message and the per-field errors). Their own module so that the actions layer and the
-checks it calls (access/policy.py, sample_rows.py) raise them without importing each other."""
+checks it calls (access/policy.py, rows/samples.py) raise them without importing each other."""
 from __future__ import annotations
 
 

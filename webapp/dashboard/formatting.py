@@ -172,7 +172,7 @@ def describe_event(kind: str, data: Any) -> str:
                 f"{move(d.get('knob'), d.get('current'), d.get('proposed'))}" + by)
     if kind == "knob_rejected":
         return "; ".join(f"{k}: {v}" for k, v in (d.get("errors") or {}).items()) + by
-    if kind in ("error", "warning"):
+    if kind in ("error", "warning", "run_interrupted"):
         return str(d.get("message") or pairs(d))
     if kind == "alert":
         return f"{d.get('rule') or 'alert'}: {d.get('message') or pairs(d, ('rule',))}"

@@ -121,7 +121,7 @@ START_FROM = (QUEUED,)
 # the training task's last word on a run, and the sweep's on a run whose worker was lost: only a
 # live run takes it
 END_FROM = LIVE
-WORKER_ENDS = (FINISHED, STOPPED, FAILED)
+WORKER_ENDS = (FINISHED, STOPPED, FAILED, INTERRUPTED)   # interrupted: the worker was shut down
 LOST = INTERRUPTED
 
 

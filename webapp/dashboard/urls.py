@@ -1,6 +1,8 @@
 from django.urls import path, re_path, register_converter
 
-from webapp.dashboard import api, views
+from webapp.dashboard.api import base as api_base
+from webapp.dashboard.api import endpoints as api
+from webapp.dashboard.pages import views
 
 
 class RunIdConverter:
@@ -46,5 +48,5 @@ urlpatterns = [
     path("api/runs/<id:run_id>/resume", api.run_resume),
     path("api/runs/<id:run_id>/kill", api.run_kill),
     path("api/runs/<id:run_id>/fork", api.run_fork),
-    re_path(r"^api/", api.not_found),   # anything else under /api/: a JSON 404
+    re_path(r"^api/", api_base.not_found),   # anything else under /api/: a JSON 404
 ]

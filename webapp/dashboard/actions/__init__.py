@@ -17,8 +17,8 @@ stale-run sweep and the management commands all go through these functions, by n
   estimate.py     a run's time and price asked for before its launch, and its calibration
 
 The package sits low in the import graph: it imports the models, lifecycle.py, errors.py,
-access/validation.py and access/policy.py (which never import it), sample_rows.py,
-timeline_rows.py, doorbell.py, files/ and the Celery app, and none of the modules that call
+access/validation.py and access/policy.py (which never import it), rows/samples.py,
+rows/timeline.py, doorbell.py, files/ and the Celery app, and none of the modules that call
 it; worker/alerts.py and worker/sweep.py hand it what it needs as arguments.
 Callers use `from webapp.dashboard import actions; actions.launch_run(...)`.
 """

@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterable
 from django.db import transaction
 from django.utils import timezone
 
-from webapp.dashboard import doorbell, lifecycle, sample_rows, timeline_rows
+from webapp.dashboard import doorbell, lifecycle
 from webapp.dashboard.models import (
     HistogramSnapshot,
     KnobChange,
@@ -28,6 +28,8 @@ from webapp.dashboard.models import (
     RunEvent,
     TimelineSlice,
 )
+from webapp.dashboard.rows import samples as sample_rows
+from webapp.dashboard.rows import timeline as timeline_rows
 
 # Latest values kept on the run row for the runs list ("key figures").
 KEY_FIGURES = ("reward/accuracy", "reward/mean", "rollout/response_len/mean", "actor/kl",
@@ -125,7 +127,7 @@ def _samples(b: Batch, r: Record) -> None:
 
 
 def _timeline(b: Batch, r: Record) -> None:
-    """A step's timeline (webapp/dashboard/timeline_rows.py): its well-formed spans, one row."""
+    """A step's timeline (webapp/dashboard/rows/timeline.py): its well-formed spans, one row."""
     b.slices.append(TimelineSlice(run_id=b.run.pk, seq=b.next_seq(), step=r.step,
                                   spans=timeline_rows.clean_spans(r.values.get("spans"))))
 

@@ -27,7 +27,8 @@ MAX_CONFIG_BYTES = 1 << 20
 KINDS = ("metrics", "histograms", "samples", "timeline", "events")
 REQUIRED = ("metrics", "events")
 # the trainer's events that end a run (trainer/run/runner.py) and the run status each means
-ENDINGS = {"run_finished": "finished", "run_stopped": "stopped", "error": "failed"}
+ENDINGS = {"run_finished": "finished", "run_stopped": "stopped", "error": "failed",
+           "run_interrupted": "interrupted"}
 STARTS = ("run_started", "run_resumed")
 
 
@@ -217,8 +218,8 @@ def inspect(directory: str | Path) -> RunDir:
     else:
         kind, obj = end
         data = _event_data(obj)
-        if kind == "error":
-            ending = Ending("failed", obj["step"], _time(obj) or last_time,
+        if kind in ("error", "run_interrupted"):
+            ending = Ending(ENDINGS[kind], obj["step"], _time(obj) or last_time,
                             error=str(data.get("message") or "the run failed")[:2000])
         else:
             ending = Ending(ENDINGS[kind], obj["step"], _time(obj) or last_time, summary=data)

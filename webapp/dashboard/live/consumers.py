@@ -34,9 +34,9 @@ from django.conf import settings
 from trainer.config import short_repr
 from webapp.dashboard import actions
 from webapp.dashboard.doorbell import group_name
-from webapp.dashboard.live import streams
 from webapp.dashboard.models import Run
 from webapp.dashboard.monitoring import sockets
+from webapp.dashboard.rows import stream
 from webapp.dashboard.worker import sweep
 
 log = logging.getLogger(__name__)
@@ -109,7 +109,7 @@ def _read(run_id: int, cursor: int):
     """(messages, new cursor, whether more rows are waiting)."""
     sweep.mark_stale_runs()
     upto = _last_seq(run_id)
-    msgs, new = streams.messages_after(run_id, cursor, upto)
+    msgs, new = stream.messages_after(run_id, cursor, upto)
     return msgs, new, new < upto
 
 

@@ -19,12 +19,14 @@ from django.utils import timezone
 from trainer import config as config_mod
 from trainer.cli.export import export
 from trainer.run.fork import checkpoint_steps
-from webapp.dashboard import formatting, sample_rows, timeline_rows
+from webapp.dashboard import formatting
 from webapp.dashboard.actions import run_dir
-from webapp.dashboard.live import streams
 from webapp.dashboard.models import HistogramSnapshot, MetricPoint, RolloutSample, Run, RunEvent
 from webapp.dashboard.reports import cost, summary
 from webapp.dashboard.reports.spreadsheet_safe import SafeWriter
+from webapp.dashboard.rows import samples as sample_rows
+from webapp.dashboard.rows import stream
+from webapp.dashboard.rows import timeline as timeline_rows
 
 
 def _iso(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -226,7 +228,7 @@ def adapter_zip(run: Run, step: int | None = None) -> tuple[IO[bytes], str]:
 def export_html(run: Run, max_points: int = 2000) -> str:
     """One HTML file: Plotly, the chart code, the data and the tables inlined; no network."""
     static = settings.BASE_DIR / "static"
-    snap = streams.metrics_snapshot(run, None, None, max_points, max_histograms=300, max_events=2000)
+    snap = stream.metrics_snapshot(run, None, None, max_points, max_histograms=300, max_events=2000)
     account = cost.account(run)   # read once: the summary's figures and the Cost card
     return render_to_string("dashboard/report_export.html", {
         "run": run, "rows": summary.summary_rows(summary.summary(run, account)),
@@ -238,6 +240,7 @@ def export_html(run: Run, max_points: int = 2000) -> str:
         "config_toml": export_toml(run), "generated": timezone.now(), "samples": report_samples(run),
         "css": (static / "dashboard" / "style.css").read_text(),
         "plotly_js": _inline_script((static / "vendor" / "plotly.min.js").read_text()),
+        "common_js": _inline_script((static / "dashboard" / "common.js").read_text()),
         "charts_js": _inline_script((static / "dashboard" / "charts.js").read_text()),
         "timeline_js": _inline_script((static / "dashboard" / "timeline.js").read_text()),
         "timeline_data": timeline_rows.snapshot(run.pk, max_slices=150),

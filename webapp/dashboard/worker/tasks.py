@@ -120,7 +120,9 @@ def train_here(rid: int, cfg: config_mod.Config, directory, resume_from_ckpt: bo
         log.exception("run %s failed", rid)
         # a RunFailed says its cause whole, as the CLI prints it (e.g. generation given up)
         summary, error = None, (str(e) if isinstance(e, RunFailed) else f"{type(e).__name__}: {e}")[:2000]
-        if not isinstance(e, Exception):
+        if not isinstance(e, Exception):   # the worker is shutting down (SystemExit, Ctrl-C)
+            final = Status.INTERRUPTED
+            error = f"the worker was shut down mid-run ({error}); resume continues from the last checkpoint"
             raise
     finally:
         heartbeat.stop()

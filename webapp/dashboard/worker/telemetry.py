@@ -71,7 +71,7 @@ class DbSink(MetricsSink):
 
     def samples(self, step: int, rows: list[dict[str, Any]]) -> None:
         """A step's rollout samples (the inspector): buffered like a histogram, one sequence
-        number for the batch; cleaned and capped by the actions layer (sample_rows.py)."""
+        number for the batch; cleaned and capped by the actions layer (rows/samples.py)."""
         rows = [dict(r) for r in (rows or []) if isinstance(r, dict)]
         if not rows:
             return

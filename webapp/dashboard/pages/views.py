@@ -13,9 +13,9 @@ from trainer import config as config_mod
 from trainer.pilot import april as pilot_april
 from webapp.dashboard import actions, formatting
 from webapp.dashboard.access import validation
-from webapp.dashboard.api import filter_runs
+from webapp.dashboard.api.endpoints import filter_runs
 from webapp.dashboard.models import ACTIVE, RESUMABLE, Run, RunEvent, Status
-from webapp.dashboard.reports import comparison, cost, exports, summary
+from webapp.dashboard.reports import advice, comparison, cost, exports, summary
 from webapp.dashboard.worker import sweep
 
 FIELD_PREFIX = "cfg:"
@@ -220,7 +220,8 @@ def run_page(request, run_id: int):
             "max_steps": run.max_steps, "knobs": run.knobs, "config": run.config,
             "can_control": run.can_control(request.user), "knob_schema": knobs,
             "owner": run.owner.get_username(), "user": request.user.get_username(),
-            "active_statuses": list(ACTIVE), "allowed_actions": run.allowed_actions}
+            "active_statuses": list(ACTIVE), "allowed_actions": run.allowed_actions,
+            "april_context": advice.april_context(run)}
     return render(request, "dashboard/run.html", {"run": run, "page": page, "active_alerts": active_alerts(run),
                                                   "tracker_links": tracker_links(run),
                                                   "trains": summary.trains(run),

@@ -85,7 +85,10 @@ def _segments(v: Any) -> list[list[int]]:
 
 MAX_TURNS = 4_096           # turns kept per episode (the trainer allows 64 model turns)
 TURN_ROLES = ("model", "tool")
-EPISODE_ENDS = ("answer", "max_turns", "budget", "")
+# why an episode ended (meta["episode"]["end"], trainer/episode/engine.py), as the pages say it
+EPISODE_END_TEXT = {"answer": "answered", "max_turns": "out of turns (episode.max_turns)",
+                    "budget": "out of tokens (max_response_len)"}
+EPISODE_ENDS = (*EPISODE_END_TEXT, "")
 
 
 def _turns(v: Any, length: int) -> list[dict[str, Any]]:
@@ -183,12 +186,17 @@ def _num(v: float | None) -> float | None:
     return v if v is None or math.isfinite(v) else None
 
 
-def as_json(s: RolloutSample | dict, fields: tuple[str, ...] = FULL_FIELDS) -> dict[str, Any]:
+def as_json(s: RolloutSample | dict, fields: tuple[str, ...] = FULL_FIELDS, words: bool = True) -> dict[str, Any]:
+    """A sample's `fields` as the API serves them; `words`: an episode's end in words too
+    ("end_text", for the pages; the exports carry the stored row)."""
     get = s.get if isinstance(s, dict) else (lambda k: getattr(s, k))
     out = {k: get(k) for k in fields}
     for k in ("reward", "score", "penalty", "advantage", "tis_weight"):
         if k in out:
             out[k] = _num(out[k])
+    ep = out.get("episode")
+    if words and isinstance(ep, dict) and ep.get("end"):   # the end in words, the inspector's
+        out["episode"] = {**ep, "end_text": EPISODE_END_TEXT.get(ep["end"], ep["end"])}
     return out
 
 
@@ -390,4 +398,4 @@ def export_rows(run_id: int, per_token: bool = True):
     if not per_token:
         qs = qs.defer("tokens", "logprobs")
     for s in qs.iterator(chunk_size=200):
-        yield as_json(s, fields)
+        yield as_json(s, fields, words=False)

@@ -5,8 +5,10 @@ from typing import Any, Iterable
 
 from django.db.models import ExpressionWrapper, F, IntegerField, Max, Min
 
-from webapp.dashboard import formatting, lifecycle, sample_rows, timeline_rows
+from webapp.dashboard import formatting, lifecycle
 from webapp.dashboard.models import HistogramSnapshot, MetricPoint, Run, RunEvent, TimelineSlice
+from webapp.dashboard.rows import samples as sample_rows
+from webapp.dashboard.rows import timeline as timeline_rows
 
 BATCH = 500   # sequence numbers per backlog chunk
 
@@ -61,7 +63,7 @@ def messages_after(run_id: int, cursor: int, upto: int | None = None,
     for e in RunEvent.objects.filter(run_id=run_id, seq__gt=cursor, seq__lte=hi):
         by_seq[e.seq] = event_message(e)
     for t in TimelineSlice.objects.filter(run_id=run_id, seq__gt=cursor, seq__lte=hi):
-        by_seq[t.seq] = timeline_rows.frame(t)   # a step's spans (webapp/dashboard/timeline_rows.py)
+        by_seq[t.seq] = timeline_rows.frame(t)   # a step's spans (webapp/dashboard/rows/timeline.py)
     # a step's rollout samples, as compact summaries (GET /api/runs/<id>/samples/<id> has the rest)
     for seq, rows in sample_rows.summary_rows(run_id, cursor, hi).items():
         by_seq[seq] = {"type": "samples", "step": rows[0]["step"], "samples": rows, "cursor": seq}
