@@ -279,7 +279,7 @@ def test_stop_strings_cut_a_late_engines_sample_and_drop_what_came_after():
 
 
 def test_build_engine_uses_the_stop_ids_and_wraps_for_stop_strings():
-    from trainer.engine import build_engine
+    from trainer.run.engines import build_engine
 
     tok = load_tokenizer(BUILTIN)
     model = load_model(BUILTIN, torch.device("cpu"), torch.float32).eval()

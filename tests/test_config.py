@@ -124,3 +124,37 @@ def test_deeply_nested_toml_is_a_config_error():
     with pytest.raises(C.ConfigError) as e:
         C.loads_toml("a = " + "[" * 5000 + "]" * 5000)
     assert "nested too deeply" in e.value.errors["toml"]
+
+
+def test_max_turns_is_read_in_one_place():
+    """`episode.multi_turn` is the one reading of max_turns: 1 is single-turn, more has an
+    environment; the checks and the knob rule ask it."""
+    assert not C.Config().episode.multi_turn
+    multi = C.apply_overrides(C.Config(), ["episode.max_turns=2"])
+    assert multi.episode.multi_turn
+    with pytest.raises(C.ConfigError) as e:
+        C.apply_overrides(C.Config(), ["episode.feedback=true"])
+    assert "episode.max_turns > 1" in e.value.errors["episode.feedback"]
+    with pytest.raises(C.ConfigError) as e:
+        C.apply_knob_change(C.Config(), {"episode.max_turns": 3})
+    assert "launched single-turn" in e.value.errors["episode.max_turns"]
+    new, _ = C.apply_knob_change(multi, {"episode.max_turns": 3})
+    assert new.episode.max_turns == 3
+
+
+def test_value_parsers_are_parameter_types_of_the_schema():
+    """config/ checks a value's own syntax with its parameter type (config/values.py), the same
+    parser the package acting on it reads it with."""
+    from trainer.config import values
+    from trainer.engine.sglang import urls
+    from trainer.episode import environments, tools
+    from trainer.rollout import staleness_schedule
+
+    assert urls.parse_urls is values.parse_urls and environments.parse_tools is values.parse_tools
+    assert staleness_schedule.parse is values.parse_schedule and tools.TOOLS is values.TOOLS
+    for key, bad, says in (("rollout.sglang_urls", "ftp://x", "not an http(s) server URL"),
+                           ("episode.tools", "calculator,shell", "unknown tool 'shell'"),
+                           ("async.staleness_schedule", "5:1, 3:2", "steps must increase")):
+        with pytest.raises(C.ConfigError) as e:
+            C.apply_overrides(C.Config(), [f"{key}={bad}", "async.enabled=true"])
+        assert says in e.value.errors[key], e.value.errors

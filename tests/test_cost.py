@@ -1,4 +1,4 @@
-"""The cost account (trainer/observe/cost.py, `python -m trainer cost`): device-seconds per
+"""The cost account (trainer/accounting/cost.py, `python -m trainer cost`): device-seconds per
 process from the timeline, priced per device-hour; dropped tokens priced at their step's cost
 per generated token. Hand-computed on a recorded timeline and ledger, then reconciled with a
 real run's own clock."""
@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from helpers import TINY_RUN, tiny_cli_run
 
-from trainer.observe import cost, forecast, run_files
-from trainer.observe.run_files import read_slices
+from trainer.accounting import cost, forecast, run_files
+from trainer.accounting.run_files import read_slices
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -254,7 +254,7 @@ def test_a_directory_that_is_not_a_run_is_named(tmp_path):
     assert done.returncode == 2 and f"{tmp_path} has no config.toml" in done.stderr
 
 
-# --- the forecast (trainer/observe/forecast.py) --------------------------------------------------
+# --- the forecast (trainer/accounting/forecast.py) --------------------------------------------------
 
 def test_the_forecast_carries_the_recent_pace_forward_with_its_range_by_hand():
     f = forecast.time_left([6.0, 4.0], 8)

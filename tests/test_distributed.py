@@ -1,4 +1,4 @@
-"""Several training processes (trainer/cluster/distributed.py, trainer/cluster/training_ranks.py): two CPU
+"""Several training processes (trainer/cluster/distributed.py, trainer/run/training_ranks.py): two CPU
 processes on the gloo backend, rank 0 the controller.
 
 - the learner: one update split over two ranks (unevenly, and with one rank holding nothing)
@@ -21,8 +21,9 @@ from ranks import TINY, KnobsAt, digest, finish, free_port, join, rows, sequence
 
 from trainer import config as C
 from trainer.algo.learner import Learner
-from trainer.cluster import distributed, training_ranks
+from trainer.cluster import distributed
 from trainer.observe.metrics import JsonlSink
+from trainer.run import training_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.timeout(180)

@@ -1,4 +1,4 @@
-"""The rollout inspector's record (trainer/observe/inspector.py): which samples a step keeps, what each row
+"""The rollout inspector's record (trainer/accounting/inspector.py): which samples a step keeps, what each row
 says, that runs write them through every sink, and the `samples` command."""
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import pytest
 from helpers import TINY_RUN
 
 from trainer import config as config_mod
+from trainer.accounting.inspector import finish, pick, segments
 from trainer.cli import main as cli
 from trainer.engine.base import LENGTH, STOP, Sample
-from trainer.observe.inspector import finish, pick, segments
 from trainer.observe.metrics import JsonlSink, MemorySink, MultiSink
 from trainer.rollout.base import Group
 from trainer.run.controls import SET_KNOBS, Command, ControlSource

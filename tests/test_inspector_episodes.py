@@ -1,4 +1,4 @@
-"""The rollout inspector's rows for multi-turn episodes (trainer/observe/inspector.py): an episode's
+"""The rollout inspector's rows for multi-turn episodes (trainer/accounting/inspector.py): an episode's
 turns (model runs and environment runs, by version), its counters, a finish and a staleness that
 read only the policy's tokens; the episode metrics declared with their charts; the `samples`
 command printing an episode turn by turn."""
@@ -7,10 +7,10 @@ from __future__ import annotations
 import json
 from types import SimpleNamespace
 
+from trainer.accounting.inspector import finish, rows, segments, turns
 from trainer.cli import main as cli
 from trainer.engine.base import ENV_VERSION, LENGTH, STOP, Sample
 from trainer.observe import metric_names
-from trainer.observe.inspector import finish, rows, segments, turns
 from trainer.observe.metrics import JsonlSink
 from trainer.rollout.base import Group, episode_metrics
 from trainer.tasks.base import Problem

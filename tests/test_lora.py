@@ -341,7 +341,7 @@ def test_a_bfloat16_engine_merges_a_float32_base_and_its_delta_rounding_once(pro
     """A float32 trainer, a bfloat16 engine: the merged weight is round_bf16(W + delta), as the
     merged model SGLang and the exports get, not round_bf16(round_bf16(W) + delta) from the
     engine's own rounded base. The embedded engine and a generation process alike."""
-    from trainer import engine as engines
+    from trainer.run import engines
 
     tok = load_tokenizer("builtin")
     model = adapted_builtin(rank=1, targets="q_proj,v_proj")

@@ -278,7 +278,7 @@ def test_a_slow_server_times_out_into_an_error(builtin, server, engines):
 
 def test_urls_and_config(builtin, server):
     from trainer import config as config_mod
-    from trainer.engine import build_engine
+    from trainer.run.engines import build_engine
 
     assert parse_urls(" http://a:1/, http://b:2 ") == ["http://a:1", "http://b:2"]
     with pytest.raises(ValueError, match="not an http"):

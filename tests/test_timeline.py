@@ -252,7 +252,7 @@ def test_a_wall_clock_step_mid_step_lands_in_no_duration(tmp_path, tiny_override
     account and the forecast's step walls that read them (the timeline drew a 47.6 s bar)."""
     import time
 
-    from trainer.observe import cost
+    from trainer.accounting import cost
 
     real_time, jump = time.time, [0.0]
     monkeypatch.setattr(time, "time", lambda: real_time() + jump[0])

@@ -1,4 +1,6 @@
-"""trainer/ has no import cycle, the task registry and the reward package import one way:
+"""trainer/'s packages stand on floors and import only downward (FLOORS: config at the bottom, the
+command line on top; the exceptions, each with its reason, only shrink); there is no import cycle;
+the task registry and the reward package import one way:
 verifiers and the judge <- the task registry (trainer.tasks) <- dispatch <- the pool and its workers,
 and the rollout mechanism and the engines never import the pilot that advises on them.
 
@@ -72,6 +74,87 @@ def test_the_rollout_mechanism_and_the_engines_do_not_import_the_pilot():
              for d, line in sorted(graph[m].items())
              if d == "trainer.pilot" or d.startswith("trainer.pilot.")]
     assert not wrong, "the rollout mechanism imports its advisor:\n" + "\n".join(wrong)
+
+
+# The floors of trainer/, bottom first: a module imports only from its own floor or below (imports
+# inside functions included). A module's floor is the longest entry naming its package or itself;
+# an entry below its package's (rewards.verifiers) is a part of that package that sits lower.
+FLOORS = (
+    "config",             # the one schema; a value's own syntax is its parameter type (values.py)
+    "observe",            # recording: metric names and sinks, the timeline, clocks, telemetry
+    "sandbox",            # where model-written code runs
+    "models",             # local models, LoRA, tensors bound for a file
+    "engine",             # the rollout engines (which one a run gets: run/engines.py)
+    "cluster",            # torchrun's process group, FSDP2, launching
+    "algo",               # what is learnt from scored groups (reads them as data, imports no driver)
+    "episode",            # multi-turn episodes around an engine
+    "rewards.judge",      # the code reward's verdict (the sandbox runs the code) ...
+    "rewards.verifiers",  # ... and the verifiers: below the task registry that names them
+    "tasks",              # the problems, their prompts, the one registry
+    "rewards",            # dispatch and the reward pool, above the registry they score with
+    "rollout",            # how a step's groups are produced (the scorer shapes rewards with algo/)
+    "invariants",         # the bounds checked on what a step trained, the data accounting
+    "accounting",         # the accounts kept from the records: cost, forecast, estimate, inspector
+    "pilot",              # the advisor, reading the metrics the others report
+    "run",                # one run assembled and driven: engines, ranks, the step loop, warm-up
+    "bench",              # the benchmarks, each a few runs side by side
+    "cli",                # the command line, on top
+)
+
+# arrows up the floors that remain, each with its reason: (importer, imported) -> why. The list
+# only shrinks: an entry that no longer occurs fails the test as well.
+UPWARD_EXCEPTIONS: dict[tuple[str, str], str] = {}
+
+
+def floor(module: str) -> int | None:
+    """The index in FLOORS of `module`'s floor (None: trainer's root, the entry point above every
+    floor, or a package on none)."""
+    rest = module.removeprefix("trainer").lstrip(".")
+    best = None
+    for i, name in enumerate(FLOORS):
+        if rest == name or rest.startswith(name + "."):
+            if best is None or len(name) > len(FLOORS[best]):
+                best = i
+    return best
+
+
+def test_every_trainer_package_stands_on_a_floor():
+    graph, modules = trainer_graph()
+    root = ROOT / "trainer"
+    unplaced = sorted(m for m in graph if floor(m) is None and modules[m].parent != root)
+    assert not unplaced, "modules on no floor (add their package to FLOORS): " + ", ".join(unplaced)
+    assert len(FLOORS) == len(set(FLOORS))
+
+
+def upward_imports() -> dict[tuple[str, str], str]:
+    """{(importer, imported): "file:line"} for every import up the floors."""
+    graph, modules = trainer_graph()
+    out = {}
+    for m in sorted(graph):
+        for d, line in sorted(graph[m].items()):
+            a, b = floor(m), floor(d)
+            if a is not None and b is not None and b > a:
+                out[(m, d)] = f"{modules[m].relative_to(ROOT)}:{line}"
+    return out
+
+
+def test_each_floor_imports_only_downward():
+    """config at the bottom, the command line on top: no module imports from a floor above its
+    own, lazy imports included, but for the documented exceptions."""
+    up = upward_imports()
+    wrong = [f"{where}: {a} (floor {FLOORS[floor(a)]}) imports {b} (floor {FLOORS[floor(b)]})"
+             for (a, b), where in up.items() if (a, b) not in UPWARD_EXCEPTIONS]
+    assert not wrong, "imports up the floors:\n" + "\n".join(wrong)
+    gone = sorted(set(UPWARD_EXCEPTIONS) - set(up))
+    assert not gone, f"exceptions that no longer occur (remove them): {gone}"
+
+
+def test_the_floor_rule_can_fail():
+    """The rule reads the floors the way the test means: an arrow up is one."""
+    assert floor("trainer.config.values") == 0 and floor("trainer.cli.main") == len(FLOORS) - 1
+    assert floor("trainer.rewards.verifiers") < floor("trainer.tasks") < floor("trainer.rewards.pool")
+    assert floor("trainer.engine.sglang.client") < floor("trainer.run.engines")
+    assert floor("trainer") is None
 
 
 @pytest.mark.parametrize("module", sorted(

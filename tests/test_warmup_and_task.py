@@ -2,7 +2,7 @@
 import torch
 
 from trainer.models.loading import load_model, load_tokenizer
-from trainer.models.warmup import warmup
+from trainer.run.warmup import warmup
 from trainer.tasks.sum import SumTask, reference_solution, score_sum
 
 

@@ -17,7 +17,7 @@ from trainer.models.loading import (
     load_tokenizer,
     model_dir,
 )
-from trainer.models.warmup import _loss, _tools_example, choice_keep, tools_parts
+from trainer.run.warmup import _loss, _tools_example, choice_keep, tools_parts
 from trainer.tasks.calc import CalcTask
 from trainer.tasks.sum import reference_solution
 

@@ -1,6 +1,6 @@
 // The run page's cost line (#run-forecast): what the run has cost so far ("cost_so_far"), and
 // time and price to max_steps at the recent pace and to its target accuracy ("forecast",
-// trainer/observe/forecast.py; docs/cost.md), from GET /api/runs/<id>, read on load and again when
+// trainer/accounting/forecast.py; docs/cost.md), from GET /api/runs/<id>, read on load and again when
 // new steps arrive (at most every FORECAST_EVERY_MS). The forecast part only while the run is
 // active. Every text is inserted as text.
 //

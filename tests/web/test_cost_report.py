@@ -1,4 +1,4 @@
-"""A run's cost on its report (webapp/dashboard/reports/cost.py over trainer/observe/cost.py): the
+"""A run's cost on its report (webapp/dashboard/reports/cost.py over trainer/accounting/cost.py): the
 recorded run of tests/test_cost.py, appended through the actions layer, shows its device-hours,
 idle share, per-unit figures, processes and priced waste, in hours without a rate and priced with
 one, on the report page and in the exported HTML; a real run a worker trained has its account;

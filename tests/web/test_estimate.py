@@ -75,7 +75,7 @@ def test_without_history_a_worker_calibrates_the_run_within_its_time(
 
 
 def test_a_calibration_that_overstays_is_killed_and_says_why(alice, user, settings, sent, monkeypatch):
-    from trainer.observe import estimate as estimate_rule
+    from trainer.accounting import estimate as estimate_rule
     from webapp.dashboard.worker import tasks
 
     settings.RLPILOT_ESTIMATE_SECONDS = 0.5

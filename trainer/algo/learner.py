@@ -265,7 +265,7 @@ class Learner:
         """The step's update with the config's settings. Every rank takes part while any rank has
         sequences; with none anywhere (every group zero-variance) only the KL to the reference
         of `samples` is measured, so the KL chart has no holes. `chunks`: this rank's share of
-        each optimizer mini-batch (trainer/cluster/training_ranks.py), else `seqs` split here."""
+        each optimizer mini-batch (trainer/run/training_ranks.py), else `seqs` split here."""
         total = self.dist.all_sum(len(seqs)) if self.dist is not None else len(seqs)
         if not total:
             # sharded, the KL's forwards are collectives: the other ranks (no samples) join in

@@ -2,7 +2,7 @@
 
 For each preset (`--presets`, default every shipped preset that runs without setup), in turn:
 the estimate as `python -m trainer estimate` makes it with no history (a calibration of the run
-itself for `--seconds`, trainer/observe/estimate.py), then the run itself, `python -m trainer run`
+itself for `--seconds`, trainer/accounting/estimate.py), then the run itself, `python -m trainer run`
 for the largest of `--steps` steps with evaluations and checkpoints off (what the estimate
 covers: steps, not loading or evaluating). Each step count's actual time is the sum of that
 many steps' wall times (their timeline's cover, as the estimate counts them); the estimate for
@@ -20,9 +20,9 @@ import tempfile
 from pathlib import Path
 
 from trainer import config as config_mod
-from trainer.observe import cost
-from trainer.observe.estimate import calibrate, from_steps, steps_only_command
-from trainer.observe.run_files import CostError, read_slices
+from trainer.accounting import cost
+from trainer.accounting.estimate import calibrate, from_steps, steps_only_command
+from trainer.accounting.run_files import CostError, read_slices
 
 NAME = "estimate"
 HELP = "the estimate before a run against the run, per preset (50 and 200 steps)"

@@ -10,8 +10,8 @@ import sys
 from pathlib import Path
 
 from trainer import config as config_mod
-from trainer.observe import cost
-from trainer.observe.run_files import CostError, RunDirError, rates_from, read_run, read_slices
+from trainer.accounting import cost
+from trainer.accounting.run_files import CostError, RunDirError, rates_from, read_run, read_slices
 from trainer.pilot.advice import WASTE_ADDRESSED, at_stake
 from trainer.pilot.rules import advise
 from trainer.pilot.thresholds import DEFAULT

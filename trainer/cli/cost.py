@@ -1,8 +1,8 @@
 """`python -m trainer cost RUN [--rate gpu=PRICE] [--rate cpu=PRICE] [--json]`: what a CLI run
-cost (trainer/observe/cost.py): device-hours by process and phase, the idle share, the figures
+cost (trainer/accounting/cost.py): device-hours by process and phase, the idle share, the figures
 per step / trained token / 1,000 generated tokens / accuracy point, and what the dropped tokens
 cost by reason; for a run still going, the time and price to run.max_steps
-(trainer/observe/forecast.py); for an ended one, how that forecast did at 25/50/75% of it.
+(trainer/accounting/forecast.py); for an ended one, how that forecast did at 25/50/75% of it.
 Prices are per device-hour (a CPU device is a core); without a rate the account is in hours
 only. RLPILOT_RATE_GPU_HOUR and RLPILOT_RATE_CPU_CORE_HOUR give defaults."""
 from __future__ import annotations
@@ -12,8 +12,8 @@ import os
 import sys
 from pathlib import Path
 
-from trainer.observe import cost, forecast
-from trainer.observe.run_files import CostError, RunDirError, rates_from, read_run, read_slices
+from trainer.accounting import cost, forecast
+from trainer.accounting.run_files import CostError, RunDirError, rates_from, read_run, read_slices
 
 
 def read_account(run_dir: str | Path, rate_pairs: list[str] = (), environ=os.environ) -> dict:

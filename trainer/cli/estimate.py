@@ -1,10 +1,10 @@
 """`python -m trainer estimate PRESET [--set K=V ...] [--runs DIR] [--seconds S] [--rate KIND=PRICE]
 [--json]`: what the configured run will take before it starts: wall time, device-hours and price
-to run.max_steps, with a range (trainer/observe/forecast.py).
+to run.max_steps, with a range (trainer/accounting/forecast.py).
 
 From history where there is some: the past runs under `--runs` (default runs/) of the same shape
 give their step times, and the estimate names them; else from a calibration of the run itself
-for at most `--seconds` (the rule: trainer/observe/estimate.py)."""
+for at most `--seconds` (the rule: trainer/accounting/estimate.py)."""
 from __future__ import annotations
 
 import json
@@ -13,10 +13,10 @@ import sys
 from pathlib import Path
 
 from trainer import config as config_mod
+from trainer.accounting import cost
+from trainer.accounting.estimate import calibrate, from_steps, history
+from trainer.accounting.run_files import CostError, rates_from
 from trainer.cli.cost import add_rate_arguments
-from trainer.observe import cost
-from trainer.observe.estimate import calibrate, from_steps, history
-from trainer.observe.run_files import CostError, rates_from
 
 
 def estimate(source: str, sets: list[str], *, runs_dir: Path, seconds: float,

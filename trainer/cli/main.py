@@ -252,7 +252,7 @@ def _cmd_presets(args) -> int:
 
 def _cmd_warmup(args) -> int:
     from trainer.models.loading import BUILTIN, BUILTIN_TOOLS, builtin_dir
-    from trainer.models.warmup import warmup, warmup_tools
+    from trainer.run.warmup import warmup, warmup_tools
 
     out = args.out or str(builtin_dir(BUILTIN_TOOLS if args.tools else BUILTIN))
     steps = {} if args.steps is None else {"steps": args.steps}  # else each warm-up's own default

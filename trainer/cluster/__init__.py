@@ -1,2 +1,3 @@
-"""A run over several processes: torchrun's process group (distributed.py), rank 0 the controller
-with every rank a share of the update (training_ranks.py), FSDP2 (sharding.py), launching (launch.py)."""
+"""A run over several processes: torchrun's process group (distributed.py), FSDP2 (sharding.py),
+launching (launch.py). What each rank does in a run (rank 0 the controller, every rank a share of
+the update) is the run's: trainer/run/training_ranks.py."""

@@ -15,7 +15,7 @@ APRIL, GRESO, dynamic sampling, asynchronous admission, the data cursor -- and r
 controls and writes checkpoints; every rank, rank 0 included, holds the policy wrapped in
 DistributedDataParallel (which broadcasts rank 0's weights when it wraps the model), or a shard
 of it (`cluster.sharding = "fsdp"`: trainer/cluster/sharding.py), and trains its share of each update
-(trainer/cluster/training_ranks.py says how the batch is cut and what rank 0 sends). The learner
+(trainer/run/training_ranks.py says how the batch is cut and what rank 0 sends). The learner
 all-reduces each mini-batch's token count, so each rank's loss is its share of the global token
 mean and one update equals the one-process update up to float rounding.
 Every technique and engine works with any K, and a resumed run may have another K: the

@@ -7,7 +7,7 @@ full weights for the moment it runs, its backward reduce-scatters the gradients.
 rest of the trainer lives with:
 - every forward is a collective: every rank runs the same number of forwards of each model at the
   same time (trainer/algo/learner.py pads a rank's micro-batches with empty ones; rank 0's log-prob
-  recomputes are shared out: trainer/cluster/training_ranks.py);
+  recomputes are shared out: trainer/run/training_ranks.py);
 - no rank holds the whole model, so generation runs off the training ranks (generation processes
   or SGLang servers: the config check refuses an in-process engine), and their weights come from
   `full_state_dict` -- a collective that leaves the full tensors on rank 0's CPU only;

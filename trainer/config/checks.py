@@ -1,12 +1,19 @@
 """The rules that involve more than one parameter (`check`, run on every config loaded or
-changed) and `pilot.bounds`, whose items each name another parameter."""
+changed) and `pilot.bounds`, whose items each name another parameter. A value's own syntax is its
+parser's (trainer/config/values.py): this module imports no package that acts on the config."""
 from __future__ import annotations
 
 from typing import Iterable
 
-from trainer.config.params import ConfigError, stop_strings
-from trainer.config.sections import Config, param_spec
-from trainer.engine.sglang.urls import parse_urls
+from trainer.config.params import ConfigError
+from trainer.config.schema import Config, param_spec
+from trainer.config.values import (
+    parse_schedule,
+    parse_target_modules,
+    parse_tools,
+    parse_urls,
+    stop_strings,
+)
 
 
 def check(cfg: Config) -> None:
@@ -53,11 +60,9 @@ def check(cfg: Config) -> None:
     except ValueError as e:
         errors["pilot.bounds"] = str(e)
     if cfg.async_.staleness_schedule.strip():
-        from trainer.rollout import staleness_schedule
-
         eta = param_spec("async.max_staleness")
         try:
-            staleness_schedule.parse(cfg.async_.staleness_schedule, (eta.min, eta.max))
+            parse_schedule(cfg.async_.staleness_schedule, (eta.min, eta.max))
         except ValueError as e:
             errors["async.staleness_schedule"] = str(e)
         else:
@@ -73,19 +78,15 @@ def check(cfg: Config) -> None:
                                          "pi_prox: set async.prox_logp = 'recompute' (loglinear "
                                          "interpolates it from the engine's own log-probabilities)")
     try:
-        from trainer.episode.environments import parse_tools
-
         parse_tools(cfg.episode.tools)
     except ValueError as e:
         errors["episode.tools"] = str(e)
-    if cfg.episode.feedback and cfg.episode.max_turns == 1:
+    if cfg.episode.feedback and not cfg.episode.multi_turn:
         errors["episode.feedback"] = ("feedback needs a turn after the answer: set "
                                       "episode.max_turns > 1")
     if cfg.lora.rank:
         try:
-            from trainer.models.lora import target_modules
-
-            target_modules(cfg.lora.target_modules)
+            parse_target_modules(cfg.lora.target_modules)
         except ValueError as e:
             errors["lora.target_modules"] = str(e)
     if cfg.run.target_accuracy and not cfg.run.eval_every:
@@ -105,7 +106,7 @@ def check(cfg: Config) -> None:
 def _task_source_problems(cfg: Config) -> dict[str, str]:
     """A reasoning-gym task that does not exist or whose options its config refuses; task_options
     given to another task."""
-    from trainer.tasks.reasoning_gym_catalog import PREFIX, check_task
+    from trainer.config.reasoning_gym import PREFIX, check_task
 
     if not cfg.data.task.startswith(PREFIX):
         return {"data.task_options": "only a reasoning_gym:NAME task takes options"} \

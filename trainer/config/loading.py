@@ -13,8 +13,8 @@ import tomli_w
 
 from trainer.config.checks import check
 from trainer.config.params import ConfigError
-from trainer.config.sections import BUILTIN_MODELS, SECTIONS, Config, param_spec
-from trainer.models.gguf_import import KNOWN as GGUF_SOURCES  # stdlib only: no torch here
+from trainer.config.schema import SECTIONS, Config, param_spec
+from trainer.config.sections import BUILTIN_MODELS, IMPORTED_MODELS
 
 PRESETS_PACKAGE = "trainer.presets"
 
@@ -59,7 +59,7 @@ def preset_requires(name: str) -> str | None:
     path = preset_dict(name).get("model", {}).get("path", "builtin")
     if _shipped(path):
         return None
-    source = GGUF_SOURCES.get(Path(path).name)
+    source = IMPORTED_MODELS.get(Path(path).name)
     how = (f"create it with `python -m trainer import-gguf {source}`" if source
            else "a model directory of your own")
     return f"opt-in: needs model.path = {path} ({how}; docs/models.md)"
@@ -159,8 +159,8 @@ def apply_knob_change(cfg: Config, knobs: dict[str, Any]) -> tuple[Config, dict[
     if errors:
         raise ConfigError(errors)
     new = apply_overrides(cfg, knobs)
-    if cfg.episode.max_turns == 1 and new.episode.max_turns > 1:
-        # the engine was built without an environment (trainer/engine/__init__.py)
+    if not cfg.episode.multi_turn and new.episode.multi_turn:
+        # the engine was built without an environment (trainer/run/engines.py)
         raise ConfigError({"episode.max_turns": "this run was launched single-turn "
                            "(episode.max_turns = 1): it has no environment to answer a turn; "
                            "fork it with episode.max_turns > 1"})

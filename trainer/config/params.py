@@ -1,7 +1,7 @@
 """One parameter: `param()` declares it in a section (trainer/config/sections.py), `ParamSpec` is
 what the schema says of it and turns any value given for it (TOML, a form, `--set`) into its type
-or a `ConfigError` naming the key and what is allowed. Also the parsers of values with more
-structure than their type (`stop_strings`)."""
+or a `ConfigError` naming the key and what is allowed. The parsers of values with more structure
+than their type are trainer/config/values.py."""
 from __future__ import annotations
 
 import math
@@ -162,33 +162,3 @@ class ParamSpec:
                 raise ConfigError({self.name: f"{item!r} is named twice"})
             out.append(item)
         return out
-
-
-
-MAX_STOP_STRINGS = 16
-MAX_STOP_LEN = 200
-
-
-def stop_strings(value: str) -> list[str]:
-    """`rollout.stop` as a list: "" -> [], '["</answer>", "\\n\\nUser:"]' -> the strings. Raises
-    ValueError saying what is wrong (not JSON, not a list of non-empty strings, too many)."""
-    import json
-
-    if not value.strip():
-        return []
-    example = 'expected a JSON list of strings, e.g. ["</answer>"] (empty = none)'
-    try:
-        out = json.loads(value)
-    except (ValueError, RecursionError):
-        raise ValueError(f"not valid JSON: {example}") from None
-    if not isinstance(out, list) or not all(isinstance(x, str) for x in out):
-        raise ValueError(example)
-    if any(not x for x in out):
-        raise ValueError("a stop string is empty")
-    if len(out) > MAX_STOP_STRINGS:
-        raise ValueError(f"{len(out)} stop strings; at most {MAX_STOP_STRINGS}")
-    for i, x in enumerate(out):  # the same text rules as every config string, after decoding
-        problem = text_problem(x, MAX_STOP_LEN)
-        if problem:
-            raise ValueError(f"stop string {i + 1}: {problem}")
-    return list(dict.fromkeys(out))

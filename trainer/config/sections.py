@@ -1,20 +1,21 @@
 """The sections of a config: every parameter is declared exactly once, here, as a dataclass field
 made with `param()`: its type, default, allowed range or choices, one line of help, and whether it
-may change while a run is going ("tunable", i.e. a knob). `schema()` reads them back as
-`ParamSpec`s; the CLI, the launch form, the live-tuning panel, the JSON API and
-docs/configuration.md all read that, and nothing else lists parameters."""
+may change while a run is going ("tunable", i.e. a knob). `schema()` (trainer/config/schema.py,
+with the `Config` holding one of each section) reads them back as `ParamSpec`s; the CLI, the
+launch form, the live-tuning panel, the JSON API and docs/configuration.md all read that, and
+nothing else lists parameters."""
 from __future__ import annotations
 
-import copy
-import dataclasses
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
-from trainer.config.params import ConfigError, ParamSpec, param
+from trainer.config.params import param
 
 # model.path names of the models rlpilot ships -> their folder in trainer/assets (the one place
 # they are named; trainer/models/loading.py loads them)
 BUILTIN_MODELS = {"builtin": "builtin-sum", "builtin-tools": "builtin-tools"}
+# the model directories `python -m trainer import-gguf SOURCE` writes by default -> SOURCE (a
+# preset naming one says how to make it; trainer/models/gguf_import.py writes them)
+IMPORTED_MODELS = {"smollm2-135m-instruct": "smollm2"}
 
 # what run.report_to may name (trainer/observe/trackers/: one adapter each)
 TRACKERS = ("tensorboard", "wandb", "mlflow")
@@ -315,6 +316,12 @@ class EpisodeConfig:
                              "instead of the built-in tools and feedback; needs max_turns > 1 "
                              "(empty = the built-in environment)")
 
+    @property
+    def multi_turn(self) -> bool:
+        """Turns after the first, with an environment to answer them: the one reading of
+        `max_turns` (1 = single-turn) that every package asks."""
+        return self.max_turns > 1
+
 
 @dataclass
 class SandboxConfig:
@@ -413,124 +420,3 @@ class CostConfig:
     cpu_core_hour: float = param(0.0, min=0.0, max=1e6, tunable=True,
                                  help="price of one CPU core-hour in the run's cost account (0 = "
                                  "the deployment's RLPILOT_RATE_CPU_CORE_HOUR)")
-
-
-SECTIONS: dict[str, type] = {
-    "model": ModelConfig,
-    "data": DataConfig,
-    "rollout": RolloutConfig,
-    "engine": EngineConfig,
-    "episode": EpisodeConfig,
-    "sandbox": SandboxConfig,
-    "algo": AlgoConfig,
-    "mismatch": MismatchConfig,
-    "optim": OptimConfig,
-    "lora": LoraConfig,
-    "april": AprilConfig,
-    "greso": GresoConfig,
-    "async": AsyncConfig,
-    "run": RunConfig,
-    "cluster": ClusterConfig,
-    "pilot": PilotConfig,
-    "cost": CostConfig,
-}
-
-# `async` is a Python keyword: the section is [async] in TOML and dotted keys ("async.
-# max_staleness"), and the attribute `Config.async_`.
-_ATTR = {"async": "async_"}
-
-
-@dataclass
-class Config:
-    model: ModelConfig = field(default_factory=ModelConfig)
-    lora: LoraConfig = field(default_factory=LoraConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    rollout: RolloutConfig = field(default_factory=RolloutConfig)
-    engine: EngineConfig = field(default_factory=EngineConfig)
-    algo: AlgoConfig = field(default_factory=AlgoConfig)
-    mismatch: MismatchConfig = field(default_factory=MismatchConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    april: AprilConfig = field(default_factory=AprilConfig)
-    greso: GresoConfig = field(default_factory=GresoConfig)
-    async_: AsyncConfig = field(default_factory=AsyncConfig)
-    run: RunConfig = field(default_factory=RunConfig)
-    cluster: ClusterConfig = field(default_factory=ClusterConfig)
-    pilot: PilotConfig = field(default_factory=PilotConfig)
-    cost: CostConfig = field(default_factory=CostConfig)
-    episode: EpisodeConfig = field(default_factory=EpisodeConfig)
-    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
-
-    def to_dict(self) -> dict[str, dict[str, Any]]:
-        return {name: dataclasses.asdict(self.section(name)) for name in SECTIONS}
-
-    def section(self, name: str):
-        return getattr(self, _ATTR.get(name, name))
-
-    def get(self, key: str):
-        section, name = _split_key(key)
-        return getattr(self.section(section), name)
-
-    def set(self, key: str, value) -> None:
-        """Set one validated value (raises ConfigError)."""
-        spec = param_spec(key)
-        section, name = _split_key(key)
-        setattr(self.section(section), name, spec.coerce(value))
-
-    def knob_values(self) -> dict[str, Any]:
-        return {p.name: self.get(p.name) for p in schema() if p.tunable}
-
-    def copy(self) -> "Config":
-        return copy.deepcopy(self)
-
-
-# ---------------------------------------------------------------------------------------------
-# The schema, derived from the dataclasses above
-# ---------------------------------------------------------------------------------------------
-
-def _split_key(key: str) -> tuple[str, str]:
-    if not isinstance(key, str) or key.count(".") != 1:
-        raise ConfigError({str(key): "expected a key of the form section.name, e.g. optim.lr"})
-    return tuple(key.split("."))  # type: ignore[return-value]
-
-
-_SCHEMA: list[ParamSpec] | None = None
-
-
-def schema() -> list[ParamSpec]:
-    """Every parameter, in declaration order."""
-    global _SCHEMA
-    if _SCHEMA is None:
-        specs = []
-        for section, cls in SECTIONS.items():
-            for f in dataclasses.fields(cls):
-                m = f.metadata
-                default = (tuple(f.default_factory()) if f.default is dataclasses.MISSING
-                           else f.default)   # a list's default as a tuple: the spec is frozen
-                specs.append(ParamSpec(name=f"{section}.{f.name}", type=_field_type(f),
-                                       default=default, help=m["help"], min=m["min"], max=m["max"],
-                                       choices=m["choices"], tunable=m["tunable"],
-                                       prefixes=m.get("prefixes")))
-        _SCHEMA = specs
-    return _SCHEMA
-
-
-def _field_type(f: dataclasses.Field) -> type:
-    t = f.type if isinstance(f.type, type) else {"str": str, "int": int, "float": float,
-                                                   "bool": bool, "list[str]": list}[f.type]
-    return t
-
-
-def param_spec(key: str) -> ParamSpec:
-    section, name = _split_key(key)
-    for p in schema():
-        if p.name == key:
-            return p
-    if section not in SECTIONS:
-        raise ConfigError({key: f"unknown section {section!r}; sections are "
-                                + ", ".join(SECTIONS)})
-    names = [p.name.split(".")[1] for p in schema() if p.name.startswith(section + ".")]
-    raise ConfigError({key: f"unknown key {name!r} in [{section}]; known keys: " + ", ".join(names)})
-
-
-def knobs() -> list[ParamSpec]:
-    return [p for p in schema() if p.tunable]

@@ -1,96 +1,8 @@
 """Rollout engines: the interface (`base`), the embedded torch engine (`embedded`), the same in
 processes of its own (`process`, several behind one engine: `pool`) and the SGLang HTTP client
-(`sglang`). `build_engine` picks one from a run config."""
+(`sglang`). Which one a run uses is assembled with the run (trainer/run/engines.py `build_engine`):
+this package imports no config, model loading, episode or task."""
 from __future__ import annotations
-
-from pathlib import Path
-
-
-def build_engine(cfg, model, tokenizer, device, dtype, max_seq_len: int, *,
-                 weights_dir: str | Path | None = None, adapter: dict | None = None):
-    """The engine `cfg.rollout.engine` names.
-
-    `dtype` is the trainer's; `rollout.dtype` other than "auto" sets the engine's own (the
-    engine then samples from a policy that differs from the trainer's by that precision: the
-    training–inference mismatch, trainer/algo/rollout_correction.py).
-    embedded: an EmbeddedEngine over `model` on `device`/`dtype` with `cfg.rollout.max_slots`
-    slots of `max_seq_len` positions, seeded with `cfg.run.seed`. On CUDA the KV cache is sized
-    from free memory: at most max_slots, as many as fit in half the memory free now (and again
-    each time it is reacquired after `release_memory()`).
-    With `cluster.gen_procs` >= 1 the embedded engine decodes in that many child processes
-    (`process.ProcessEngine`) behind one `pool.EnginePool` (balanced; a child that dies is
-    restarted and its samples go on elsewhere), each with `async.worker_threads` torch threads
-    and the engine's dtype; on CUDA member i decodes on cuda:(LOCAL_WORLD_SIZE + i) when that many
-    GPUs are visible, else on the trainer's device. With gen_procs = 0, `async.enabled` and
-    `async.worker = "process"` make it a pool of one.
-    sglang: an SGLangEngine over `cfg.rollout.sglang_urls` (checked with /health now: raises
-    EngineError when a server is unreachable, or when `rollout.dtype` is not "auto" and a server
-    serves another dtype: its --dtype, from /server_info). New weights are broadcast over a
-    torch.distributed group (`rollout.sglang_weight_sync = "distributed"`), else (or after that fails) written under
-    `cfg.rollout.sglang_weights_dir`, else `weights_dir` (pass RUN_DIR/engine_weights), else a
-    temporary folder; the servers must be able to read that path.
-    Every engine stops a response at each stop token id (`trainer.models.loading.stop_token_ids`: the
-    tokenizer's eos and the generation config's) and, with `rollout.stop`, at those strings
-    (`trainer.engine.stops.StopStrings` wraps it then).
-    With `episode.max_turns` > 1 the engine generates multi-turn episodes
-    (`trainer.episode.engine.Episodes` wraps it, and a tool call's closing tag ends a turn).
-    `adapter` (a LoRA run, embedded engine: `model` is the base): the adapters' factors
-    (trainer/models/lora.py `adapter_update`), loaded at once; the generation processes' shared
-    buffers hold room for them, so later updates carry the factors alone.
-    """
-    from trainer.config import stop_strings
-    from trainer.models.loading import stop_token_ids
-
-    r = cfg.rollout
-    dtype = engine_dtype(r.dtype, dtype)
-    eos = stop_token_ids(model, tokenizer)  # the tokenizer's eos and the generation config's
-    stops = stop_strings(r.stop)
-    if cfg.episode.max_turns > 1:
-        from trainer.episode.build import with_episodes
-
-        engine = with_episodes(cfg, tokenizer, lambda tool_stops: _engine(
-            cfg, model, tokenizer, device, dtype, max_seq_len, weights_dir, eos,
-            stops + [s for s in tool_stops if s not in stops], adapter))
-    else:
-        engine = _engine(cfg, model, tokenizer, device, dtype, max_seq_len, weights_dir, eos,
-                         stops, adapter)
-    if adapter:   # with the adapted layers' base at the trainer's precision, to merge from
-        from trainer.models.lora import with_bases
-
-        engine.update_weights(with_bases(model.state_dict(), adapter), 0)
-    return engine
-
-
-def _engine(cfg, model, tokenizer, device, dtype, max_seq_len, weights_dir, eos, stops,
-            adapter=None):
-    """The engine `rollout.engine` names, ending responses at `eos` ids and `stops` strings."""
-    r = cfg.rollout
-    if r.engine == "sglang":
-        from trainer.engine.sglang import SGLangEngine, parse_urls
-
-        urls = parse_urls(r.sglang_urls)
-        return _with_stops(tokenizer, stops, SGLangEngine(
-            urls, eos_token_ids=eos, model_config=model.config,
-            weights_dir=r.sglang_weights_dir or weights_dir,
-            timeout_s=r.sglang_timeout_s, max_inflight=r.max_slots * len(urls),
-            weight_sync=r.sglang_weight_sync, down_timeout_s=r.sglang_down_timeout_s,
-            dtype=r.dtype))
-    if r.engine != "embedded":
-        raise ValueError(f"rollout.engine: unknown engine {r.engine!r}")
-    on_cuda = getattr(device, "type", str(device)) == "cuda"
-    slots = dict(max_slots="auto" if on_cuda else r.max_slots, slots_cap=r.max_slots,
-                 park_tokens=cfg.engine.kv_park_tokens)
-    procs = cfg.cluster.gen_procs or (cfg.async_.enabled and cfg.async_.worker == "process")
-    if procs:
-        return _with_stops(tokenizer, stops, _process_pool(
-            model, int(procs), eos_token_ids=eos, max_seq_len=max_seq_len, seed=cfg.run.seed,
-            device=device, dtype=dtype, threads=cfg.async_.worker_threads, stops=stops,
-            tokenizer=tokenizer, adapter=adapter, **slots))
-    from trainer.engine.embedded import EmbeddedEngine
-
-    return _with_stops(tokenizer, stops, EmbeddedEngine(
-        model, eos_token_ids=eos, kv_memory_fraction=0.5, max_seq_len=max_seq_len,
-        seed=cfg.run.seed, device=device, dtype=dtype, **slots))
 
 
 def engine_dtype(name: str, trainer_dtype):
@@ -109,21 +21,6 @@ def rollout_precision(engine, name: str, trainer_dtype) -> str:
     return str(engine_dtype(name, trainer_dtype)).removeprefix("torch.")
 
 
-def _process_pool(model, size: int, *, device, seed: int, adapter=None, **kwargs):
-    """An EnginePool of `size` ProcessEngines; member i on generation_device(device, i, size).
-    `adapter`: LoRA factors whose room each member's shared buffer holds beside the weights."""
-    from trainer.engine.pool import EnginePool
-    from trainer.engine.process import ProcessEngine
-
-    first = {**model.state_dict(), **adapter} if adapter else None
-
-    def member(index: int, member_seed: int, weights):
-        return ProcessEngine(model, seed=member_seed, weights=first if weights is None else weights,
-                             device=generation_device(device, index, size), **kwargs)
-
-    return EnginePool(member, size, seed=seed)
-
-
 def generation_device(device, index: int, size: int):
     """Where generation process `index` of `size` decodes: on CUDA, the GPU after this machine's
     training ranks' (cuda:LOCAL_WORLD_SIZE + index) when every generation process has one, else
@@ -139,13 +36,3 @@ def generation_device(device, index: int, size: int):
     if torch.cuda.device_count() >= first + size:
         return torch.device("cuda", first + index)
     return device
-
-
-def _with_stops(tokenizer, stops: list[str], engine):
-    """`engine`, ending responses at `rollout.stop` strings too when there are any
-    (trainer/engine/stops.py)."""
-    if not stops:
-        return engine
-    from trainer.engine.stops import StopStrings
-
-    return StopStrings(engine, tokenizer, stops)

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
+from trainer.models.architectures import SUPPORTED
 
 # Cost model of a decode step's attention, in "row-positions" (one row attending over one cached
 # position) per layer. The base bucket reads the cache as a slice over all rows: B x T. A

@@ -2,7 +2,7 @@
 
 Stop tokens (every eos id of the model and tokenizer, `trainer.models.loading.stop_token_ids`) end a
 response inside the engine. Stop strings are text, so they are matched here, on the decoded tail
-of each response, around whichever engine `build_engine` made:
+of each response, around whichever engine `build_engine` (trainer/run/engines.py) made:
 
 - after every `step()`, each running sample that grew is checked (the embedded engine appends its
   tokens in place, so a match is seen the step it is generated, and the sample is aborted there);

@@ -38,10 +38,9 @@ from typing import Callable, Iterable
 
 from trainer.engine.base import ABORT, ENV_VERSION, LENGTH, SEGMENT, STOP, EngineWrapper, Sample
 from trainer.episode.environments import Environment, Reply
-from trainer.episode.interface import EnvironmentProblem
+from trainer.episode.interface import EnvironmentProblem, Problem
 from trainer.episode.tools import format_error
 from trainer.observe import clock
-from trainer.tasks.base import Problem
 
 # why an episode ended (meta["episode"]["end"]); "error": its environment failed (["error"] says how)
 END_ANSWER, END_MAX_TURNS, END_BUDGET, END_ERROR = "answer", "max_turns", "budget", "error"

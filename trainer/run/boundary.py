@@ -15,7 +15,7 @@ A step that waits for groups (asynchronous rollout) asks `interrupted()`: it rea
 without applying them and says whether a stop or pause waits, so the step can give its groups
 back and come here at once instead of waiting for groups that may never come. With several
 training processes only rank 0 (the controller) has a boundary; the config it goes on with
-reaches the other ranks with the step's update (trainer/cluster/training_ranks.py).
+reaches the other ranks with the step's update (trainer/run/training_ranks.py).
 """
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ KL: `track_reference`) and the tokenizer. Rank 0, the controller, also holds wha
 reports: the task and its prompts, the engine, the rollout driver with its prompt selector
 (GRESO) and scorer (the reward pool), the step boundary, the pilot, the inspector's recorder,
 the timeline and the telemetry. The other ranks hold None for the engine, the reward pool and the
-telemetry (trainer/cluster/training_ranks.py sends them their share of each update).
+telemetry (trainer/run/training_ranks.py sends them their share of each update).
 
 `collaborators` sets them as the Runner's attributes (runner.engine, runner.rollout, ...). A
 resumed run: `checkpoint_and_config` (rank 0 reads the latest checkpoint, every rank gets its
@@ -21,13 +21,12 @@ import torch
 
 from trainer import config as config_mod
 from trainer import sandbox
+from trainer.accounting.inspector import InspectorRecorder
 from trainer.algo.learner import Learner
 from trainer.cluster import sharding
-from trainer.engine import build_engine
 from trainer.episode.engine import Episodes
 from trainer.models import lora
 from trainer.models.loading import load_model, load_tokenizer, resolve_device, resolve_dtype
-from trainer.observe.inspector import InspectorRecorder
 from trainer.observe.system import ProcessMeter, SystemSampler
 from trainer.observe.timeline import CONTROLLER, TOOLS_LANE, Timeline
 from trainer.pilot.live import LivePilot
@@ -38,6 +37,7 @@ from trainer.rollout.selection import PromptSelector
 from trainer.run import state as run_state
 from trainer.run import warm_start
 from trainer.run.boundary import StepBoundary
+from trainer.run.engines import build_engine
 from trainer.tasks import build_task
 
 

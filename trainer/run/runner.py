@@ -24,22 +24,23 @@ from typing import Any
 import torch
 
 from trainer import config as config_mod
+from trainer.accounting import cost
 from trainer.algo import objective
 from trainer.algo.learner import TrainSequence
-from trainer.cluster import distributed, training_ranks
+from trainer.cluster import distributed
 from trainer.engine import generation_device, rollout_precision
 from trainer.engine.base import GenerationGaveUp
 from trainer.episode.engine import apply_limits
 from trainer.episode.environments import offered_tools
 from trainer.models import lora
-from trainer.observe import clock, cost, trackers
+from trainer.observe import clock, trackers
 from trainer.observe.metrics import MetricsSink, MultiSink
 from trainer.observe.timeline import CONTROLLER, rank_lane
 from trainer.pilot import episodes as single_turn
 from trainer.rollout import april, staleness_schedule
 from trainer.rollout.asynchronous import AsyncStall, CollectInterrupted
 from trainer.rollout.base import RolloutResult
-from trainer.run import build, checkpoint, step_record
+from trainer.run import build, checkpoint, step_record, training_ranks
 from trainer.run import state as run_state
 from trainer.run.controls import AUTO, AUTOPILOT, SCHEDULE, ControlSource
 from trainer.run.evaluate import evaluate
@@ -75,7 +76,7 @@ class Runner:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         # K training processes under torchrun (trainer/cluster/distributed.py); K = 1 otherwise. Rank 0
         # is the controller: the rollout, reports, controls and checkpoints are its alone, and
-        # the other ranks train their share of each update (trainer/cluster/training_ranks.py)
+        # the other ranks train their share of each update (trainer/run/training_ranks.py)
         self.dist = distributed.init(self.cfg.model.device)
         self.sink = (sink or MetricsSink()) if self.dist.is_main else MetricsSink()
         self.controls = (controls or ControlSource()) if self.dist.is_main else ControlSource()
@@ -141,7 +142,7 @@ class Runner:
                                                             self.dtype),
                          # what trains: every parameter, or LoRA's adapters (their file's bytes)
                          **lora.sizes(self.model),
-                         # what each process holds, for the cost account (trainer/observe/cost.py)
+                         # what each process holds, for the cost account (trainer/accounting/cost.py)
                          "devices": self._held_devices(),
                          # a resume holds no KV cache: how its parked samples go on
                          **({"kv_cache": april.resume_kv_note(self.cfg)} if self.step else {}),
@@ -483,7 +484,7 @@ class Runner:
         return self._held
 
     def _devices(self) -> dict:
-        """What each process holds, for the cost account (trainer/observe/cost.py)."""
+        """What each process holds, for the cost account (trainer/accounting/cost.py)."""
         lanes = getattr(self.engine, "lane_pids", dict)()
         # generation processes on CUDA share the trainer's GPU when the machine has too few
         own_gpu = self.device.type != "cuda" or generation_device(self.device, 0, max(len(lanes), 1)) != self.device

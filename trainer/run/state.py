@@ -6,7 +6,7 @@ best/last evaluation, the config with its knob values, the pilot's recent rows a
 autopilot's state, the optimizer, the sampling RNG (one
 stream per generation process), the rollout driver's state (APRIL's buffer, the asynchronous
 queue) and GRESO's per-prompt history. Rank 0 (the controller) holds all of it: the other
-training ranks hold nothing of their own (trainer/cluster/training_ranks.py), except with a sharded
+training ranks hold nothing of their own (trainer/run/training_ranks.py), except with a sharded
 model, whose model and optimizer every rank writes as DCP shards (trainer/cluster/sharding.py).
 """
 from __future__ import annotations

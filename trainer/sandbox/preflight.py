@@ -15,7 +15,7 @@ def model_code_uses(cfg) -> list[str]:
     uses = []
     if cfg.data.task == "code":
         uses.append("the code reward (data.task = 'code')")
-    if cfg.episode.max_turns > 1:
+    if cfg.episode.multi_turn:
         tools = [t.strip() for t in (cfg.episode.tools or "").split(",")]
         if "python" in tools:
             uses.append("the python tool (episode.tools)")

@@ -8,19 +8,9 @@ from __future__ import annotations
 
 import functools
 import random
-from dataclasses import dataclass
-from typing import Any
 
+from trainer.episode.interface import Problem  # noqa: F401 -- a task hands out these
 from trainer.tasks.prompts import PromptRenderer
-
-
-@dataclass(frozen=True)
-class Problem:
-    id: str            # stable across runs: used for GRESO traces and reports
-    prompt: str        # the text given to the model, rendered (trainer/tasks/prompts.py)
-    answer: Any        # what the verifier needs (an int, a LaTeX string, tests...)
-    kind: str          # the registered task whose verifier scores it: "sum", "math" or "code"
-    tools: tuple[str, ...] | None = None   # its own tools in an episode (None: `episode.tools`)
 
 
 def epoch_order(index: int, size: int, seed: int) -> int:

@@ -177,7 +177,7 @@ class RolloutSample(models.Model):
     why = models.CharField(max_length=16, blank=True)
     tokens = models.JSONField(default=list)      # the response's token pieces
     logprobs = models.JSONField(default=list)    # per response token
-    # a multi-turn episode (trainer/observe/inspector.py): its turns, [{"role": "model" | "tool",
+    # a multi-turn episode (trainer/accounting/inspector.py): its turns, [{"role": "model" | "tool",
     # "start", "end", "trained"}] over token positions, and its counters {"turns", "tool_calls",
     # "tool_errors", "tool_s", "end"}; empty for a single-turn sample
     turns = models.JSONField(default=list, blank=True)

@@ -1,5 +1,7 @@
-"""The SGLang rollout engine: a client of SGLang servers over HTTP (`client`: dispatch, fail-over,
-rejoin; `transport`: HTTP and retries; `weights`: weight publishing) and their launcher (`server`)."""
+"""The SGLang rollout engine: a client of SGLang servers over HTTP (`client`: the engine's public
+interface; `dispatch`: requests sent and replies applied; `replies`: a reply read; `failover`:
+servers out of service and back; `transport`: HTTP and retries; `weights`: weight publishing;
+`precision`: the servers' dtype) and their launcher (`server`)."""
 from __future__ import annotations
 
 __all__ = ["SGLangEngine", "EngineError", "WEIGHTS_MARKER", "parse_urls"]

@@ -1,4 +1,4 @@
-"""A run's cost account on its report (trainer/observe/cost.py over the run's rows): the
+"""A run's cost account on its report (trainer/accounting/cost.py over the run's rows): the
 timeline's slices, the ledger's per-step figures and evaluations, the devices its latest start
 recorded, priced at the deployment's rates (RLPILOT_RATE_GPU_HOUR, RLPILOT_RATE_CPU_CORE_HOUR)."""
 from __future__ import annotations
@@ -8,7 +8,7 @@ from typing import Any
 from django.conf import settings
 from django.core.cache import cache
 
-from trainer.observe import cost, forecast
+from trainer.accounting import cost, forecast
 from trainer.rollout.ledger import REASONS
 from webapp.dashboard import formatting
 from webapp.dashboard.models import MetricPoint, Run, RunEvent, TimelineSlice
@@ -68,7 +68,7 @@ def account(run: Run) -> dict[str, Any] | None:
 
 
 def to_end(run: Run) -> dict[str, Any] | None:
-    """Time and price to the run's max_steps from its recent pace (trainer/observe/forecast.py),
+    """Time and price to the run's max_steps from its recent pace (trainer/accounting/forecast.py),
     the steps since its last knob change when there are enough, and to its target accuracy
     (run.target_accuracy) from its evaluations' trend ("target"); None without devices or steps."""
     held = devices(run)

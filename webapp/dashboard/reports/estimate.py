@@ -1,4 +1,4 @@
-"""A run's estimate from the runs this dashboard has recorded (trainer/observe/estimate.py's rule
+"""A run's estimate from the runs this dashboard has recorded (trainer/accounting/estimate.py's rule
 over the database): the latest runs of the same SHAPE (model, engine and layout, batch,
 response limit, techniques, task) give their latest steps' times (steps only, the first left
 out) and the devices they held;
@@ -8,8 +8,8 @@ from __future__ import annotations
 from typing import Any
 
 from trainer import config as config_mod
-from trainer.observe import cost
-from trainer.observe import estimate as estimate_rule
+from trainer.accounting import cost
+from trainer.accounting import estimate as estimate_rule
 from webapp.dashboard.models import Estimate, Run, TimelineSlice
 from webapp.dashboard.reports.cost import devices, rates_of
 

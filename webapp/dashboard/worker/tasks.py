@@ -1,7 +1,7 @@
 """The Celery tasks: `train` trains one run (its run's queue, e.g. `training`; one run per worker
 process: in that process, or under torchrun when the run asks for several training processes),
 `estimate` calibrates a run not yet launched on the worker that would train it (a bounded
-`python -m trainer run` of its config, trainer/observe/estimate.py) and `sweep_stale_runs` is Celery
+`python -m trainer run` of its config, trainer/accounting/estimate.py) and `sweep_stale_runs` is Celery
 beat's periodic stale-run sweep (RLPILOT_SWEEP_QUEUE, consumed by a small worker on the web
 machine, never by a training worker).
 
@@ -185,8 +185,8 @@ def calibrate_estimate(estimate_id: int) -> str:
     """Calibrate the estimate's run on this worker for at most RLPILOT_ESTIMATE_SECONDS (its
     process group killed past that and a grace, its directory removed) and record the estimate,
     or why there is none (the `estimate` task's body; tests call it). Returns its status."""
-    from trainer.observe import estimate as estimate_rule
-    from trainer.observe.run_files import CostError
+    from trainer.accounting import estimate as estimate_rule
+    from trainer.accounting.run_files import CostError
     from webapp.dashboard.models import Estimate
     from webapp.dashboard.reports.cost import rates_of
 

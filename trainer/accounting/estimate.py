@@ -1,5 +1,5 @@
 """The estimate before a run starts (the CLI's `estimate`, the dashboard's Estimate): the
-configured run's time, device-hours and price to run.max_steps (trainer/observe/forecast.py's
+configured run's time, device-hours and price to run.max_steps (trainer/accounting/forecast.py's
 formula over every step measured), from past runs of the same SHAPE, or from a bounded
 calibration of the run itself (a `python -m trainer run` in a temporary directory, its process
 group killed if it overstays and when its parent dies, its directory removed). Steps only: the
@@ -15,9 +15,9 @@ import tempfile
 from pathlib import Path
 
 from trainer import config as config_mod
+from trainer.accounting import cost, forecast
+from trainer.accounting.run_files import CostError, read_slices
 from trainer.cluster.launch import set_parent_death_signal
-from trainer.observe import cost, forecast
-from trainer.observe.run_files import CostError, read_slices
 
 # what makes two runs' steps comparable
 SHAPE = ("model.path", "model.device", "rollout.engine", "rollout.rollout_batch_size",

@@ -9,7 +9,7 @@ evaluation, checkpoints), mean m and standard deviation s, and R steps left:
 
 The steps since the last knob change are the window when there are at least MIN_WINDOW of them:
 a change that moved the pace (η, N′, a segment limit) is forecast from the new pace. The price
-follows: time × every process's devices × their rate (trainer/observe/cost.py).
+follows: time × every process's devices × their rate (trainer/accounting/cost.py).
 
 To a target accuracy (`steps_to_target`): a straight line through the last TREND_EVALS
 evaluations (step t_i, accuracy a_i), least squares: slope b, its standard error se (n ≥ 3),
@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 import statistics
 
-from trainer.observe import cost
+from trainer.accounting import cost
 
 WINDOW = 20        # recent steps the pace is taken from
 MIN_WINDOW = 3     # fewer steps than this since a knob change: the window before it is used

@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 
 from trainer import config as config_mod
-from trainer.observe import cost
+from trainer.accounting import cost
 from trainer.observe.metrics import read_jsonl
 
 
@@ -104,7 +104,7 @@ def rates_from(pairs: list[str], environ=os.environ, run: dict[str, float] | Non
 
 def read_slices(run_dir: Path) -> tuple[list[tuple[int, list[dict], dict | None]], list[dict]]:
     """A run directory's timeline as (step, spans, the devices of the start it ran after;
-    None where that start recorded none: trainer/observe/cost.py `with_layouts`), and its events."""
+    None where that start recorded none: trainer/accounting/cost.py `with_layouts`), and its events."""
     try:
         timeline = read_jsonl(run_dir / "timeline.jsonl")
         events = read_jsonl(run_dir / "events.jsonl")
