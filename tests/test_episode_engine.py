@@ -178,6 +178,25 @@ def test_parked_mid_turn_and_resumed_equals_the_whole_episode():
     assert s.meta["episode"] == whole.meta["episode"] | {"tool_s": s.meta["episode"]["tool_s"]}
 
 
+def test_a_parked_episode_gets_a_whole_segment_when_resubmitted():
+    """Within a submission the turns share one segment; the sample leaves with the limit it
+    came with, so its next submission (APRIL's next round) gets a whole segment again, also
+    after it was parked between turns with its segment spent by the call."""
+    eng = episodes(TOOL_SCRIPT)
+    s = sample(segment=4)
+    per_round, between = [], []
+    while s.finish_reason not in (STOP, LENGTH):
+        before = s.model_tokens
+        (out,) = eng.generate([s])
+        per_round.append(out.model_tokens - before)
+        between.append(out.versions[-1] == ENV_VERSION)
+        assert out.params.segment_max_tokens == 4
+    # "<calc>2+3</calc>" is 16 tokens: its last segment ends the turn, and the sample is parked
+    # with the tool's result appended; ">5" and the eos follow in one more segment
+    assert between == [False, False, False, True, False]
+    assert per_round == [4, 4, 4, 4, 3]
+
+
 def test_aborted_while_its_tool_runs_it_parks_between_turns_and_resumes():
     gate = threading.Event()
     eng = episodes(TOOL_SCRIPT, gate=gate)

@@ -107,8 +107,7 @@ class Episodes(EngineWrapper):
             due = list(self.in_tool)   # nothing else to do: wait for the tools called just now
         out.extend(self._replies(due))
         for s in out:
-            self.segment.pop(s.request_id, None)
-            self._score(s)
+            self._leave(s)
         over = [s.request_id for s in out if s.episode is not None and s.done]
         drop = getattr(self.inner, "drop_cache", None)
         if over and drop is not None:   # the engine kept their caches for a turn that won't come
@@ -127,8 +126,7 @@ class Episodes(EngineWrapper):
                 s.finish_reason = ABORT
             out.append(s)
         for s in out:
-            self.segment.pop(s.request_id, None)
-            self._score(s)
+            self._leave(s)
         return out
 
     def close(self) -> None:
@@ -255,6 +253,15 @@ class Episodes(EngineWrapper):
     def _segment_spent(self, s: Sample) -> bool:
         base, seg = self.segment.get(s.request_id, (0, None))
         return seg is not None and s.model_tokens - base >= seg
+
+    def _leave(self, s: Sample) -> None:
+        """`s` leaves the wrapper: with the segment limit it was submitted with (what its
+        later turns were left of it was this submission's share: resubmitted, parked at its
+        limit or not, it gets a whole segment again), and scored if its episode is over."""
+        entry = self.segment.pop(s.request_id, None)
+        if entry is not None and s.params.segment_max_tokens != entry[1]:
+            s.params = dataclasses.replace(s.params, segment_max_tokens=entry[1])
+        self._score(s)
 
     def _limit_segment(self, s: Sample) -> None:
         """The next turn may use only what is left of the sample's segment (its own params: the
