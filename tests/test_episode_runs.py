@@ -59,15 +59,30 @@ def test_every_technique_trains_on_episodes(tmp_path, mode, engine):
     assert trained <= generated
 
 
+def parked_both_ways(tmp_path):
+    """A 2-step APRIL run whose buffer holds episodes parked mid-turn and between turns, and its
+    overrides. With a segment of one token, an episode whose tool call closes in a round spends
+    its segment on that token: it is parked in that round with the tool's result as its last
+    tokens (and goes on in the next round). So a step that ends at a round limit whose last
+    round closes a call leaves such episodes in the buffer: the round limits are tried in turn
+    (a run is deterministic) until one does. An episode over in a partial group (its budget
+    spent by an environment message) is in the buffer too, but not parked: not counted."""
+    for rounds in range(1, 9):
+        # a checkpoint holds no KV cache: exact where the parked caches are given up at every
+        # update
+        april = [*MODES["april"], "april.segment_max_tokens=1", "engine.kv_on_update=recompute",
+                 f"rollout.max_sampling_rounds={rounds}"]
+        first, _, _, _ = run(tmp_path / "first", april, steps=2)
+        parked = [s for s in first.rollout.buffer.samples() if not s.done and s.versions]
+        if {s.versions[-1] == ENV_VERSION for s in parked} == {True, False}:
+            return april
+        shutil.rmtree(tmp_path / "first")
+    raise AssertionError("no round limit left episodes parked both mid-turn and between turns")
+
+
 def test_parked_episodes_survive_a_checkpoint_and_resume_exactly(tmp_path):
-    # a checkpoint holds no KV cache: exact where the parked caches are given up at every update
-    april = [*MODES["april"], "april.segment_max_tokens=1", "engine.kv_on_update=recompute"]
-    first, _, _, _ = run(tmp_path / "first", april, steps=2)
-    parked = [s for s in first.rollout.buffer.samples()]
-    between = [s for s in parked if s.versions and s.versions[-1] == ENV_VERSION]
-    mid_turn = [s for s in parked if s.versions and s.versions[-1] != ENV_VERSION]
     # the guard: the buffer holds episodes parked both ways, so the comparison below proves it
-    assert between and mid_turn
+    april = parked_both_ways(tmp_path)
     straight, _, _, _ = run(tmp_path / "straight", april, steps=4)
     shutil.copytree(tmp_path / "first", tmp_path / "resumed")
     resumed, _, _, _ = run(tmp_path / "resumed", april, steps=4, resume=True)
