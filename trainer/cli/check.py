@@ -7,9 +7,9 @@ import json
 import sys
 from pathlib import Path
 
+from trainer.accounting.run_files import RunDirError, read_run
 from trainer.invariants.audit import RECHECKED, audit
 from trainer.observe.metrics import read_jsonl
-from trainer.accounting.run_files import RunDirError, read_run
 from trainer.run.invariant_watch import bounds
 
 
