@@ -101,7 +101,7 @@ def test_response_length_metrics_and_histogram_count_model_tokens():
     assert m["rollout/response_len/p50"] == 11.0
     assert m["episode/env_tokens"] == 30                  # counted apart
     sink = MemorySink()
-    run = SimpleNamespace(step=1, version=0, sink=sink, scorer=SimpleNamespace(metrics=dict),
+    run = SimpleNamespace(step=1, version=0, sink=sink, engine=None, scorer=SimpleNamespace(metrics=dict),
                           rollout=SimpleNamespace(concurrent=False, report=lambda *a: {}),
                           selector=SimpleNamespace(observe=lambda *a: None, report=lambda *a: {}))
     rollout_metrics(run, cfg, result, EngineStats(), 1.0)

@@ -21,8 +21,10 @@ pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
 # APRIL on: the checkpoints hold a partial-rollout buffer the child must take over; every group
-# recorded (run.log_samples = 64), so the samples files say exactly what each step drew
-PARENT = ["rollout.rollout_batch_size=4", "rollout.n_samples_per_prompt=4",
+# recorded (run.log_samples = 64), so the samples files say exactly what each step drew; parked
+# caches recomputed at each update (engine.kv_on_update), so a child resumed from a checkpoint,
+# which holds no cache, draws exactly what the parent drew
+PARENT = ["engine.kv_on_update=recompute", "rollout.rollout_batch_size=4", "rollout.n_samples_per_prompt=4",
           "rollout.max_response_len=96", "rollout.max_slots=12", "run.eval_every=0",
           "run.reward_workers=0", "model.threads=1", "april.enabled=true",
           "april.segment_max_tokens=16", "run.checkpoint_every=2", "run.keep_checkpoints=5",
