@@ -95,7 +95,9 @@ def test_the_episode_metrics_are_declared_and_charted():
     assert reported and all(metric_names.declared(k) for k in reported), reported
     charts = {c["id"]: c for c in metric_names.CHARTS}
     charted = {k for cid in ("episodes", "tools", "tool-time") for k in charts[cid]["keys"]}
-    assert reported <= charted, reported - charted
+    # your own environment's failures are not charted yet (a trace of zeros stalls the live
+    # episode charts' redraw): they reach the page as the run's reward errors and events
+    assert reported - {"episode/env_errors"} <= charted, reported - charted
     for c in metric_names.CHARTS:   # a list of right-axis keys names keys of the chart
         if isinstance(c.get("y2"), list):
             assert set(c["y2"]) < set(c["keys"]), c["id"]
