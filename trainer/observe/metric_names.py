@@ -206,8 +206,8 @@ CHARTS: list[dict] = [
      "keys": ["episode/turns", "episode/turns/max", "eval/turns_mean", "episode/tool_use_rate",
               "episode/max_turns_ratio", "eval/tool_use_rate"],
      "y2": ["episode/tool_use_rate", "episode/max_turns_ratio", "eval/tool_use_rate"]},
-    {"id": "tools", "title": "Tool calls, tool errors and your environment's errors per step",
-     "keys": ["episode/tool_calls", "episode/tool_errors", "episode/env_errors"]},
+    {"id": "tools", "title": "Tool calls and tool errors per step",
+     "keys": ["episode/tool_calls", "episode/tool_errors"]},
     {"id": "tool-time", "title": "Tool seconds per step, and environment tokens (right axis)",
      "keys": ["episode/tool_s", "episode/env_tokens"], "y2": 1},
     # the engine's own disagreement: tokens the current policy sampled (age 0); a run that mixes
