@@ -367,3 +367,13 @@ def test_a_bfloat16_engine_merges_a_float32_base_and_its_delta_rounding_once(pro
             assert eng.decoder.w[name][0, 0].item() == ONCE
     finally:
         eng.close()
+
+
+def test_the_adapter_size_is_its_files_bytes_counted_without_peft_state_dict():
+    """run_started's adapter_bytes: what the adapter file holds (PEFT's state dict), counted from
+    the parameters, which a sharded model gives whole without a collective."""
+    model = adapted_builtin(rank=4, targets="q_proj,v_proj")
+    file_bytes = sum(t.numel() * t.element_size() for t in lora.adapter_weights(model).values())
+    sizes = lora.sizes(model)
+    assert file_bytes > 0 and sizes["adapter_bytes"] == file_bytes
+    assert sizes["trainable_params"] * 4 == file_bytes   # float32 factors, nothing else trains

@@ -234,6 +234,8 @@ def sizes(model) -> dict[str, int]:
     """Trainable parameters, all parameters, and the adapter's bytes (what its file holds)."""
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
-    adapter = sum(t.numel() * t.element_size() for t in adapter_weights(model).values()) \
-        if is_adapted(model) else 0
+    # counted from the parameters, not PEFT's state dict: since PEFT 0.22 that gathers sharded
+    # (FSDP) factors, a collective only rank 0 would join (a sharded parameter's numel is whole)
+    adapter = sum(p.numel() * p.element_size() for name, p in model.named_parameters()
+                  if is_factor(name)) if is_adapted(model) else 0
     return {"trainable_params": trainable, "total_params": total, "adapter_bytes": adapter}
