@@ -647,9 +647,11 @@ def test_a_lora_run_sends_the_server_its_merged_weights(model_dir, server, tmp_p
     from trainer.models import lora
     from trainer.run.runner import Runner
 
-    # 4 prompts x 4 answers: with 2 x 2, every group of one CI run had equal rewards (no
-    # advantage, no gradient), and the adapters never moved
+    # rewards that differ within a group whatever the model solves: in 24 tokens SmolLM2 solves
+    # none (every reward 0 in two CI runs: no advantage, no gradient, the adapters never moved);
+    # answers end at their first full stop and the overlong ramp covers every length
     cfg = run_config(model_dir, server.url, "run.max_steps=2", "lora.rank=8", "lora.alpha=64",
+                     "rollout.stop='[\".\"]'", "algo.overlong_penalty=true", "algo.overlong_buffer=23",
                      "optim.lr=5e-3", "algo.track_kl=true", "rollout.rollout_batch_size=4",
                      "rollout.n_samples_per_prompt=4", "rollout.max_slots=16",
                      "rollout.dtype=float32", *MISMATCH)
