@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import time
 import traceback
 from pathlib import Path
@@ -45,6 +46,7 @@ from trainer.run import state as run_state
 from trainer.run.controls import AUTO, AUTOPILOT, SCHEDULE, ControlSource
 from trainer.run.evaluate import evaluate
 from trainer.run.invariant_watch import InvariantWatch
+from trainer.run.parts import RunParts
 from trainer.run.step_record import StepResults
 from trainer.sandbox.preflight import weak_isolation_warning
 
@@ -68,6 +70,10 @@ def _gave_up(e: BaseException) -> GenerationGaveUp | None:
 
 
 class Runner:
+    """One run. Besides its own state (step, version, totals, evaluations, cost), it holds its
+    parts as attributes: each field of `RunParts` (trainer/run/parts.py: the device, the model,
+    the learner, the engine, the rollout driver, ...), made by trainer/run/build.py."""
+
     def __init__(self, cfg: config_mod.Config, run_dir: str | Path, *,
                  sink: MetricsSink | None = None, controls: ControlSource | None = None,
                  resume: bool = False, keep_knobs=(), system_telemetry: bool = True, log=print):
@@ -113,13 +119,19 @@ class Runner:
                          if self.dist.is_main else None)
         if self.trackers is not None:
             self.sink = MultiSink([self.sink, self.trackers])
-        build.collaborators(self, resumed, ckpt_tensors, system_telemetry=system_telemetry)
+        self._hold(build.collaborators(self, resumed, ckpt_tensors,
+                                       system_telemetry=system_telemetry))
         if self.is_controller:
             self.boundary.on_knobs = self._knobs_changed
             # a step waiting for asynchronous groups gives way to a stop or pause within a second,
             # and says at once what its engine reports (e.g. every generator gone: it waits)
             self.rollout.interrupted = self._waiting
         build.resume_state(self, resumed, ckpt_state, ckpt_tensors)
+
+    def _hold(self, parts: RunParts) -> None:
+        """Hold each of `parts` as the attribute of its name (`self.engine` is `parts.engine`)."""
+        for field in dataclasses.fields(parts):
+            setattr(self, field.name, getattr(parts, field.name))
 
     @property
     def is_controller(self) -> bool:
