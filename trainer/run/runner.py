@@ -285,8 +285,16 @@ class Runner:
 
     # --- one step -----------------------------------------------------------------------------------
     def train_step(self) -> dict[str, float]:
+        """One step: learn (step `self.step + 1` in progress), count it done, then account for
+        it (`self.step` is its number). The step counter moves here alone (and when a checkpoint
+        is restored or a training rank follows rank 0)."""
+        results = self._learn()
+        self.step += 1
+        return self._account(results)
+
+    def _learn(self) -> StepResults:
         """collect (the driver's groups, scored as they complete) -> objective -> update ->
-        the inspector's samples -> sync the engine's weights -> the step's record."""
+        the inspector's samples -> sync the engine's weights."""
         cfg, version = self.cfg, self.version
         t_step, stats0 = time.monotonic(), copy.copy(self.engine.stats)
         result = self._collect(cfg, stats0)
@@ -299,15 +307,20 @@ class Runner:
                                                      t_train, wall)
         samples_s = self._record_samples(cfg, result)   # after the update: the behaviour weights
         sync_s = self._sync_weights(cfg)
-        self.step += 1
+        return StepResults(result, self.engine.stats.minus(stats0), seqs, adv_metrics,
+                           train_metrics, ranks, train_s=train_s, samples_s=samples_s,
+                           sync_s=sync_s, step_s=time.monotonic() - t_step,
+                           histograms=histograms, version=version)
 
-        step_s = time.monotonic() - t_step
-        m = step_record.record(self, cfg, StepResults(
-            result, self.engine.stats.minus(stats0), seqs, adv_metrics, train_metrics, ranks,
-            train_s=train_s, samples_s=samples_s, sync_s=sync_s, step_s=step_s,
-            histograms=histograms))
-        m.update(self.invariants.after_step(self, cfg, seqs, result, version))
-        self._retune(train_metrics)
+    def _account(self, results: StepResults) -> dict[str, float]:
+        """The learnt step's state advanced (GRESO, the ledger, the totals), its record and
+        invariants, the driver's own knob change, the cost so far, the sink and the pilot."""
+        cfg = self.cfg
+        step_record.advance(self, cfg, results)
+        m = step_record.record(self, cfg, results)
+        m.update(self.invariants.after_step(self, cfg, results.seqs, results.rollout,
+                                            results.version))
+        self._retune(results.train_metrics)
         m.update(self._cost_figures())
         self.sink.scalars(self.step, m)
         self._pilot_after_step(m)
