@@ -40,6 +40,19 @@ def test_admission_rule_by_hand():
     assert admission_allowed(0, 3, 0, 0, 4) and not admission_allowed(0, 4, 0, 0, 4)
 
 
+def test_inflight_cap_and_staleness_verdicts_by_hand():
+    from trainer.rollout.asynchronous.admission import inflight_cap, oldest_first, too_stale
+
+    # B 6, G 4, 16 slots: 0 means 2B = 12 groups; 4 rounds of the slots fit 4 x 16 / 4 = 16 groups
+    assert inflight_cap(0, 6, 16, 0, 4) == 12
+    assert inflight_cap(3889, 6, 16, 0, 4) == 16 and inflight_cap(3889, 6, 16, 2, 4) == 32
+    assert inflight_cap(0, 6, 1, 0, 8) == 1            # 4 x 1 / 8 = 0 groups fit: still one
+    # version 3, eta 1: a group whose oldest token is from version 1 is 2 old, too stale
+    assert too_stale(3, 1, 1) and not too_stale(3, 2, 1)
+    queue = [_finished_group(3, 0), _finished_group(1, 1), _finished_group(1, 2)]
+    assert oldest_first(queue, 3) == 1                 # oldest token first, the first on a tie
+
+
 @pytest.mark.parametrize("prox", ["recompute", "loglinear"])
 def test_eta_zero_reproduces_the_synchronous_loop(tmp_path, prox):
     sync, s_sink, _ = run(tmp_path / "sync", [])
