@@ -8,6 +8,7 @@ import torch
 from trainer import config as C
 from trainer.observe.metrics import MemorySink
 from trainer.rollout.asynchronous import AsyncDriver, admission_allowed
+from trainer.rollout.asynchronous.worker import GenerationWorker
 from trainer.run.controls import PAUSE, RESUME, STOP, Command, ControlSource
 from trainer.run.runner import Runner
 
@@ -39,6 +40,19 @@ def test_admission_rule_by_hand():
     assert admission_allowed(0, 3, 0, 0, 4) and not admission_allowed(0, 4, 0, 0, 4)
 
 
+def test_inflight_cap_and_staleness_verdicts_by_hand():
+    from trainer.rollout.asynchronous.admission import inflight_cap, oldest_first, too_stale
+
+    # B 6, G 4, 16 slots: 0 means 2B = 12 groups; 4 rounds of the slots fit 4 x 16 / 4 = 16 groups
+    assert inflight_cap(0, 6, 16, 0, 4) == 12
+    assert inflight_cap(3889, 6, 16, 0, 4) == 16 and inflight_cap(3889, 6, 16, 2, 4) == 32
+    assert inflight_cap(0, 6, 1, 0, 8) == 1            # 4 x 1 / 8 = 0 groups fit: still one
+    # version 3, eta 1: a group whose oldest token is from version 1 is 2 old, too stale
+    assert too_stale(3, 1, 1) and not too_stale(3, 2, 1)
+    queue = [_finished_group(3, 0), _finished_group(1, 1), _finished_group(1, 2)]
+    assert oldest_first(queue, 3) == 1                 # oldest token first, the first on a tie
+
+
 @pytest.mark.parametrize("prox", ["recompute", "loglinear"])
 def test_eta_zero_reproduces_the_synchronous_loop(tmp_path, prox):
     sync, s_sink, _ = run(tmp_path / "sync", [])
@@ -68,15 +82,16 @@ def test_engine_in_its_own_process_respects_the_bound(tmp_path, eta):
 def _instrument(monkeypatch):
     """Record accepted + running and the bound at every admission."""
     seen = []
-    real = AsyncDriver._launch
+    real = GenerationWorker.launch
 
     def launch(self, g, samples):
         real(self, g, samples)
-        cfg = self.cfg
-        bound = (cfg.async_.max_staleness + self.version + 1) * cfg.rollout.rollout_batch_size
-        seen.append((self.accepted + len(self.running), bound))
+        state = self.state
+        cfg = state.cfg
+        bound = (cfg.async_.max_staleness + state.version + 1) * cfg.rollout.rollout_batch_size
+        seen.append((state.accepted + len(state.running), bound))
 
-    monkeypatch.setattr(AsyncDriver, "_launch", launch)
+    monkeypatch.setattr(GenerationWorker, "launch", launch)
     return seen
 
 
@@ -173,13 +188,13 @@ def test_a_stale_drop_gives_its_admission_back():
     # accepted falls from 3 to 1 (only the group trained), as AReaL counts rejected rollouts
     cfg = _cfg(**{"rollout.rollout_batch_size": 1, "async.max_staleness": 1})
     ar = AsyncDriver(IdleEngine(), None, None, None, lock=threading.RLock())
-    ar.cfg, ar.version = cfg, 3
-    ar.queue.extend([_finished_group(0, 0), _finished_group(0, 1), _finished_group(3, 2)])
-    ar.accepted = 3
-    ar._thread = threading.current_thread()  # collect() only checks that a worker exists
+    ar.state.cfg, ar.state.version = cfg, 3
+    ar.state.queue.extend([_finished_group(0, 0), _finished_group(0, 1), _finished_group(3, 2)])
+    ar.state.accepted = 3
+    ar.worker._thread = threading.current_thread()  # collect() only checks that a worker exists
     res = ar.collect(cfg, 3)
     assert [g.draw for g in res.groups] == [2]
-    assert ar.accepted == 1 and ar.dropped_stale == 2
+    assert ar.state.accepted == 1 and ar.state.dropped_stale == 2
     assert res.metrics["async/accepted"] == 1 and res.metrics["async/admission_bound"] == 5
     assert res.counts.discarded_tokens == 2
 
@@ -200,15 +215,15 @@ def test_a_segment_stop_one_version_before_stale_runs_to_its_end():
             submitted.extend(samples)
 
     ar = AsyncDriver(Requeue(), None, None, None, lock=threading.RLock())
-    ar.cfg, ar.version = cfg, 5
+    ar.state.cfg, ar.state.version = cfg, 5
     parked = {}
     for first in (3, 4):   # oldest token 2 versions old (at eta), and 1
         s = Sample([1, 2], SamplingParams(segment_max_tokens=4), response_ids=[3] * 4,
                    logprobs=[-0.1] * 4, versions=[first] * 4, finish_reason=SEGMENT)
         g = Group(problem=Problem(f"p{first}", "[1]=", 1, "sum"), samples=[s], draw=first)
-        ar.owner[s.request_id], ar.running[id(g)] = g, g
+        ar.state.owner[s.request_id], ar.state.running[id(g)] = g, g
         parked[first] = s
-    ar._handle(list(parked.values()))
+    ar.worker.handle(list(parked.values()))
     assert submitted == [parked[3], parked[4]]
     assert parked[3].params.segment_max_tokens is None    # its last chance
     assert parked[4].params.segment_max_tokens == 4       # back of the queue, segmented
@@ -221,15 +236,15 @@ def test_the_trainer_takes_the_oldest_queued_groups_first():
     # oldest first trains the old pair now (draws 2, 3), and the fresh pair stays queued.
     cfg = _cfg(**{"rollout.rollout_batch_size": 2, "async.max_staleness": 2})
     ar = AsyncDriver(IdleEngine(), None, None, None, lock=threading.RLock())
-    ar.cfg, ar.version = cfg, 3
-    ar.queue.extend([_finished_group(3, 0), _finished_group(3, 1), _finished_group(1, 2),
+    ar.state.cfg, ar.state.version = cfg, 3
+    ar.state.queue.extend([_finished_group(3, 0), _finished_group(3, 1), _finished_group(1, 2),
                      _finished_group(1, 3)])
-    ar.accepted = 4
-    ar._thread = threading.current_thread()
+    ar.state.accepted = 4
+    ar.worker._thread = threading.current_thread()
     res = ar.collect(cfg, 3)
     assert [g.draw for g in res.groups] == [2, 3]
     assert sorted(res.staleness) == [2, 2]
-    assert [g.draw for g in ar.queue] == [0, 1] and ar.dropped_stale == 0
+    assert [g.draw for g in ar.state.queue] == [0, 1] and ar.state.dropped_stale == 0
     assert res.metrics["async/queue_size"] == 2
 
 
@@ -259,13 +274,13 @@ def test_suspending_hands_finished_samples_to_the_worker_before_an_evaluation():
     eng = HoldingEngine([s])
     ar = AsyncDriver(eng, None, None, lambda groups: [x.rewards.append(1.0) for x in groups],
                      lock=threading.RLock())
-    ar.cfg, ar.version = _cfg(), 0
-    ar.running[id(g)], ar.owner[s.request_id] = g, g
-    ar._thread = threading.current_thread()   # a worker exists (and is idle)
-    ar._idle.set()
+    ar.state.cfg, ar.state.version = _cfg(), 0
+    ar.state.running[id(g)], ar.state.owner[s.request_id] = g, g
+    ar.worker._thread = threading.current_thread()   # a worker exists (and is idle)
+    ar.worker._idle.set()
     with ar.suspended():
         assert eng.num_pending == 0             # nothing left for the evaluation to take
-        assert list(ar.queue) == [g] and not ar.running and ar.accepted == 1
+        assert list(ar.state.queue) == [g] and not ar.state.running and ar.state.accepted == 1
     assert g.rewards == [1.0]
 
 
@@ -275,7 +290,7 @@ def test_a_deadlock_is_raised_with_the_admission_counters():
     # accepted inflated past the bound (what stale drops used to do): nothing can be admitted
     cfg = _cfg(**{"rollout.rollout_batch_size": 2, "async.max_staleness": 0})
     ar = AsyncDriver(IdleEngine(), None, None, None, lock=threading.RLock())
-    ar.accepted = 4
+    ar.state.accepted = 4
     ar.start(cfg, version=1)
     try:
         with pytest.raises(AsyncStall) as err:
@@ -406,14 +421,14 @@ def test_resume_with_the_process_worker_continues_from_the_restored_version(tmp_
     # every token generated after the resume carries the restored version or a later one (a
     # child stamping version 0 made every new group too stale: all dropped, the run hung)
     new_versions = []
-    real = AsyncDriver._handle
+    real = GenerationWorker.handle
 
     def handle(self, finished):
         new_versions.extend(v for s in finished for v in s.versions[-s.segment_tokens:]
                             if s.segment_tokens)
         real(self, finished)
 
-    monkeypatch.setattr(AsyncDriver, "_handle", handle)
+    monkeypatch.setattr(GenerationWorker, "handle", handle)
     again, sink, status = run(tmp_path, extra, steps=6, resume=True)
     assert status == "finished" and again.step == 6
     assert new_versions and min(new_versions) >= 3
@@ -421,12 +436,11 @@ def test_resume_with_the_process_worker_continues_from_the_restored_version(tmp_
 
 
 def test_a_stall_stops_the_run_with_an_error_and_a_resumable_checkpoint(tmp_path, monkeypatch):
-    from trainer.rollout import asynchronous
-    from trainer.rollout.asynchronous import AsyncStall
+    from trainer.rollout.asynchronous import AsyncStall, admission
     from trainer.run import checkpoint
 
-    real = asynchronous.admission_allowed
-    monkeypatch.setattr(asynchronous, "admission_allowed",
+    real = admission.admission_allowed
+    monkeypatch.setattr(admission, "admission_allowed",
                         lambda acc, run_, v, eta, b: v < 2 and real(acc, run_, v, eta, b))
     cfg = C.load("demo", BASE + ["async.enabled=true", "async.max_staleness=0", "run.max_steps=5"])
     sink = MemorySink()
@@ -468,7 +482,7 @@ def test_greso_state_and_totals_change_only_under_the_shared_lock(tmp_path):
     unlocked = []
     with Runner(cfg, tmp_path, sink=MemorySink(), system_telemetry=False) as r:
         lock = OwnedLock()
-        r.lock = r.rollout.lock = r.selector.lock = lock
+        r.lock = r.rollout.worker.lock = r.selector.lock = lock
 
         def guard(name, fn):
             def call(*a, **kw):
@@ -541,18 +555,18 @@ def _wedge(monkeypatch, extra_groups=2):
     """(eta 0) From version 1 on, admit nothing past B + `extra_groups` groups: step 2's collect
     takes the extra groups and waits for groups that cannot come (no deadlock alarm, no
     timeout within the test: only a stop or pause gets it out)."""
-    from trainer.rollout import asynchronous
+    from trainer.rollout.asynchronous import admission, collect
 
-    real = asynchronous.admission_allowed
+    real = admission.admission_allowed
     gate = {"open": False}
 
-    def admission(acc, running, v, eta, b):
+    def admit(acc, running, v, eta, b):
         if not gate["open"] and v >= 1 and acc + running + 1 > b + extra_groups:
             return False
         return real(acc, running, v, eta, b)
 
-    monkeypatch.setattr(asynchronous, "admission_allowed", admission)
-    monkeypatch.setattr(asynchronous, "_DEADLOCK_GRACE_S", 600.0)
+    monkeypatch.setattr(admission, "admission_allowed", admit)
+    monkeypatch.setattr(collect, "DEADLOCK_GRACE_S", 600.0)
     return gate
 
 
@@ -576,7 +590,7 @@ def _wait_wedged(r, seconds=1.5):
     import time
 
     deadline = time.monotonic() + 120
-    while r.step < 1 or r.rollout.queue or r.rollout.running:
+    while r.step < 1 or r.rollout.state.queue or r.rollout.state.running:
         assert time.monotonic() < deadline, "the run never reached the wedged collect"
         time.sleep(0.05)
     time.sleep(seconds)
@@ -652,7 +666,7 @@ def test_pause_while_waiting_for_groups_then_resume_continues(tmp_path, monkeypa
         while "paused" not in [e["kind"] for e in r.sink.events]:
             assert time.monotonic() - t0 < 5, "the pause did not reach the waiting step"
             time.sleep(0.05)
-        assert r.rollout._paused.is_set() and r.step == 1
+        assert r.rollout.worker.paused and r.step == 1
         gate["open"] = True  # what a person might change while paused; then resume
         remote.send(RESUME)
         t.join(timeout=120)
@@ -755,13 +769,13 @@ def test_no_knob_value_puts_more_samples_in_flight_than_four_rounds_of_the_engin
     # groups), so a group never waits behind thousands of others
     seen = _instrument(monkeypatch)
     running = []
-    real = AsyncDriver._launch
+    real = GenerationWorker.launch
 
     def launch(self, g, samples):
         real(self, g, samples)
-        running.append(len(self.running))
+        running.append(len(self.state.running))
 
-    monkeypatch.setattr(AsyncDriver, "_launch", launch)
+    monkeypatch.setattr(GenerationWorker, "launch", launch)
     r, sink, status = run(tmp_path, ["async.enabled=true", "async.max_inflight=3889",
                                      "async.max_staleness=64"], steps=3)
     assert status == "finished" and r.step == 3

@@ -6,7 +6,8 @@ from helpers import full_forward_logprobs, tiny_hf_model
 from transformers import LlamaConfig, Qwen3Config
 
 from trainer.engine.base import SEGMENT, STOP, Sample, SamplingParams
-from trainer.engine.decoder import BUCKET_OVERHEAD, Decoder, plan_buckets
+from trainer.engine.buckets import BUCKET_OVERHEAD, plan_buckets
+from trainer.engine.decoder import Decoder
 from trainer.engine.embedded import EmbeddedEngine
 from trainer.engine.process import ProcessEngine
 from trainer.models.loading import load_model, load_tokenizer
@@ -59,7 +60,7 @@ def test_plan_buckets_splits_a_long_row_off_and_keeps_uniform_batches_whole():
 
 
 def _plan_cost(lengths, plan, overhead, gather):
-    """The cost model of decoder.plan_buckets, from the plan itself."""
+    """The cost model of buckets.plan_buckets, from the plan itself."""
     cost = len(lengths) * plan[0][1]   # the base bucket: a slice over every row
     for rows, T, _ in plan[1:]:
         consecutive = rows[-1] - rows[0] + 1 == len(rows)
@@ -71,7 +72,7 @@ def test_plan_buckets_is_the_cheapest_plan_under_its_cost_model():
     import itertools
     import random
 
-    from trainer.engine.decoder import GATHER_FACTOR, _classes
+    from trainer.engine.buckets import GATHER_FACTOR, _classes
 
     rng = random.Random(5)
     for trial in range(60):

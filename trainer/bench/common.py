@@ -105,7 +105,7 @@ def train_variant(name: str, preset: str, overrides: list[str], *, steps: int, e
         stale = s("async/staleness/mean")
         out.update({"staleness_mean": round(_mean(stale), 3),
                     "staleness_max": max(s("async/staleness/max"), default=0),
-                    "dropped_stale_groups": int(runner.rollout.dropped_stale),
+                    "dropped_stale_groups": int(runner.rollout.state.dropped_stale),
                     "admission": runner.rollout.counters()})
     log(f"{name}: " + ", ".join(f"{k}={v}" for k, v in out.items() if k != "variant"))
     return out

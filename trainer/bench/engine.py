@@ -48,8 +48,8 @@ filling idle slots (continuous batching, APRIL) can win on the device: near B x 
 decode step costs about the same at 8 and 128 rows; little on a CPU, whose matrix products are
 already compute-bound at a few rows.
 
-Long because it holds its several measurements (throughput, decode step, decode cost) with
-the workloads they share.
+This module measures the throughput; the models are trainer/bench/engine_models.py's, the decode
+step and its cost trainer/bench/decode_cost.py's.
 """
 from __future__ import annotations
 
@@ -60,12 +60,13 @@ import time
 
 import torch
 
+from trainer.bench import engine_models
+from trainer.bench.decode_cost import decode_cost, decode_step
+from trainer.bench.engine_models import QWEN_RANDOM, RANDOM_MODELS, WIDE_RANDOM
+from trainer.bench.measure import Replaced, spread, sync
+
 NAME = "engine"
 HELP = "embedded engine vs static-batch HF generate: useful tokens/s on the long-tailed task"
-
-QWEN_RANDOM = "qwen2.5-0.5b-random"
-WIDE_RANDOM = "builtin-43m-random"
-RANDOM_MODELS = (QWEN_RANDOM, WIDE_RANDOM)
 
 
 def add_arguments(p) -> None:
@@ -107,61 +108,6 @@ def add_arguments(p) -> None:
                    help="decode_cost: the batch sizes, comma-separated (empty: skip)")
 
 
-def _qwen_random(device, dtype):
-    from transformers import AutoModelForCausalLM, Qwen2Config
-
-    cfg = Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864,
-                      num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
-                      max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6,
-                      tie_word_embeddings=True, bos_token_id=None, eos_token_id=None,
-                      pad_token_id=151643)  # no eos: random weights would stop by chance only
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="sdpa")
-    return model.eval()
-
-
-def _wide_random(device, dtype):
-    """The built-in model's shape (Qwen2, character vocabulary of 100) at 43M parameters."""
-    from transformers import AutoModelForCausalLM, Qwen2Config
-
-    from trainer.models.loading import BUILTIN, model_dir
-
-    cfg = Qwen2Config.from_pretrained(model_dir(BUILTIN))
-    cfg.update(dict(hidden_size=640, intermediate_size=1728, num_hidden_layers=10,
-                    num_attention_heads=10, num_key_value_heads=2, max_position_embeddings=4096,
-                    layer_types=["full_attention"] * 10,
-                    eos_token_id=None))  # no eos: random weights would stop by chance only
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="sdpa")
-    return model.eval()
-
-
-def _load(args, device, dtype):
-    """-> model, tokenizer (for prompts), eos id, pad id, model name."""
-    from trainer.models.loading import BUILTIN, load_model, load_tokenizer
-
-    name = args.model
-    if name == "auto":
-        name = QWEN_RANDOM if device.type == "cuda" else BUILTIN
-    if name == QWEN_RANDOM:
-        # no tokenizer ships with random weights: the char tokenizer's ids (all < 100) stand in
-        # for Qwen's, which also spell digits and punctuation one token each
-        tok = load_tokenizer(BUILTIN)
-        return _qwen_random(device, dtype), tok, 151643, 151643, name
-    if name == WIDE_RANDOM:
-        tok = load_tokenizer(BUILTIN)
-        return _wide_random(device, dtype), tok, tok.eos_token_id, tok.pad_token_id, name
-    tok = load_tokenizer(name)
-    return load_model(name, device, dtype).eval(), tok, tok.eos_token_id, tok.pad_token_id, name
-
-
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 class _RowLengths:
     """A stopping criterion: row i is done after targets[i] new tokens."""
 
@@ -181,10 +127,10 @@ def _run_engine(model, prompts, targets, eos, args, device, dtype, max_seq_len):
     samples = [Sample(list(p), SamplingParams(temperature=args.temperature,
                                               max_new_tokens=t or args.max_new_tokens))
                for p, t in zip(prompts, targets)]
-    _sync(device)
+    sync(device)
     t0 = time.perf_counter()
     eng.generate(samples)
-    _sync(device)
+    sync(device)
     seconds = time.perf_counter() - t0
     responses = [s.response_ids for s in samples]
     st = eng.stats
@@ -198,7 +144,7 @@ def _run_static(model, prompts, targets, eos, pad, args, device):
     from transformers import StoppingCriteriaList
 
     responses, row_steps, batches = [], 0, 0
-    _sync(device)
+    sync(device)
     t0 = time.perf_counter()
     for i in range(0, len(prompts), args.slots):
         batch, tgt = prompts[i:i + args.slots], targets[i:i + args.slots]
@@ -232,7 +178,7 @@ def _run_static(model, prompts, targets, eos, pad, args, device):
             else:
                 cut = next((k + 1 for k, tok in enumerate(row) if tok in eos), len(row))
                 responses.append(row[:cut])
-    _sync(device)
+    sync(device)
     seconds = time.perf_counter() - t0
     return responses, seconds, {"row_steps": row_steps, "batches": batches}
 
@@ -257,122 +203,6 @@ def _pct(xs, q):
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else 0
 
 
-def _spread(xs: list[float], nd: int = 3) -> dict:
-    """Median, min, max and every run of a measured quantity."""
-    return {"median": round(statistics.median(xs), nd), "min": round(min(xs), nd),
-            "max": round(max(xs), nd), "runs": [round(x, nd) for x in xs]}
-
-
-def _step_engine(model, args, device, dtype, vocab: int, long_row: bool, padded: bool = False):
-    """An engine whose `--step-batch` slots all run: rows at ~step_short cached tokens (28..32
-    at the first timed step, growing one per step), one of them at ~step_long if `long_row`.
-    Responses never end (no eos) within the measurement."""
-    from trainer.engine.base import Sample, SamplingParams
-    from trainer.engine.embedded import EmbeddedEngine
-
-    B, warm = args.step_batch, 2
-    rng = random.Random(args.seed)
-    lens = [args.step_short - 2 + i % 5 for i in range(B)]
-    if long_row:
-        lens[B // 2] = args.step_long
-    budget = warm + args.step_steps + 2
-    eng = EmbeddedEngine(model, eos_token_ids=[], max_slots=B, max_seq_len=max(lens) + budget + 2,
-                         seed=args.seed, device=device, dtype=dtype,
-                         attn_bucket_overhead=float("inf") if padded else None)
-    # prefill caches prompt - 1 tokens, the first step's decode and `warm` more add one each
-    samples = [Sample([rng.randrange(3, vocab) for _ in range(n - warm)],
-                      SamplingParams(temperature=1.0, max_new_tokens=budget)) for n in lens]
-    eng.submit(samples)
-    for _ in range(warm + 1):  # admission + prefill, then warm decode steps
-        eng.step()
-    return eng
-
-
-def _time_steps(eng, steps: int, device) -> tuple[float, list[int]]:
-    """Median ms of `steps` decode steps, and the cached lengths at the first one."""
-    lens = list(eng.cached)
-    ts = []
-    for _ in range(steps):
-        _sync(device)
-        t0 = time.perf_counter()
-        eng.step()
-        _sync(device)
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts) * 1e3, lens
-
-
-def _decode_step(model, args, device, dtype, vocab: int, log) -> dict:
-    """decode_step: B rows at ~short vs the same with one row at long, interleaved; and, for
-    reference, the one-long batch with a padded attention (a single bucket, as before)."""
-    runs: dict[str, list[float]] = {"uniform": [], "one_long": [], "one_long_padded": []}
-    lens_at = {}
-    for rep in range(max(args.reps, 1) + 1):  # the first round is a warm-up, not reported
-        for name in runs:
-            eng = _step_engine(model, args, device, dtype, vocab, name != "uniform",
-                               padded=name == "one_long_padded")
-            ms, lens = _time_steps(eng, args.step_steps, device)
-            eng.close()
-            if rep:
-                runs[name].append(ms)
-                lens_at[name] = lens
-    ratios = [b / a for a, b in zip(runs["uniform"], runs["one_long"])]
-    med = {k: statistics.median(v) for k, v in runs.items()}
-    out = {"batch": args.step_batch,
-           "cached_tokens_first_step": {k: {"min": min(v), "max": max(v)}
-                                        for k, v in lens_at.items()},
-           "steps_per_run": args.step_steps,
-           "uniform_ms": _spread(runs["uniform"]), "one_long_ms": _spread(runs["one_long"]),
-           "ratio": round(med["one_long"] / med["uniform"], 3),
-           "ratio_runs": _spread(ratios), "target_ratio_max": 1.3,
-           "one_long_padded_ms": _spread(runs["one_long_padded"]),
-           "padded_ratio": round(med["one_long_padded"] / med["uniform"], 3)}
-    log(f"  decode step, B={args.step_batch}: every row ~{args.step_short} tokens "
-        f"{med['uniform']:.2f} ms, one row at {args.step_long} {med['one_long']:.2f} ms: "
-        f"{out['ratio']}x (runs {out['ratio_runs']['runs']}); padded attention "
-        f"{med['one_long_padded']:.2f} ms = {out['padded_ratio']}x")
-    return out
-
-
-def _decode_cost(model, args, device, dtype, vocab: int, log) -> dict | None:
-    """decode_cost: ms per generated token of a decode step at each of --cost-batches rows,
-    the batch sizes interleaved over --reps runs after a warm-up round."""
-    batches = [int(b) for b in args.cost_batches.split(",") if b.strip()]
-    if not batches:
-        return None
-    from trainer.bench import roofline
-
-    runs: dict[int, list[float]] = {b: [] for b in batches}
-    work = {}
-    for rep in range(max(args.reps, 1) + 1):
-        for b in batches:
-            eng = _step_engine(model, _Args(args, step_batch=b), device, dtype, vocab, False)
-            ms, lens = _time_steps(eng, args.step_steps, device)
-            work[b] = roofline.decode_work(eng.decoder, b, round(sum(lens) / len(lens)))
-            eng.close()
-            if rep:
-                runs[b].append(ms / b)
-    per_token = {b: statistics.median(v) for b, v in runs.items()}
-    lo, hi = min(batches), max(batches)
-    machine = roofline.peak(device, dtype)   # this machine's limit, measured now
-    out = {"cached_tokens": args.step_short,
-           "per_token_ms": {str(b): _spread(v, 4) for b, v in runs.items()},
-           "step_ms": {str(b): round(per_token[b] * b, 3) for b in batches},
-           "batching_gain": round(per_token[lo] / per_token[hi], 2),
-           "batching_gain_batches": [lo, hi],
-           "machine_peak": {**machine, "gflops": round(machine["flops"] / 1e9, 1),
-                            "gbytes_per_s": round(machine["bytes_per_s"] / 1e9, 1)},
-           "against_peak": {str(b): roofline.against(work[b], per_token[b] * b / 1e3, machine)
-                            for b in batches}}
-    log("  decode cost per token: " + ", ".join(f"B={b} {per_token[b]:.4f} ms" for b in batches)
-        + f"; B={lo} -> B={hi}: {out['batching_gain']}x cheaper per token")
-    log(f"  machine peak: {machine['flops'] / 1e9:.1f} GFLOP/s (matmul), "
-        f"{machine['bytes_per_s'] / 1e9:.1f} GB/s (copy); decode step at "
-        + ", ".join(f"B={b} {v['gflops']} GFLOP/s {v['gbytes_per_s']} GB/s = "
-                    f"{v['fraction_of_bound']:.0%} of the {v['bound']} bound"
-                    for b, v in out["against_peak"].items()))
-    return out
-
-
 def heavy_tail_lengths(n: int, args) -> list[int]:
     """n response lengths from a Pareto tail: tail_min * u^(-1/alpha), capped at
     --max-new-tokens (seeded; the same lengths for every variant and run)."""
@@ -395,7 +225,7 @@ def run(args, log=print) -> dict:
         torch.set_num_threads(args.threads)
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
-    model, tok, eos_id, pad, name = _load(args, device, dtype)
+    model, tok, eos_id, pad, name = engine_models.load(args, device, dtype)
     lengths = args.lengths
     if lengths == "auto":
         lengths = "reference" if name in RANDOM_MODELS else "natural"
@@ -411,9 +241,9 @@ def run(args, log=print) -> dict:
     # warm-up: first calls pay for allocations and kernel selection
     w = min(4, len(prompts))
     _run_engine(model, prompts[:w], [min(t or 8, 8) for t in targets[:w]], eos,
-                _Args(args, max_new_tokens=8), device, dtype, max_seq_len)
+                Replaced(args, max_new_tokens=8), device, dtype, max_seq_len)
     _run_static(model, prompts[:w], [8 if t is not None else None for t in targets[:w]], eos, pad,
-                _Args(args, max_new_tokens=8), device)
+                Replaced(args, max_new_tokens=8), device)
 
     variants = ("static_generate", "engine")
     sampler = SystemSampler(interval_s=0.1, use_gpu=device.type == "cuda").start()
@@ -454,13 +284,13 @@ def run(args, log=print) -> dict:
             for a, b in zip(runs["engine"], runs["static_generate"])]
     ratio = {"useful_throughput": round(e["useful_tokens_per_s"]
                                         / max(s["useful_tokens_per_s"], 1e-9), 2),
-             "useful_throughput_runs": _spread(pair, 2),
+             "useful_throughput_runs": spread(pair, 2),
              "seconds": round(s["seconds"] / max(e["seconds"], 1e-9), 2)}
     log(f"  ratio: {ratio['useful_throughput']}x useful tokens/s (medians; per pair "
         f"{ratio['useful_throughput_runs']['runs']})")
     vocab = int(getattr(model.config, "vocab_size", 100))
-    step = _decode_step(model, args, device, dtype, min(vocab, len(tok)), log)
-    cost = _decode_cost(model, args, device, dtype, min(vocab, len(tok)), log)
+    step = decode_step(model, args, device, dtype, min(vocab, len(tok)), log)
+    cost = decode_cost(model, args, device, dtype, min(vocab, len(tok)), log)
     return {"model": name, "device": str(device), "dtype": str(dtype).replace("torch.", ""),
             "prompts": len(prompts), "slots": args.slots, "max_new_tokens": args.max_new_tokens,
             "temperature": args.temperature, "lengths": lengths, "reps": reps,
@@ -489,13 +319,6 @@ def _summarise(runs: list[dict]) -> dict:
             and k not in ("useful_tokens", "_responses")}
     return {"useful_tokens": first["useful_tokens"], "seconds": round(med["seconds"], 3),
             "useful_tokens_per_s": round(med["useful_tokens_per_s"], 1),
-            "useful_tokens_per_s_runs": _spread([r["useful_tokens_per_s"] for r in runs], 1),
+            "useful_tokens_per_s_runs": spread([r["useful_tokens_per_s"] for r in runs], 1),
             "idle_slot_frac": round(med["idle_slot_frac"], 4), **opt, **rest}
 
-
-class _Args:
-    """args with some fields replaced (for the warm-up)."""
-
-    def __init__(self, base, **over):
-        self.__dict__.update(vars(base))
-        self.__dict__.update(over)

@@ -65,7 +65,7 @@ class EmbeddedEngine(ParkedCaches, RolloutEngine):
         params = next(model.parameters())
         self.device = device or params.device
         self.dtype = dtype or params.dtype
-        # attn_bucket_overhead: the decode attention's cost model (decoder.plan_buckets); None =
+        # attn_bucket_overhead: the decode attention's cost model (buckets.plan_buckets); None =
         # the device's default, 0 = a bucket per length class (tests)
         self.decoder = Decoder(model, self.device, self.dtype,
                                bucket_overhead=attn_bucket_overhead)

@@ -3,7 +3,7 @@ enough, lower it when the behaviour weights drift or KL runs away or a raise cos
 and say so when eta is not what limits the run.
 
 `behaviour_verdict` is the one reading of the behaviour importance weights: async.auto_staleness
-(trainer/rollout/asynchronous.py) moves eta by it, and the rules below advise by it. The verdict
+(trainer/rollout/asynchronous/driver.py) moves eta by it, and the rules below advise by it. The verdict
 is the mechanism's (trainer/rollout/auto_staleness.py); this module reads it with the pilot's
 thresholds."""
 from __future__ import annotations

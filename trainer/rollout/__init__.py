@@ -7,8 +7,9 @@
 - `ledger.py`: where every generated token went (trained, waiting, dropped by reason);
 - `selection.py`: which prompts are rolled out (the data cursor and GRESO's pre-filter);
 - `greso.py`: GRESO's rule (reward traces, the skip decision, adaptive exploration);
-- `asynchronous.py`: AReaL asynchronous rollout with a staleness bound; `auto_staleness.py`:
-  the behaviour-weight verdict that tunes the bound (the pilot reads it too);
+- `asynchronous/`: AReaL asynchronous rollout with a staleness bound, one module per job (the
+  admission rule, the shared state, the generation worker, collect, the driver);
+  `auto_staleness.py`: the behaviour-weight verdict that tunes the bound (the pilot reads it too);
 - `scoring.py`: rewards for complete groups, shaped and counted.
 
 `build_driver` picks the driver a config asks for.

@@ -1,6 +1,6 @@
 """async.auto_staleness's one reading of the behaviour importance weights (pi_prox / pi_behaviour).
 
-The asynchronous driver moves eta by it (`AsyncDriver.retune`, trainer/rollout/asynchronous.py),
+The asynchronous driver moves eta by it (`AsyncDriver.retune`, trainer/rollout/asynchronous/driver.py),
 and the pilot's eta rules advise by the same verdict: trainer/pilot/staleness.py and
 trainer/pilot/thresholds.py read it from here (the advisor reads the mechanism, never the
 reverse; tests/test_trainer_imports.py checks that the rollout imports no trainer.pilot).

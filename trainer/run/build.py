@@ -8,10 +8,10 @@ reports: the task and its prompts, the engine, the rollout driver with its promp
 the timeline and the telemetry. The other ranks hold None for the engine, the reward pool and the
 telemetry (trainer/run/training_ranks.py sends them their share of each update).
 
-`collaborators` sets them as the Runner's attributes (runner.engine, runner.rollout, ...). A
-resumed run: `checkpoint_and_config` (rank 0 reads the latest checkpoint, every rank gets its
-config) before the collaborators, `resume_state` (every rank takes its part of the checkpoint)
-after.
+`collaborators` returns them as one `RunParts` (trainer/run/parts.py declares them), which the
+Runner holds as its attributes (runner.engine, runner.rollout, ...). A resumed run:
+`checkpoint_and_config` (rank 0 reads the latest checkpoint, every rank gets its config) before
+the collaborators, `resume_state` (every rank takes its part of the checkpoint) after.
 """
 from __future__ import annotations
 
@@ -38,6 +38,7 @@ from trainer.run import state as run_state
 from trainer.run import warm_start
 from trainer.run.boundary import StepBoundary
 from trainer.run.engines import build_engine
+from trainer.run.parts import RunParts
 from trainer.tasks import build_task
 
 
@@ -63,9 +64,10 @@ def checkpoint_and_config(run, resume: bool, keep_knobs=()):
     return resumed, state, tensors
 
 
-def collaborators(run, resumed, tensors, *, system_telemetry: bool) -> None:
-    """Make `run`'s collaborators for its rank role. `resumed`: (checkpoint path, its model in
-    DCP shards) or None; `tensors`: rank 0's checkpoint tensors (a sharded checkpoint's whole
+def collaborators(run, resumed, tensors, *, system_telemetry: bool) -> RunParts:
+    """The parts `run` works with in its rank role (read from it: its config, process group,
+    run directory, sink, controls and totals). `resumed`: (checkpoint path, its model in DCP
+    shards) or None; `tensors`: rank 0's checkpoint tensors (a sharded checkpoint's whole
     optimizer state is read into them when this run is not sharded)."""
     cfg, controller = run.cfg, run.dist.is_main
     # before any process is started: reward workers and generation processes inherit it
@@ -73,74 +75,76 @@ def collaborators(run, resumed, tensors, *, system_telemetry: bool) -> None:
     if cfg.model.threads:
         torch.set_num_threads(cfg.model.threads)
     torch.manual_seed(cfg.run.seed)
-    run.device = run.dist.local_device(resolve_device(cfg.model.device))
-    run.dtype = resolve_dtype(cfg.model.dtype, run.device)
-    run.tokenizer = load_tokenizer(cfg.model.path)
+    device = run.dist.local_device(resolve_device(cfg.model.device))
+    dtype = resolve_dtype(cfg.model.dtype, device)
+    tokenizer = load_tokenizer(cfg.model.path)
     # rank 0 resumes an unsharded checkpoint's weights; a sharded checkpoint's are read into the
     # base model later (by every rank), and DDP's wrap gives the other ranks rank 0's weights
     resumes_weights = controller and resumed is not None
     reference = None   # else the learner copies the model it is given: the base weights
     if lora.enabled(cfg):   # the base, frozen, with adapters: fresh, or the checkpoint's
-        base = load_model(cfg.model.path, run.device, run.dtype)
-        run.model = (lora.load(base, resumed[0] / "model") if resumes_weights and not resumed[1]
-                     else lora.wrap(base, cfg)).eval()   # a sharded checkpoint's: read below
+        base = load_model(cfg.model.path, device, dtype)
+        model = (lora.load(base, resumed[0] / "model") if resumes_weights and not resumed[1]
+                 else lora.wrap(base, cfg)).eval()   # a sharded checkpoint's: read below
         # the checkpoint's adapter config has the dropout it was written with: this run's wins
-        lora.set_dropout(run.model, cfg.lora.dropout)
+        lora.set_dropout(model, cfg.lora.dropout)
     else:
         policy_path = (str(resumed[0] / "model") if resumes_weights and not resumed[1]
                        else cfg.model.path)
-        run.model = load_model(policy_path, run.device, run.dtype).eval()
+        model = load_model(policy_path, device, dtype).eval()
         if resumes_weights and track_reference(cfg):
-            reference = load_model(cfg.model.path, run.device, run.dtype)
+            reference = load_model(cfg.model.path, device, dtype)
     if resumes_weights and resumed[1] and not run.sharded:   # sharded before, whole now
-        tensors["optimizer"] = sharding.read_whole(resumed[0], run.model)
+        tensors["optimizer"] = sharding.read_whole(resumed[0], model)
+    task = prompts = engine = None
     if controller:   # before the learner: generation processes copy the model whole, which sharding splits
-        _generation(run)
-    run.learner = Learner(run.model, lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay,
-                          track_reference=track_reference(cfg), reference=reference,
-                          dist=run.dist, sharded=run.sharded)
+        task, prompts, engine = _generation(run, model, tokenizer, device, dtype)
+    learner = Learner(model, lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay,
+                      track_reference=track_reference(cfg), reference=reference,
+                      dist=run.dist, sharded=run.sharded)
+    parts = RunParts(device, dtype, tokenizer, model, learner, task=task, prompts=prompts,
+                     engine=engine)
     if controller:
-        _rollout(run, system_telemetry)
-    else:
-        run.engine = run.rewards = run.system = None
+        _rollout(run, parts, system_telemetry)
+    return parts
 
 
-def _generation(run) -> None:
+def _generation(run, model, tokenizer, device, dtype):
     """Rank 0: the task, its prompts and the engine that generates for them."""
     cfg = run.cfg
-    run.task = build_task(cfg, run.tokenizer)  # prompts rendered for its chat template
-    run.prompts = PromptSource(run.task)
+    task = build_task(cfg, tokenizer)  # prompts rendered for its chat template
     # LoRA: the embedded engine holds the base (a plain copy, made once) and merges the adapters'
     # factors each update sends; SGLang servers reload whole merged models
-    served, adapter = run.model, None
+    served, adapter = model, None
     if lora.engine_holds_base(cfg):
-        served, adapter = lora.base_copy(run.model), lora.adapter_update(run.model)
+        served, adapter = lora.base_copy(model), lora.adapter_update(model)
     elif lora.enabled(cfg):
-        served = lora.merged_copy(run.model)
-    run.engine = build_engine(cfg, served, run.tokenizer, run.device, run.dtype,
-                              run.task.max_sequence_len(run.tokenizer, cfg),
-                              weights_dir=run.run_dir / "engine_weights", adapter=adapter)
+        served = lora.merged_copy(model)
+    engine = build_engine(cfg, served, tokenizer, device, dtype,
+                          task.max_sequence_len(tokenizer, cfg),
+                          weights_dir=run.run_dir / "engine_weights", adapter=adapter)
+    return task, PromptSource(task), engine
 
 
-def _rollout(run, system_telemetry: bool) -> None:
+def _rollout(run, parts: RunParts, system_telemetry: bool) -> None:
     """Rank 0: the rollout driver and what it draws, scores and reports with; the step
     boundary, the pilot, the inspector's recorder, the timeline and the telemetry."""
-    cfg = run.cfg
+    cfg, p = run.cfg, parts
     # prompts, GRESO state and the reward pool are shared with the async generation worker
-    run.lock = threading.RLock()
-    run.selector = PromptSelector(run.prompts, run.task.train_size, cfg, run.lock)
-    run.greso = run.selector.filter  # the GRESO state (checkpoints, tests)
-    run.rewards = RewardService(workers=cfg.run.reward_workers, timeout_s=cfg.run.reward_timeout_s)
-    run.scorer = Scorer(run.rewards, run.tokenizer, lambda: run.cfg, run.totals, run.lock)
-    run.rollout = build_driver(cfg, run.engine, run.tokenizer, run.selector, run.scorer, run.lock)
-    run.samples = InspectorRecorder(run.tokenizer, cfg.run.seed)  # the rollout inspector's
-    run.timeline = Timeline(fill={CONTROLLER: "bookkeeping"})
-    if isinstance(run.engine, Episodes):   # each tool call, on the timeline's tools lane
-        run.engine.on_tool = lambda start, end: run.timeline.add(TOOLS_LANE, "tool", start, end)
-    run.boundary = StepBoundary(run.controls, run.sink, run.rollout)
-    run.pilot = LivePilot()   # advice events and the autopilot (trainer/pilot/)
-    run.system = SystemSampler(use_gpu=run.device.type == "cuda") if system_telemetry else None
-    run.meter = ProcessMeter()   # CPU and memory per process (timeline lane)
+    p.lock = threading.RLock()
+    p.selector = PromptSelector(p.prompts, p.task.train_size, cfg, p.lock)
+    p.greso = p.selector.filter  # the GRESO state (checkpoints, tests)
+    p.rewards = RewardService(workers=cfg.run.reward_workers, timeout_s=cfg.run.reward_timeout_s)
+    p.scorer = Scorer(p.rewards, p.tokenizer, lambda: run.cfg, run.totals, p.lock)  # live knobs
+    p.rollout = build_driver(cfg, p.engine, p.tokenizer, p.selector, p.scorer, p.lock)
+    p.samples = InspectorRecorder(p.tokenizer, cfg.run.seed)  # the rollout inspector's
+    timeline = p.timeline = Timeline(fill={CONTROLLER: "bookkeeping"})
+    if isinstance(p.engine, Episodes):   # each tool call, on the timeline's tools lane
+        p.engine.on_tool = lambda start, end: timeline.add(TOOLS_LANE, "tool", start, end)
+    p.boundary = StepBoundary(run.controls, run.sink, p.rollout)
+    p.pilot = LivePilot()   # advice events and the autopilot (trainer/pilot/)
+    p.system = SystemSampler(use_gpu=p.device.type == "cuda") if system_telemetry else None
+    p.meter = ProcessMeter()   # CPU and memory per process (timeline lane)
 
 
 def resume_state(run, resumed, state, tensors) -> None:

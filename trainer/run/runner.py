@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import time
 import traceback
 from pathlib import Path
@@ -45,6 +46,7 @@ from trainer.run import state as run_state
 from trainer.run.controls import AUTO, AUTOPILOT, SCHEDULE, ControlSource
 from trainer.run.evaluate import evaluate
 from trainer.run.invariant_watch import InvariantWatch
+from trainer.run.parts import RunParts
 from trainer.run.step_record import StepResults
 from trainer.sandbox.preflight import weak_isolation_warning
 
@@ -68,6 +70,10 @@ def _gave_up(e: BaseException) -> GenerationGaveUp | None:
 
 
 class Runner:
+    """One run. Besides its own state (step, version, totals, evaluations, cost), it holds its
+    parts as attributes: each field of `RunParts` (trainer/run/parts.py: the device, the model,
+    the learner, the engine, the rollout driver, ...), made by trainer/run/build.py."""
+
     def __init__(self, cfg: config_mod.Config, run_dir: str | Path, *,
                  sink: MetricsSink | None = None, controls: ControlSource | None = None,
                  resume: bool = False, keep_knobs=(), system_telemetry: bool = True, log=print):
@@ -113,13 +119,19 @@ class Runner:
                          if self.dist.is_main else None)
         if self.trackers is not None:
             self.sink = MultiSink([self.sink, self.trackers])
-        build.collaborators(self, resumed, ckpt_tensors, system_telemetry=system_telemetry)
+        self._hold(build.collaborators(self, resumed, ckpt_tensors,
+                                       system_telemetry=system_telemetry))
         if self.is_controller:
             self.boundary.on_knobs = self._knobs_changed
             # a step waiting for asynchronous groups gives way to a stop or pause within a second,
             # and says at once what its engine reports (e.g. every generator gone: it waits)
             self.rollout.interrupted = self._waiting
         build.resume_state(self, resumed, ckpt_state, ckpt_tensors)
+
+    def _hold(self, parts: RunParts) -> None:
+        """Hold each of `parts` as the attribute of its name (`self.engine` is `parts.engine`)."""
+        for field in dataclasses.fields(parts):
+            setattr(self, field.name, getattr(parts, field.name))
 
     @property
     def is_controller(self) -> bool:
@@ -273,8 +285,16 @@ class Runner:
 
     # --- one step -----------------------------------------------------------------------------------
     def train_step(self) -> dict[str, float]:
+        """One step: learn (step `self.step + 1` in progress), count it done, then account for
+        it (`self.step` is its number). The step counter moves here alone (and when a checkpoint
+        is restored or a training rank follows rank 0)."""
+        results = self._learn()
+        self.step += 1
+        return self._account(results)
+
+    def _learn(self) -> StepResults:
         """collect (the driver's groups, scored as they complete) -> objective -> update ->
-        the inspector's samples -> sync the engine's weights -> the step's record."""
+        the inspector's samples -> sync the engine's weights."""
         cfg, version = self.cfg, self.version
         t_step, stats0 = time.monotonic(), copy.copy(self.engine.stats)
         result = self._collect(cfg, stats0)
@@ -287,15 +307,20 @@ class Runner:
                                                      t_train, wall)
         samples_s = self._record_samples(cfg, result)   # after the update: the behaviour weights
         sync_s = self._sync_weights(cfg)
-        self.step += 1
+        return StepResults(result, self.engine.stats.minus(stats0), seqs, adv_metrics,
+                           train_metrics, ranks, train_s=train_s, samples_s=samples_s,
+                           sync_s=sync_s, step_s=time.monotonic() - t_step,
+                           histograms=histograms, version=version)
 
-        step_s = time.monotonic() - t_step
-        m = step_record.record(self, cfg, StepResults(
-            result, self.engine.stats.minus(stats0), seqs, adv_metrics, train_metrics, ranks,
-            train_s=train_s, samples_s=samples_s, sync_s=sync_s, step_s=step_s,
-            histograms=histograms))
-        m.update(self.invariants.after_step(self, cfg, seqs, result, version))
-        self._retune(train_metrics)
+    def _account(self, results: StepResults) -> dict[str, float]:
+        """The learnt step's state advanced (GRESO, the ledger, the totals), its record and
+        invariants, the driver's own knob change, the cost so far, the sink and the pilot."""
+        cfg = self.cfg
+        step_record.advance(self, cfg, results)
+        m = step_record.record(self, cfg, results)
+        m.update(self.invariants.after_step(self, cfg, results.seqs, results.rollout,
+                                            results.version))
+        self._retune(results.train_metrics)
         m.update(self._cost_figures())
         self.sink.scalars(self.step, m)
         self._pilot_after_step(m)

@@ -1,12 +1,15 @@
 """A training step's metric record: the scalars the sink, the trackers and the pilot get for it.
 
-    m = step_record.record(runner, cfg, StepResults(...))
+    step_record.advance(runner, cfg, results)   # the state the step's results feed
+    m = step_record.record(runner, cfg, results)
 
-From the step's results: the rollout's metrics (common, the driver's own, the scorer's, GRESO's)
-and histograms, the objective's and the update's, throughput and timings, the other ranks' share,
+`advance` moves what the step's results feed on: GRESO observes the step's scored groups (its
+traces and exploration probabilities), the token ledger counts the trained, masked and
+zero-variance tokens, the run's totals add the step's. `record` then reads, from the results and
+that state: the rollout's metrics (common, the driver's own, the scorer's, GRESO's) and
+histograms, the objective's and the update's, throughput and timings, the other ranks' share,
 the engine's report, the token ledger, the run's totals, the system's and each process's CPU and
-memory. It keeps the counters these read as it goes: GRESO observes the step's scored groups, the
-ledger counts the trained and the zero-variance tokens, the totals add the step's.
+memory.
 """
 from __future__ import annotations
 
@@ -34,15 +37,43 @@ class StepResults:
     sync_s: float
     step_s: float
     histograms: dict            # the objective's: {name: (values, edges)}
+    version: int                # the policy version the step's update started from
+
+    @property
+    def trained_tokens(self) -> int:
+        """The tokens the loss saw: the mismatch correction's masked tokens are dropped, not
+        trained, and the environment's tokens (episodes) were never generated."""
+        return sum(len(s.response_ids) - s.env_tokens - s.rejected for s in self.seqs)
+
+    @property
+    def masked_tokens(self) -> int:
+        """The tokens the mismatch correction masked out."""
+        return int(self.adv_metrics.get("mismatch/correction_zeroed_tokens", 0))
+
+
+def advance(run, cfg, results: StepResults) -> None:
+    """Feed the step's results to the state that counts them (`run.step` is the step's number by
+    now; before `record`, which reads that state): GRESO observes the scored groups, the ledger
+    counts the trained tokens and drops the masked and the zero-variance ones (the complete
+    groups the objective left out, algo.skip_zero_adv), the totals add the step's."""
+    result, trained, masked = results.rollout, results.trained_tokens, results.masked_tokens
+    run.selector.observe(cfg, run.step, result.scored)
+    observe_generation(run)
+    ledger = run.rollout.ledger
+    ledger.train(trained)
+    ledger.drop("mismatch", masked)
+    ledger.drop("zero_variance", sum(g.tokens() for g in result.groups) - trained - masked)
+    with run.lock:  # the async worker adds reward counts to the totals
+        run.totals["samples"] += result.counts.groups_started * cfg.rollout.n_samples_per_prompt
+        run.totals["gen_tokens"] += results.engine_stats.generated_tokens
+        run.totals["trained_tokens"] += trained
 
 
 def record(run, cfg, results: StepResults) -> dict[str, float]:
-    """The step's metric record (`run.step` is the step's number by now)."""
+    """The step's metric record (`run.step` is the step's number by now; after `advance`)."""
     result, step_s = results.rollout, results.step_s
     m = rollout_metrics(run, cfg, result, results.engine_stats, step_s)
-    # the tokens the loss saw: the mismatch correction's masked tokens are dropped, not trained,
-    # and the environment's tokens (episodes) were never generated
-    trained_tokens = sum(len(s.response_ids) - s.env_tokens - s.rejected for s in results.seqs)
+    trained_tokens = results.trained_tokens
     m.update(results.adv_metrics)
     for name, (values, edges) in results.histograms.items():
         run.sink.histogram(run.step, name, histogram(values, edges))
@@ -61,12 +92,8 @@ def record(run, cfg, results: StepResults) -> dict[str, float]:
                   "dist/train_share_imbalance": run.ranks.imbalance})
     if hasattr(run.engine, "generators_alive"):  # generation processes (engine/pool.py)
         m.update(run.engine.report())
-    m.update(ledger_metrics(run, result, trained_tokens,
-                            int(results.adv_metrics.get("mismatch/correction_zeroed_tokens", 0))))
+    m.update(run.rollout.ledger.step_metrics())
     with run.lock:  # the async worker adds reward counts to the totals
-        run.totals["samples"] += m["rollout/samples"]
-        run.totals["gen_tokens"] += m["rollout/gen_tokens"]
-        run.totals["trained_tokens"] += trained_tokens
         m.update({f"train/{k}_total": v for k, v in run.totals.items()
                   if k in ("samples", "gen_tokens", "trained_tokens")})
     if run.system is not None:
@@ -84,7 +111,6 @@ def rollout_metrics(run, cfg, result, engine_stats, step_s: float) -> dict[str, 
     if decoder is not None:
         m["engine/parked_kv_mb"] = engine_stats.parked_kv_tokens * decoder.kv_bytes_per_token() / 1e6
     m["perf/gen_tokens_per_s"] = engine_stats.generated_tokens / max(gen_time, 1e-9)
-    run.selector.observe(cfg, run.step, result.scored)
     m.update(run.selector.report(cfg, result.counts))
 
     def hist(name: str, values: list, edges: list) -> None:
@@ -95,18 +121,6 @@ def rollout_metrics(run, cfg, result, engine_stats, step_s: float) -> dict[str, 
     if lengths:
         hist("rollout/response_len", lengths, length_edges(cfg.rollout.max_response_len))
     return m
-
-
-def ledger_metrics(run, result, trained_tokens: int, masked: int = 0) -> dict[str, float]:
-    """Where the step's generated tokens went: trained, `masked` out by the mismatch correction,
-    and the complete groups the objective left out (algo.skip_zero_adv) dropped as
-    zero-variance."""
-    observe_generation(run)
-    ledger = run.rollout.ledger
-    ledger.train(trained_tokens)
-    ledger.drop("mismatch", masked)
-    ledger.drop("zero_variance", sum(g.tokens() for g in result.groups) - trained_tokens - masked)
-    return ledger.step_metrics()
 
 
 def observe_generation(run) -> None:
