@@ -287,6 +287,7 @@ class Runner:
                                                      t_train, wall)
         samples_s = self._record_samples(cfg, result)   # after the update: the behaviour weights
         sync_s = self._sync_weights(cfg)
+        self.invariants.after_sync(self, cfg)   # the engine scores a probe with what it was sent
         self.step += 1
 
         step_s = time.monotonic() - t_step
