@@ -9,6 +9,7 @@ from pathlib import Path
 
 from trainer.accounting.run_files import RunDirError, read_run
 from trainer.invariants.audit import RECHECKED, audit
+from trainer.invariants.probe import RULE as PROBE_RULE
 from trainer.observe.metrics import read_jsonl
 from trainer.run.invariant_watch import bounds
 
@@ -43,6 +44,8 @@ def text(reports: list) -> str:
             where.append("samples " + ", ".join(r.samples[:5]))
         if r.rule == "env_loss":
             where.append("(a recorded sample shows no loss weight: the run's own count)")
+        elif r.rule == PROBE_RULE:
+            where.append("(the run's own probe after each weight sync: generators on other weights)")
         elif r.rule not in RECHECKED:
             where.append("(the run's own data accounting)")
         out.append(f"{r.rule:<18}{run:>6}{again:>9}  {'; '.join(where)}".rstrip())
