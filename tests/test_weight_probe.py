@@ -236,3 +236,39 @@ def test_lora_healthy_the_adapters_are_shown_applied(tmp_path):
     assert sink.series("invariants/weights_not_applied") == [0.0] * 4
     gaps, d = sink.series("invariants/probe_adapter_dlogp"), sink.series("invariants/probe_dlogp")
     assert gaps[-1] > probe.BANDS["float32"] >= d[-1]   # adapted, and the engine has them
+
+
+@pytest.mark.slow
+def test_generation_processes_one_member_s_silently_failed_sync_is_named(tmp_path, monkeypatch):
+    """cluster.gen_procs = 2: the second member's updates reach nothing (its child keeps its
+    weights); the probe names that member and no other."""
+    real = ProcessEngine.update_weights
+    calls = []
+
+    def update(self, named_tensors, version, recompute_kv=False):
+        calls.append(version)
+        if len(calls) % 2 == 0:   # the pool updates its members in order: member 1's
+            return
+        real(self, named_tensors, version, recompute_kv)
+
+    monkeypatch.setattr(ProcessEngine, "update_weights", update)
+    sink = MemorySink()
+    cfg = C.load("demo", TINY + ["run.max_steps=4", "cluster.gen_procs=2"])
+    with Runner(cfg, tmp_path, sink=sink) as r:
+        r.run()
+    assert len(calls) == 8   # two members, four syncs: the path was exercised
+    probed = [e for e in sink.events if e["kind"] == "invariant_violated"
+              and e["rule"] == "weights_not_applied"]
+    assert probed and all(e["samples"] == ["member 1"] for e in probed)
+    assert max(sink.series("invariants/weights_not_applied")) == 1.0
+
+
+@pytest.mark.slow
+def test_an_asynchronous_run_probes_its_worker_s_engine(tmp_path):
+    sink = MemorySink()
+    cfg = C.load("async", TINY + ["run.max_steps=3"])
+    with Runner(cfg, tmp_path, sink=sink) as r:
+        r.run()
+    assert sink.series("invariants/weights_not_applied") == [0.0, 0.0, 0.0]
+    assert len(sink.series("timing/probe_s")) == 3
+    assert not [e for e in sink.events if e["kind"] == "warning" and "probe" in e["message"]]
