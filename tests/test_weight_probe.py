@@ -147,6 +147,9 @@ def test_sglang_servers_score_the_probe_from_input_token_logprobs(builtin):
         assert sorted(got) == sorted(s.url for s in servers)
         for lp in got.values():
             assert torch.allclose(torch.tensor(lp), reference(model, ids), atol=1e-5)
+        servers[1].fail_next(1, status=400)   # a server refusing the probe: left out, said
+        assert list(eng.probe_logprobs(ids)) == [servers[0].url]
+        assert any("weight probe left" in w and servers[1].url in w for w in eng.take_warnings())
     finally:
         eng.close()
         for s in servers:
