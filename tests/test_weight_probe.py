@@ -226,6 +226,7 @@ def test_lora_an_engine_that_gets_the_base_but_not_the_adapters_is_caught(tmp_pa
     broken = [e for e in sink.events if e["kind"] == "invariant_violated"]
     assert broken and {e["rule"] for e in broken} == {"weights_not_applied"}
     assert "LoRA's adapters did not reach it" in broken[-1]["detail"]
+    assert sink.series("invariants/probe_adapters_shown")[-1] == 0.0
     gaps = sink.series("invariants/probe_adapter_dlogp")
     assert gaps[-1] > probe.BANDS["float32"]   # the adapters moved the probe: it can tell
 
@@ -239,6 +240,7 @@ def test_lora_healthy_the_adapters_are_shown_applied(tmp_path):
     assert sink.series("invariants/weights_not_applied") == [0.0] * 4
     gaps, d = sink.series("invariants/probe_adapter_dlogp"), sink.series("invariants/probe_dlogp")
     assert gaps[-1] > probe.BANDS["float32"] >= d[-1]   # adapted, and the engine has them
+    assert sink.series("invariants/probe_adapters_shown")[-1] == 1.0
 
 
 @pytest.mark.slow

@@ -107,13 +107,14 @@ class Probe:
         """invariants/weights_not_applied (generators beyond the band, 0 when healthy),
         invariants/probe_dlogp (the largest d_e), invariants/probe_max_dlogp (the largest
         single token's), invariants/probe_band and, with LoRA, invariants/probe_adapter_dlogp
-        (g)."""
+        (g) and invariants/probe_adapters_shown (1: the probe shows the adapters applied)."""
         m = {f"invariants/{RULE}": float(len(self.broken)),
              "invariants/probe_dlogp": max(self.dlogp.values(), default=0.0),
              "invariants/probe_max_dlogp": max(self.dlogp_max.values(), default=0.0),
              "invariants/probe_band": self.band}
         if self.adapter_gap is not None:
             m["invariants/probe_adapter_dlogp"] = self.adapter_gap
+            m["invariants/probe_adapters_shown"] = float(self.adapters_shown)
         return m
 
 
