@@ -15,7 +15,7 @@ TINY = ["rollout.rollout_batch_size=3", "rollout.n_samples_per_prompt=4", "rollo
         "rollout.max_slots=16", "run.reward_workers=0", "model.threads=1", "run.eval_every=0",
         "run.checkpoint_every=0", "run.log_samples=0", "run.max_steps=4", "run.stop_on_violation=true",
         "data.train_size=64", "async.collect_timeout_s=60"]
-RULES = ("beyond_eta", "beyond_span", "trained_twice", "env_loss")
+RULES = ("beyond_eta", "beyond_span", "trained_twice", "env_loss", "weights_not_applied")
 
 
 def moves(cfg, rng: random.Random) -> dict:

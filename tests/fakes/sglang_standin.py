@@ -204,6 +204,10 @@ class StandinServer:
                 "e2e_latency": time.monotonic() - r.started}
         if body.get("return_logprob"):
             meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(s.logprobs, out_ids)]
+            if body.get("logprob_start_len") == 0:   # the prompt's own, the first one null
+                scored = self.engine.probe_logprobs(list(ids))["embedded"]
+                meta["input_token_logprobs"] = ([[None, ids[0], None]]
+                                                + [[lp, t, None] for lp, t in zip(scored, ids[1:])])
         text = self.tokenizer.decode(out_ids) if self.tokenizer is not None else ""
         return 200, {"text": text, "output_ids": out_ids, "meta_info": meta}
 

@@ -4,7 +4,8 @@ Trains each preset of `--presets` for `--steps` steps twice per round, with run.
 off and on, the order alternating from round to round (interleaved, so a machine that slows
 down part-way weighs on both), and reports per preset: the median step time of each (the
 first step of each run left out: it warms up), their ratio, and the checks' own time per step
-(`timing/invariants_s`, measured around them) as a share of the median step. The share is the
+(`timing/invariants_s`, measured around them; the weight probe after each sync included, and
+its own `timing/probe_s` reported apart) as a share of the median step. The share is the
 figure to read on a shared machine: the two runs' step times differ by more than the checks
 whenever another job takes the cores.
 """
@@ -46,12 +47,14 @@ def run(args, log=print) -> dict:
     for preset in [p.strip() for p in args.presets.split(",") if p.strip()]:
         step_s: dict[bool, list[float]] = {False: [], True: []}
         check_s: list[float] = []
+        probe_s: list[float] = []
         for r in range(args.rounds):
             for check in ((False, True) if r % 2 == 0 else (True, False)):
                 sink = _steps(preset, check, args)
                 step_s[check] += sink.series("timing/step_s")[1:]
                 if check:
                     check_s += sink.series("timing/invariants_s")[1:]
+                    probe_s += sink.series("timing/probe_s")[1:]
                 checks = sink.series("timing/invariants_s")[1:]
                 log(f"{preset} round {r + 1} checks {'on' if check else 'off'}: median step "
                     f"{statistics.median(sink.series('timing/step_s')[1:]):.3f} s"
@@ -61,6 +64,9 @@ def run(args, log=print) -> dict:
         out["presets"][preset] = {
             "step_s_median_off": round(off, 4), "step_s_median_on": round(on, 4),
             "on_over_off": round(on / off, 4), "check_s_median": round(check, 6),
-            "check_s_max": round(max(check_s), 6), "check_share_of_step": round(check / on, 5)}
+            "check_s_max": round(max(check_s), 6), "check_share_of_step": round(check / on, 5),
+            **({"probe_s_median": round(statistics.median(probe_s), 6),
+                "probe_share_of_step": round(statistics.median(probe_s) / on, 5)}
+               if probe_s else {})}
         log(f"{preset}: " + ", ".join(f"{k}={v}" for k, v in out["presets"][preset].items()))
     return out

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from trainer.accounting.run_files import RunDirError, read_run
 from trainer.invariants.audit import RECHECKED, audit
+from trainer.invariants.probe import RULE as PROBE_RULE
 from trainer.observe.metrics import read_jsonl
 from trainer.run.invariant_watch import bounds
 
@@ -32,7 +33,7 @@ def _steps(steps: list[int]) -> str:
 
 
 def text(reports: list) -> str:
-    out = [f"{'rule':<18}{'run':>6}{'recheck':>9}  where"]
+    out = [f"{'rule':<20}{'run':>4}{'recheck':>9}  where"]
     for r in reports:
         run = "-" if r.recorded is None else str(r.recorded)
         again = "-" if r.rechecked is None else str(r.rechecked)
@@ -43,9 +44,11 @@ def text(reports: list) -> str:
             where.append("samples " + ", ".join(r.samples[:5]))
         if r.rule == "env_loss":
             where.append("(a recorded sample shows no loss weight: the run's own count)")
+        elif r.rule == PROBE_RULE:
+            where.append("(the run's own probe after each weight sync: generators on other weights)")
         elif r.rule not in RECHECKED:
             where.append("(the run's own data accounting)")
-        out.append(f"{r.rule:<18}{run:>6}{again:>9}  {'; '.join(where)}".rstrip())
+        out.append(f"{r.rule:<20}{run:>4}{again:>9}  {'; '.join(where)}".rstrip())
     broken = [r.rule for r in reports if r.broken]
     unchecked = all(r.recorded is None for r in reports)
     if broken:

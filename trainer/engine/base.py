@@ -216,6 +216,14 @@ class RolloutEngine:
         """Give up what the engine keeps for these samples (a parked KV cache): they will not
         come back. The default keeps nothing."""
 
+    def probe_logprobs(self, token_ids: list[int]) -> dict[str, list[float]]:
+        """log p(token_ids[t] | token_ids[:t]), t = 1..n-1, at temperature 1, under the weights
+        each of this engine's generators samples with now, by generator name (one entry per
+        process or server that generates): what the invariant probe compares with the
+        trainer's after a weight sync (trainer/invariants/probe.py). Raises
+        NotImplementedError where an engine cannot say."""
+        raise NotImplementedError(f"{type(self).__name__} cannot score a probe sequence")
+
     @property
     def num_pending(self) -> int:
         """Samples queued or running, or finished and not yet returned by step()."""
@@ -273,6 +281,9 @@ class EngineWrapper(RolloutEngine):
 
     def update_weights(self, named_tensors, version: int, recompute_kv: bool = False) -> None:
         self.inner.update_weights(named_tensors, version, recompute_kv=recompute_kv)
+
+    def probe_logprobs(self, token_ids: list[int]) -> dict[str, list[float]]:
+        return self.inner.probe_logprobs(token_ids)
 
     def drop_cache(self, request_ids: Iterable[int]) -> None:
         drop = getattr(self.inner, "drop_cache", None)   # an engine that keeps nothing may not say

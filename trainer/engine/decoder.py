@@ -238,20 +238,41 @@ class Decoder:
         ids = ids.to(self.device)
         cos_t, sin_t = self._rope_tables(T)
         cos, sin = cos_t[:T].unsqueeze(1), sin_t[:T].unsqueeze(1)  # [T, 1, D]: same for all rows
+        self._causal(ids, cos, sin, cache, torch.tensor(slots, device=self.device))
+
+    def _causal(self, ids, cos, sin, cache: KVCache | None = None, slot_idx=None) -> torch.Tensor:
+        """The layers over `ids` [B, T] under a causal mask (right padding: each real query only
+        sees earlier, real keys), writing the KV entries into `cache` rows `slot_idx` when given.
+        Returns the last hidden states [B, T, d]."""
+        B, T = ids.shape
         x = self.embed[ids]
-        slot_idx = torch.tensor(slots, device=self.device)
         for i, L in enumerate(self.layers):
             h = self._norm(x, L["ln1"])
             q, k, v = self._qkv(h, L, cos, sin)                       # [B, T, heads, D]
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-            # right padding: each real query only sees earlier (real) keys under a causal mask
-            cache.k[i, slot_idx, :, :T] = k
-            cache.v[i, slot_idx, :, :T] = v
+            if cache is not None:
+                cache.k[i, slot_idx, :, :T] = k
+                cache.v[i, slot_idx, :, :T] = v
             a = F.scaled_dot_product_attention(q, k, v, is_causal=True,
                                                enable_gqa=self.n_kv != self.n_heads)
             a = a.transpose(1, 2).reshape(B, T, -1)
             x = x + F.linear(a, L["o"], L["o_b"])
             x = x + self._mlp(self._norm(x, L["ln2"]), L)
+        return x
+
+    @torch.no_grad()
+    def score(self, tokens: list[int]) -> list[float]:
+        """log p(tokens[t] | tokens[:t]) for t = 1..n-1 under the weights held now, at
+        temperature 1 (log_softmax of the float32 logits): what the trainer computes for the
+        same tokens. No KV cache is read or written (a probe of the weights, not of a slot)."""
+        if len(tokens) < 2:
+            raise ValueError(f"score needs at least 2 tokens; got {len(tokens)}")
+        ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
+        T = ids.shape[1]
+        cos_t, sin_t = self._rope_tables(T)
+        x = self._causal(ids, cos_t[:T].unsqueeze(1), sin_t[:T].unsqueeze(1))
+        logp = torch.log_softmax(self._logits(x[0, :-1]).float(), dim=-1)
+        return logp.gather(1, ids[0, 1:].unsqueeze(1)).squeeze(1).tolist()
 
     @torch.no_grad()
     def extend(self, cache: KVCache, slot: int, start: int, tokens: list[int]) -> None:

@@ -181,6 +181,11 @@ class EmbeddedEngine(ParkedCaches, RolloutEngine):
                 if self.slots:
                     self._prefill(list(range(len(self.slots))))
 
+    def probe_logprobs(self, token_ids: list[int]) -> dict[str, list[float]]:
+        """The weights decoding uses now, scored on `token_ids` (no slot touched)."""
+        with self.lock:
+            return {"embedded": self.decoder.score(list(token_ids))}
+
     def close(self) -> None:
         with self.lock:
             self.queue.clear()

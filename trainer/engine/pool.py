@@ -227,6 +227,17 @@ class EnginePool(Placement, MemberLife, RolloutEngine):
             self.last_sync_bytes = copied
             self._dispatch()
 
+    def probe_logprobs(self, token_ids: list[int]) -> dict[str, list[float]]:
+        """Every live member's own probe, by member ("member 0", ...): a member lost on the way
+        is left out, as it is from generation."""
+        with self._lock:
+            out = {}
+            for m in self._live():
+                got = self._guard(m, "probe_logprobs", token_ids)
+                if got is not LOST:
+                    out[f"member {m.index}"] = next(iter(got.values()))
+            return out
+
     def close(self) -> None:
         with self._lock:
             self._closed = True

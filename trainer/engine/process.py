@@ -153,6 +153,8 @@ def _serve(conn: Connection) -> None:
                 elif kind == "weights":
                     engine.update_weights(shared.tensors, msg[1], recompute_kv=msg[2])
                     conn.send(("weights_loaded", msg[1]))
+                elif kind == "probe":
+                    conn.send(("probed", engine.probe_logprobs(msg[1])["embedded"]))
                 elif kind == "version":  # a resumed run: tokens carry the restored version
                     engine.version = msg[1]
                 elif kind == "rng_get":
@@ -390,6 +392,13 @@ class ProcessEngine(RolloutEngine):
         self._send(("weights", version, recompute_kv))
         self._expect("weights_loaded", 60)
         self._version = version
+
+    def probe_logprobs(self, token_ids: list[int]) -> dict[str, list[float]]:
+        """The child's engine scores `token_ids` with the weights it decodes with (between two
+        of its decode steps)."""
+        self._send(("probe", list(token_ids)))
+        _, logprobs = self._expect("probed", 60)
+        return {f"process {self.proc.pid}": logprobs}
 
     def loaded_weights(self) -> dict[str, torch.Tensor]:
         """The weights last handed to the child (views of the shared buffer, which holds exactly

@@ -11,6 +11,12 @@ healthy) and the seconds the checks took (timing/invariants_s); each rule broken
 run.stop_on_violation a stop queued at the next boundary, saying why. The trained ids go into
 checkpoints (`state_dict`), so a resumed run still sees a repeat.
 
+After each weight sync (`after_sync`, called by the runner right after it) the probe of
+trainer/invariants/probe.py: a fixed short sequence scored by every generator of the engine and
+by the trainer (with LoRA also with its adapters off); a generator beyond the precision's band is
+`weights_not_applied`, reported with the step's figures like a rule (an engine that cannot score
+a sequence: one warning, and no probe figures: no claim).
+
 The data accounting (trainer/invariants/draws.py) runs beside them: the data cursor, the
 positions the step's groups were scored for, GRESO skipped or a driver dropped on purpose, and
 those the driver still holds; a position lost is `prompts_skipped`, one handed out again
@@ -20,7 +26,9 @@ from __future__ import annotations
 
 import time
 
-from trainer.invariants import draws, rules
+from trainer.algo.learner import TrainSequence
+from trainer.engine import rollout_precision
+from trainer.invariants import draws, probe, rules
 
 STOPPED_BY = "invariants"   # requested_by of the stop run.stop_on_violation queues
 
@@ -53,6 +61,33 @@ class InvariantWatch:
     def __init__(self):
         self.seen = rules.TrainedIds()
         self.draws = draws.DrawAccount()
+        self.probe_ids: list[int] | None = None     # the probe sequence (built once)
+        self.probe_off = False                      # the engine cannot score one
+        self._probed: tuple[probe.Probe, float] | None = None   # the last sync's, not reported yet
+
+    def after_sync(self, run, cfg) -> None:
+        """The probe of the weights just sent (run.check_invariants off: none): every
+        generator's log-probabilities of the probe sequence against the trainer's, reported by
+        the next after_step."""
+        if not cfg.run.check_invariants or self.probe_off:
+            return
+        t0 = time.monotonic()
+        if self.probe_ids is None:
+            self.probe_ids = probe.probe_tokens(run.tokenizer)
+        try:
+            engines = run.engine.probe_logprobs(self.probe_ids)
+        except NotImplementedError as e:
+            self.probe_off = True
+            run.sink.event(run.step, "warning", {"message": f"the weight probe is off: {e}; "
+                                                 "whether the engine samples with the weights "
+                                                 "sent is not checked"})
+            return
+        seq = TrainSequence(self.probe_ids[:1], self.probe_ids[1:], [0.0] * (len(self.probe_ids) - 1),
+                            0.0, 1.0)
+        trainer = run._logprobs([seq])[0]
+        base = run._logprobs([seq], reference=True)[0] if run.learner.adapted else None
+        width = probe.band(rollout_precision(run.engine, cfg.rollout.dtype, run.dtype), run.dtype)
+        self._probed = (probe.judge(engines, trainer, width, base), time.monotonic() - t0)
 
     def after_step(self, run, cfg, seqs, result, version: int) -> dict[str, float]:
         """The step's invariants/* figures (run.check_invariants off: none); events and the
@@ -66,6 +101,10 @@ class InvariantWatch:
                                     result.counts.greso_draws, result.counts.dropped_draws,
                                     run.rollout.held_draws())
         found += data_violations(run.step, accounted)
+        probed, probe_s = self._probed or (None, 0.0)
+        self._probed = None
+        if probed is not None and probed.broken:
+            found.append(rules.Violation(probe.RULE, run.step, list(probed.broken), probed.detail()))
         for v in found:
             run.sink.event(run.step, "invariant_violated", v.as_json())
         if found and cfg.run.stop_on_violation:
@@ -73,7 +112,9 @@ class InvariantWatch:
             run.boundary.request_stop({"rule": first.rule, "step": first.step, "count": first.count,
                                        "message": stop_reason(found)}, requested_by=STOPPED_BY)
         return {**rules.figures([v for v in found if v.rule in rules.RULES], limit),
-                **accounted.figures(), "timing/invariants_s": time.monotonic() - t0}
+                **accounted.figures(), **(probed.figures() if probed is not None else {}),
+                "timing/invariants_s": time.monotonic() - t0 + probe_s,
+                **({"timing/probe_s": probe_s} if probed is not None else {})}
 
     def state_dict(self) -> dict:
         return {**self.seen.state_dict(), "draws": self.draws.state_dict()}

@@ -307,6 +307,7 @@ class Runner:
                                                      t_train, wall)
         samples_s = self._record_samples(cfg, result)   # after the update: the behaviour weights
         sync_s = self._sync_weights(cfg)
+        self.invariants.after_sync(self, cfg)   # the engine scores a probe with what it was sent
         return StepResults(result, self.engine.stats.minus(stats0), seqs, adv_metrics,
                            train_metrics, ranks, train_s=train_s, samples_s=samples_s,
                            sync_s=sync_s, step_s=time.monotonic() - t_step,

@@ -70,7 +70,7 @@ from trainer.engine.base import ABORT, LENGTH, EngineError, EngineStats, Rollout
 from trainer.engine.sglang.dispatch import Dispatch, Ticket
 from trainer.engine.sglang.failover import FailOver
 from trainer.engine.sglang.precision import Precision
-from trainer.engine.sglang.replies import Replies
+from trainer.engine.sglang.replies import Replies, input_logprobs
 from trainer.engine.sglang.transport import Http, Server, ServerCalls
 from trainer.engine.sglang.urls import parse_urls
 from trainer.engine.sglang.weights import WeightPublisher
@@ -228,6 +228,27 @@ class SGLangEngine(Dispatch, Replies, FailOver, WeightPublisher, Precision, Serv
                     collected.append(t.sample)
                     self.orphaned += 1
             return out + collected
+
+    def probe_logprobs(self, token_ids: list[int]) -> dict[str, list[float]]:
+        """Each server in service scores `token_ids` (one /generate with return_logprob and
+        logprob_start_len 0, one new token at temperature 1: `input_token_logprobs`), by URL; a
+        server whose probe call fails is left out with a warning (its /generate calls decide
+        whether it stays in service)."""
+        with self.lock:
+            self._check_open()
+            servers = self._live_servers()
+        ids = [int(t) for t in token_ids]
+        body = {"input_ids": ids, "sampling_params": {"temperature": 1.0, "max_new_tokens": 1},
+                "return_logprob": True, "logprob_start_len": 0, "stream": False}
+        out = {}
+        for srv in servers:
+            try:
+                res = self._call(srv, "POST", "/generate",
+                                 {**body, "rid": f"{self._nonce}-probe-{next(self._calls)}."})
+                out[srv.url] = input_logprobs(res, len(ids), srv.url)
+            except EngineError as e:   # generation's own calls take a failing server out
+                self._warn(f"the weight probe left {srv.url} out: {e}")
+        return out
 
     def close(self) -> None:
         with self.lock:

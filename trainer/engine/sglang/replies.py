@@ -75,3 +75,22 @@ class Replies:
         except (TypeError, ValueError):
             return dispatch_version
         return v if v == dispatch_version or v in self._published else dispatch_version
+
+
+def input_logprobs(res, n: int, url: str) -> list[float]:
+    """log p(ids[t] | ids[:t]) for t = 1..n-1 from a /generate reply to `n` input ids sent with
+    return_logprob and logprob_start_len 0: `meta_info.input_token_logprobs` ([logprob,
+    token_id, text] per input token; the first token's logprob is null, nothing predicts it)."""
+    meta = res.get("meta_info") if isinstance(res, dict) else None
+    entries = (meta or {}).get("input_token_logprobs")
+    if not isinstance(entries, list):
+        raise EngineError(f"SGLang server {url}: POST /generate returned no "
+                          "meta_info.input_token_logprobs (logprob_start_len ignored?)")
+    lps = [e[0] for e in entries if isinstance(e, (list, tuple)) and e]
+    while lps and lps[0] is None:
+        lps = lps[1:]
+    if len(lps) != n - 1 or any(x is None for x in lps):
+        raise EngineError(f"SGLang server {url}: POST /generate returned {len(lps)} input "
+                          f"log-probabilities for {n} input tokens (expected {n - 1})")
+    return [float(x) for x in lps]
+

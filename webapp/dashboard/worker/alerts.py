@@ -25,7 +25,8 @@ Rules (thresholds are settings, `RLPILOT_ALERT_*`):
                  steps, once the run has had a step under that ratio (something to collapse from)
   invariant      a step broke one of the run's invariants (invariants/<rule> > 0: a token beyond
                  eta or the version span, a sample trained twice, environment tokens carrying
-                 loss, a prompt skipped or repeated; trainer/invariants/); cleared after
+                 loss, a prompt skipped or repeated, an engine not on the weights just sent;
+                 trainer/invariants/); cleared after
                  ALERT_CLEAR_STEPS healthy steps
   nan_loss       actor/pg_loss non-finite, or a trainer `warning` event about a non-finite update
   single_turn    the trainer's `single_turn_episodes` event: a multi-turn run (episode.max_turns > 1)
