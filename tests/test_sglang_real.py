@@ -5,11 +5,15 @@ resume loses and repeats nothing, weight updates tag tokens with the server's ow
 an APRIL run and an asynchronous run, two servers and one killed mid-run, and the
 training–inference mismatch of a float32 and of a bfloat16 server (rollout.dtype).
 
-One float32 server for the module (20-60 s to start); a fresh one only where the proof is about
-starting, flags or killing: the two-server test starts a second one and kills it, and a
-bfloat16 server started by a child process serves the bfloat16 test, then the start-up-and-kill
-test SIGKILLs that child. Skipped only when .venv-sglang is absent (`make sglang`; `make test`
-builds it). Servers run with OMP_NUM_THREADS=1 and are stopped when the module ends.
+One float32 server for the session (20-60 s to start; real_sglang_server in tests/conftest.py,
+shared with the dashboard's test, tests/web/test_web_sglang.py; a test that changes its weights
+puts the model's own back); a fresh one only where the proof is about starting, flags or
+killing: the two-server test has a second one (started in the background ahead of it,
+tests/conftest.py) and kills it, and a bfloat16 server started by
+a child process serves the bfloat16 test, then the start-up-and-kill test SIGKILLs that child.
+Skipped only when .venv-sglang is absent (`make sglang`; `make test` builds it). Servers run
+with OMP_NUM_THREADS=1; the module's own are stopped when it ends, the shared one when the
+session does.
 
 Merged to halve the module's time; what each proved and where it is proven now:
 - test_a_float32_server_and_the_trainer_agree_to_rounding (a 2-step float32 run): its figures and
@@ -41,7 +45,6 @@ from trainer import config as C
 from trainer.engine.base import ABORT, LENGTH, STOP, EngineError, Sample, SamplingParams
 from trainer.engine.sglang import SGLangEngine
 from trainer.engine.sglang.server import VENV, SGLangServer
-from trainer.models import gguf_import
 from trainer.models.loading import load_model, load_tokenizer, stop_token_ids
 from trainer.observe.metrics import MemorySink
 from trainer.run.controls import SET_KNOBS, Command, ControlSource
@@ -59,20 +62,14 @@ RUN = ["rollout.rollout_batch_size=2", "rollout.n_samples_per_prompt=2",
 
 
 @pytest.fixture(scope="module")
-def model_dir():
-    out = Path(__file__).resolve().parents[1] / "var" / "models" / gguf_import.SMOLLM2_DIR_NAME
-    if not (out / "config.json").is_file():  # `make sglang-model` writes it (make test does)
-        gguf_import.import_gguf(gguf_import.smollm2_gguf(download=True), out)
-    return out
+def model_dir(smollm2_dir):
+    return smollm2_dir
 
 
 @pytest.fixture(scope="module")
-def server(model_dir, tmp_path_factory):
-    srv = SGLangServer(model_dir, log_path=tmp_path_factory.mktemp("sglang") / "server.log")
-    srv.start()
-    yield srv
-    srv.stop()
-    assert not srv.running
+def server(real_sglang_server):
+    """The session's float32 server (tests/conftest.py), shared with the dashboard's SGLang test."""
+    return real_sglang_server
 
 
 @pytest.fixture(scope="module")
@@ -83,23 +80,8 @@ def policy(model_dir):
 
 
 @pytest.fixture
-def original_weights_after(server, model_dir):
-    """Put the model's own weights back on the server after a test that changed them. The test is
-    over: what still runs on the server (an answer the run's close aborted, still winding down)
-    is aborted. An update refused meanwhile ("weights were updated, but the cache was not flushed
-    because requests are still running") is made again once the server is idle (/flush_cache
-    waits for that, up to its timeout)."""
-    yield
-    eng = SGLangEngine(server.url)
-    body = {"model_path": str(model_dir), "weight_version": "0", "abort_all_requests": True}
-    try:
-        try:
-            eng._call(eng.servers[0], "POST", "/update_weights_from_disk", body)
-        except EngineError:
-            requests.post(server.url + "/flush_cache", params={"timeout": 60}, timeout=90).raise_for_status()
-            eng._call(eng.servers[0], "POST", "/update_weights_from_disk", body)
-    finally:
-        eng.close()
+def original_weights_after(sglang_original_weights_after):
+    """The model's own weights back on the shared server after the test (tests/conftest.py)."""
 
 
 @pytest.fixture
@@ -432,8 +414,21 @@ def test_async_updates_weights_between_steps_with_the_servers_versions(
     assert max(v for s in samples for v in s.versions) >= 2
 
 
+@pytest.fixture
+def second_sglang_server(model_dir, tmp_path, sglang_prestarted):
+    """A float32 server of the two-server test's own (it kills it), started in the background
+    ahead of the test (tests/conftest.py: STARTERS), else now; stopped after the test."""
+    pre = sglang_prestarted.pop("second_sglang_server", None)
+    srv = pre.result() if pre is not None else \
+        SGLangServer(model_dir, log_path=tmp_path / "second.log").start()
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
 def test_two_servers_share_requests_and_a_killed_one_hands_its_requests_over(
-        model_dir, server, tmp_path, monkeypatch, original_weights_after):
+        model_dir, server, tmp_path, monkeypatch, original_weights_after, second_sglang_server):
     from trainer.run.runner import Runner
 
     calls = []   # (the server a /generate call went to, was the second one out of service?)
@@ -446,7 +441,8 @@ def test_two_servers_share_requests_and_a_killed_one_hands_its_requests_over(
         return srv
 
     monkeypatch.setattr(SGLangEngine, "_pick_server", pick)
-    second = SGLangServer(model_dir, log_path=tmp_path / "second.log").start()
+    second = second_sglang_server
+    assert second.running and second.url != server.url
     runner = None
 
     class KillAfterFirstStep(MemorySink):

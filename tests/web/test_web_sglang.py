@@ -6,21 +6,21 @@ see it applied, stop it, resume it from its checkpoint on the report page and se
 The web side may use only the servers in RLPILOT_SGLANG_URLS and models inside
 RLPILOT_MODEL_ROOTS, and the worker checks both again with its own settings: so this module
 starts its own Celery worker and daphne with both set (on a queue of their own, away from the
-session's worker), next to one SGLang server (OMP_NUM_THREADS=1, about a minute to start,
-stopped at the end with no process of it left). Skipped only when .venv-sglang (`make sglang`)
-or the model directory (`make sglang-model`) is absent.
+session's worker), next to the session's SGLang server (real_sglang_server in tests/conftest.py,
+OMP_NUM_THREADS=1, shared with tests/test_sglang_real.py; the run's weight updates are undone
+after the test). Skipped only when .venv-sglang (`make sglang`) or the model directory
+(`make sglang-model`) is absent.
 """
 import os
 import re
 import shutil
 import socket
-import time
 
 import pytest
 from conftest import _TMP, CHROMIUM, Proc, _test_db_env, logged_in_page, submit_launch_form
 from test_web_e2e import DRAWN
 
-from trainer.engine.sglang.server import ROOT, VENV, SGLangServer
+from trainer.engine.sglang.server import ROOT, VENV
 from trainer.models import gguf_import
 
 MODEL_DIR = ROOT / "var" / "models" / gguf_import.SMOLLM2_DIR_NAME
@@ -43,27 +43,12 @@ NEW_LR = "2e-5"   # the preset's is 1e-5
 REWARD_POINTS = "() => (document.querySelector('#chart-reward').calcdata || [[]])[0].length"
 
 
-def _group_gone(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return True
-    return False
-
-
 @pytest.fixture(scope="module")
-def sglang_server():
-    srv = SGLangServer(MODEL_DIR, threads=1, log_path=_TMP / "sglang-server.log")
-    srv.start()
-    pgid = srv.proc.pid   # start_new_session: the group's id is the server's pid
-    try:
-        yield srv
-    finally:
-        srv.stop()
-        deadline = time.monotonic() + 15
-        while not _group_gone(pgid) and time.monotonic() < deadline:
-            time.sleep(0.2)
-    assert not srv.running and _group_gone(pgid), "a process of the SGLang server outlived stop()"
+def sglang_server(real_sglang_server):
+    """The session's float32 server (tests/conftest.py: one OMP thread, stopped when the session
+    ends with no process of its group left), shared with tests/test_sglang_real.py."""
+    assert real_sglang_server.model_path.resolve() == MODEL_DIR.resolve()   # the form names it
+    return real_sglang_server
 
 
 @pytest.fixture(scope="module")
@@ -115,7 +100,8 @@ def _step(page) -> int:
 
 
 def test_a_run_on_a_real_sglang_server_from_the_browser(sglang_server, sglang_site,
-                                                         django_user_model, monkeypatch):
+                                                         django_user_model, monkeypatch,
+                                                         sglang_original_weights_after):
     assert shutil.which(CHROMIUM), f"{CHROMIUM} is missing (apt-get install -y chromium)"
     from playwright.sync_api import expect
 

@@ -41,8 +41,11 @@ CPU_PATH = ROOT / "tools" / "sglang" / "cpu_path"
 FLAVOUR_FILE = "rlpilot-flavour"
 
 CPU_ARGS = ["--device", "cpu", "--attention-backend", "torch_native",
-            "--disable-overlap-schedule", "--disable-cuda-graph", "--mem-fraction-static", "0.1",
-            "--max-total-tokens", "16384",
+            "--disable-overlap-schedule", "--disable-cuda-graph",
+            # the KV budget is (free memory after the weights) - (1 - this) x (free before): 0.1
+            # failed the start whenever another process took ~0.4 GB meanwhile; the pool is
+            # --max-total-tokens either way
+            "--mem-fraction-static", "0.5", "--max-total-tokens", "16384",
             "--chunked-prefill-size", "1024", "--tp", "1", "--skip-server-warmup",
             # the scheduler's event loop spins a whole core while idle without it (measured: 1.01
             # cores idle, 0.02 with it; 48 greedy tokens 3.3 s either way): on 2 cores that core
