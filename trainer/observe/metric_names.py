@@ -48,8 +48,16 @@ SCALARS: dict[str, str] = {
     "rollout/waste/surplus": "tokens dropped: complete groups no step will take",
     "rollout/waste/aborted": "tokens dropped: samples aborted and not kept",
     "rollout/waste/mismatch": "tokens dropped: masked out by the mismatch correction (mask, band)",
+    "rollout/waste/agent_timeout": "tokens dropped: agents' episodes timed out (episode.agent_timeout_s)",
     "rollout/waste/total": "tokens dropped this step, every reason",
     "rollout/waste/share_total": "share of the run's generated tokens dropped so far",
+    # agents' episodes over the OpenAI-compatible endpoint (episode.agents, trainer/agents/)
+    "agents/calls": "chat completions the endpoint answered this step",
+    "agents/open": "agents' episodes open at the step's end (called, not yet rewarded)",
+    "agents/rewarded": "agents' episodes rewarded this step",
+    "agents/timeouts": "agents' episodes dropped this step: no call nor reward in "
+                       "episode.agent_timeout_s",
+    "agents/waiting": "rewarded episodes waiting for the rest of their group",
     # multi-turn episodes (trainer/episode/; rollout/base.py episode_metrics): the step's scored
     # episodes, reported by multi-turn runs only
     "episode/turns": "model turns per episode, mean",

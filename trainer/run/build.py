@@ -22,6 +22,7 @@ import torch
 from trainer import config as config_mod
 from trainer import sandbox
 from trainer.accounting.inspector import InspectorRecorder
+from trainer.agents import endpoint
 from trainer.algo.learner import Learner
 from trainer.cluster import sharding
 from trainer.episode.engine import Episodes
@@ -117,8 +118,11 @@ def _generation(run) -> None:
         served, adapter = lora.base_copy(run.model), lora.adapter_update(run.model)
     elif lora.enabled(cfg):
         served = lora.merged_copy(run.model)
-    run.engine = build_engine(cfg, served, run.tokenizer, run.device, run.dtype,
-                              run.task.max_sequence_len(run.tokenizer, cfg),
+    max_seq_len = run.task.max_sequence_len(run.tokenizer, cfg)
+    if cfg.episode.agents:   # agents' conversations: as long as the model takes
+        max_seq_len = endpoint.max_positions(run.model, max_seq_len)
+    run.max_seq_len = max_seq_len
+    run.engine = build_engine(cfg, served, run.tokenizer, run.device, run.dtype, max_seq_len,
                               weights_dir=run.run_dir / "engine_weights", adapter=adapter)
 
 
@@ -132,7 +136,12 @@ def _rollout(run, system_telemetry: bool) -> None:
     run.greso = run.selector.filter  # the GRESO state (checkpoints, tests)
     run.rewards = RewardService(workers=cfg.run.reward_workers, timeout_s=cfg.run.reward_timeout_s)
     run.scorer = Scorer(run.rewards, run.tokenizer, lambda: run.cfg, run.totals, run.lock)
-    run.rollout = build_driver(cfg, run.engine, run.tokenizer, run.selector, run.scorer, run.lock)
+    if cfg.episode.agents:   # the groups come from agents over the endpoint
+        run.rollout = endpoint.build(cfg, run.engine, run.tokenizer, run.scorer, run.run_dir,
+                                     run.max_seq_len, lambda: run.cfg)
+    else:
+        run.rollout = build_driver(cfg, run.engine, run.tokenizer, run.selector, run.scorer,
+                                   run.lock)
     run.samples = InspectorRecorder(run.tokenizer, cfg.run.seed)  # the rollout inspector's
     run.timeline = Timeline(fill={CONTROLLER: "bookkeeping"})
     if isinstance(run.engine, Episodes):   # each tool call, on the timeline's tools lane
