@@ -45,6 +45,7 @@ class AgentDriver(Driver):
         self.forming: dict[str, list[Session]] = {}  # group key -> rewarded episodes
         self.complete: list[Group] = []              # full groups no step took yet
         self.step_calls = self.step_rewarded = self.step_timeouts = 0
+        self.groups_made = 0   # a group's id is -(its number): the invariants tell groups apart
 
     # --- the run's life ----------------------------------------------------------------------------
     def start(self, cfg, version: int) -> None:
@@ -60,6 +61,12 @@ class AgentDriver(Driver):
             self.server.close()
         for s in self.sessions.close():
             self.ledger.drop("agent_timeout", s.sample.model_tokens)
+
+    def state_dict(self) -> dict:
+        return {"groups_made": self.groups_made}
+
+    def load_state_dict(self, state: dict, version: int) -> None:
+        self.groups_made = int(state.get("groups_made", 0))
 
     def held_tokens(self) -> int:
         open_ = sum(s.sample.model_tokens for s in self.sessions.held())
@@ -121,7 +128,11 @@ class AgentDriver(Driver):
         first = members[0].sample
         problem = Problem(id=members[0].group, prompt=self.tokenizer.decode(first.prompt_ids),
                           answer="", kind=KIND)
-        return Group(problem=problem, samples=[s.sample for s in members], draw=-1)
+        self.groups_made += 1
+        draw = -self.groups_made   # below the data cursor's positions: no prompt was drawn
+        for k, s in enumerate(members):
+            s.sample.meta.update(draw=draw, index=k)
+        return Group(problem=problem, samples=[s.sample for s in members], draw=draw)
 
     def _answer(self, s) -> None:
         """A sample out of the engine: its call's reply (its turn ended, or hit max_tokens)."""
