@@ -257,3 +257,28 @@ def test_a_call_that_rewrites_the_conversation_or_overlaps_is_refused():
                                                  {"role": "user", "content": "x"}]})
     with pytest.raises(AgentError, match="add messages of roles tool or user"):
         sessions.call("s", {"messages": first + [{"role": "assistant", "content": "hello"}]})
+
+
+def test_a_chat_model_s_json_tool_calls_become_the_reply_s_tool_calls():
+    tok = chat_tokenizer(TEMPLATE)
+    fmt = ChatFormat(tok, chat=True)
+    text = 'let me add <tool_call>{"name": "calculator", "arguments": {"expression": "2+3"}}</tool_call>'
+    msg = fmt.reply(tok(text, add_special_tokens=False).input_ids, ["calculator"], "call_1")
+    assert msg["content"] == "let me add"
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in msg["tool_calls"]] \
+        == [("calculator", {"expression": "2+3"})]
+    # a function the request did not offer stays text
+    other = fmt.reply(tok(text, add_special_tokens=False).input_ids, ["search"], "call_2")
+    assert "tool_calls" not in other and other["content"] == text
+
+
+def test_bench_agents_reports_both_ways_side_by_side():
+    import argparse
+
+    from trainer.bench import agents
+
+    out = agents.run(argparse.Namespace(reps=1, calls=1, concurrency=2, max_tokens=8),
+                     log=lambda *a: None)
+    for way in ("direct", "endpoint"):
+        assert out[way]["tokens_per_s"] > 0 and out[way]["call_ms"] > 0
+    assert set(out["ratio"]) == {"tokens_per_s", "call_ms"}

@@ -81,11 +81,8 @@ class AgentDriver(Driver):
         counts = StepCounts()
         self.step_calls = self.step_rewarded = self.step_timeouts = 0
         while len(self.complete) < N or self.engine.num_pending:
-            self._take(G, counts)
-            if self.engine.num_pending:
-                for s in self.engine.step():
-                    self._answer(s)
-            elif len(self.complete) < N:
+            busy = self.serve(G, counts)
+            if not busy and len(self.complete) < N:
                 if self.interrupted():
                     raise CollectInterrupted("a stop or pause is waiting at the step boundary")
                 self.sessions.wait(IDLE_WAIT_S)
@@ -102,6 +99,16 @@ class AgentDriver(Driver):
                    + sum(len(g.samples) for g in self.complete)}
         return RolloutResult(groups=train, scored=train, gen_seconds=time.monotonic() - t0,
                              counts=counts, metrics=metrics)
+
+    def serve(self, G: int, counts: StepCounts) -> bool:
+        """One round: the calls queued submitted, the rewarded episodes filed into groups of `G`,
+        one engine step with the answers it brings. False when the engine had nothing to do."""
+        self._take(G, counts)
+        if not self.engine.num_pending:
+            return False
+        for s in self.engine.step():
+            self._answer(s)
+        return True
 
     def _take(self, G: int, counts: StepCounts) -> None:
         """Submit the calls queued; file the rewarded episodes into their groups."""
