@@ -175,6 +175,24 @@ def test_another_token_is_refused_and_bad_calls_are_named(tmp_path):
         runner.close()
 
 
+def test_a_token_given_to_the_run_is_its_only_one_and_is_not_written(tmp_path, monkeypatch):
+    monkeypatch.setenv("RLPILOT_AGENT_TOKEN", "from-the-environment")
+    cfg = C.load("agent", [*AGENTS, "run.max_steps=1"])
+    with Runner(cfg, tmp_path, sink=MemorySink(), system_telemetry=False,
+                agent_token="the-owners-api-token") as runner:
+        try:
+            address = read_address(tmp_path)
+            assert address["token_from"] == "run" and "token" not in address
+            url = address["base_url"]
+            ok = openai.OpenAI(base_url=url, api_key="the-owners-api-token", max_retries=0)
+            assert ok.models.list().data
+            for other in ("from-the-environment", ""):
+                with pytest.raises(openai.AuthenticationError):
+                    openai.OpenAI(base_url=url, api_key=other or "x", max_retries=0).models.list()
+        finally:
+            runner.rollout.close()
+
+
 def test_a_never_finishing_agent_times_out_and_the_run_goes_on(tmp_path):
     runner, sink, client = start(tmp_path, 2, "episode.agent_timeout_s=5")
     now, lost, refused, log = [0.0], [], [], {}

@@ -1,9 +1,9 @@
 """A run's endpoint for agents, assembled: its token, its server, its driver, its address file.
 
-The token: the `RLPILOT_AGENT_TOKEN` environment variable when set (the dashboard sets it to the
-run owner's API token; a command-line user sets their own), else a new random one. The address
-(and a generated token, never one from the environment) is written to RUN_DIR/agents.json,
-readable by its owner only, for the agents to read:
+The token: the one the run was given (`Runner(agent_token=...)`: the dashboard gives the run
+owner's API token), else the `RLPILOT_AGENT_TOKEN` environment variable (a command-line user sets
+their own), else a new random one. The address (and a generated token, never one given) is
+written to RUN_DIR/agents.json, readable by its owner only, for the agents to read:
 
     {"base_url": "http://127.0.0.1:PORT/v1", "token": "...", "token_from": "generated"}
 """
@@ -32,16 +32,17 @@ def max_positions(model, fallback: int) -> int:
 
 
 def build(cfg, engine, tokenizer, scorer, run_dir: str | Path, max_seq_len: int,
-          current_cfg) -> AgentDriver:
+          current_cfg, token: str | None = None) -> AgentDriver:
     """The driver of an agents run, its endpoint listening (`current_cfg()`: the run's config now,
     whose rollout.temperature and max_response_len a new episode takes)."""
-    token = os.environ.get(TOKEN_ENV, "").strip()
+    source = "run" if token else TOKEN_ENV
+    token = (token or os.environ.get(TOKEN_ENV, "")).strip()
     generated = not token
     token = token or secrets.token_urlsafe(24)
     sessions = Sessions(ChatFormat.for_config(cfg, tokenizer),
                         lambda: sampling_params(current_cfg()), max_seq_len)
     server = AgentServer(sessions, token, cfg.episode.agent_port, model=cfg.model.path).start()
-    address = {"base_url": server.base_url, "token_from": "generated" if generated else TOKEN_ENV}
+    address = {"base_url": server.base_url, "token_from": "generated" if generated else source}
     if generated:
         address["token"] = token
     path = Path(run_dir) / ADDRESS_FILE

@@ -138,7 +138,7 @@ def _rollout(run, system_telemetry: bool) -> None:
     run.scorer = Scorer(run.rewards, run.tokenizer, lambda: run.cfg, run.totals, run.lock)
     if cfg.episode.agents:   # the groups come from agents over the endpoint
         run.rollout = endpoint.build(cfg, run.engine, run.tokenizer, run.scorer, run.run_dir,
-                                     run.max_seq_len, lambda: run.cfg)
+                                     run.max_seq_len, lambda: run.cfg, token=run.agent_token)
     else:
         run.rollout = build_driver(cfg, run.engine, run.tokenizer, run.selector, run.scorer,
                                    run.lock)

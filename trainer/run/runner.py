@@ -70,8 +70,10 @@ def _gave_up(e: BaseException) -> GenerationGaveUp | None:
 class Runner:
     def __init__(self, cfg: config_mod.Config, run_dir: str | Path, *,
                  sink: MetricsSink | None = None, controls: ControlSource | None = None,
-                 resume: bool = False, keep_knobs=(), system_telemetry: bool = True, log=print):
+                 resume: bool = False, keep_knobs=(), system_telemetry: bool = True, log=print,
+                 agent_token: str | None = None):
         self.cfg = cfg.copy()
+        self.agent_token = agent_token   # episode.agents: the endpoint's token (trainer/agents/)
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         # K training processes under torchrun (trainer/cluster/distributed.py); K = 1 otherwise. Rank 0
