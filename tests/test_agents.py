@@ -146,6 +146,8 @@ def test_an_openai_agent_s_calls_are_trained_token_for_token(tmp_path):
     assert sum(r["agents/rewarded"] for r in rows) == 4
     assert [g.draw for r in trained for g in r.groups] == [-1, -2]   # told apart, no prompt drawn
     assert not [e for e in sink.events if e.get("kind") in ("invariant_violated", "error")]
+    started = next(e for e in sink.events if e["kind"] == "run_started")
+    assert started["agents_url"] == read_address(tmp_path)["base_url"]   # on the run page's log
 
 
 def test_another_token_is_refused_and_bad_calls_are_named(tmp_path):

@@ -149,7 +149,10 @@ class Runner:
                          # a resume holds no KV cache: how its parked samples go on
                          **({"kv_cache": april.resume_kv_note(self.cfg)} if self.step else {}),
                          # how many prompts' GRESO history came from another run
-                         **({"greso_warm_start": self.greso_warm} if self.greso_warm else {})})
+                         **({"greso_warm_start": self.greso_warm} if self.greso_warm else {}),
+                         # where the agents call (episode.agents; the token is never written)
+                         **({"agents_url": self.rollout.server.base_url}
+                            if self.cfg.episode.agents else {})})
         # said at every start and resume, as the run page and the report keep saying
         for warning in filter(None, (weak_isolation_warning(self.cfg), lora.dropout_warning(self.cfg))):
             self.sink.event(self.step, "warning", {"message": warning})
