@@ -93,6 +93,7 @@ FLOORS = (
     "tasks",              # the problems, their prompts, the one registry
     "rewards",            # dispatch and the reward pool, above the registry they score with
     "rollout",            # how a step's groups are produced (the scorer shapes rewards with algo/)
+    "agents",             # agents' episodes over an OpenAI-compatible endpoint (a driver of groups)
     "invariants",         # the bounds checked on what a step trained, the data accounting
     "accounting",         # the accounts kept from the records: cost, forecast, estimate, inspector
     "pilot",              # the advisor, reading the metrics the others report

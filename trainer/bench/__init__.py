@@ -12,6 +12,7 @@ from pathlib import Path
 
 def add_parser(sub) -> None:
     from trainer.bench import (
+        agents,
         april,
         asynchronous,
         engine,
@@ -29,7 +30,7 @@ def add_parser(sub) -> None:
     b = sub.add_parser("bench", help="benchmarks (see `bench -h`)")
     bsub = b.add_subparsers(dest="bench", required=True)
     for module in (learn, april, greso, asynchronous, engine, samples, scale, pilot, mismatch, estimate,
-                   sandbox, invariants):
+                   sandbox, invariants, agents):
         p = bsub.add_parser(module.NAME, help=module.HELP, description=module.__doc__,
                             formatter_class=argparse.RawDescriptionHelpFormatter)
         p.add_argument("--json", nargs="?", const=True, default=False, metavar="OUT",

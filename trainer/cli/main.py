@@ -183,6 +183,12 @@ def _run(args) -> int:
         sink, controls = MetricsSink(), ControlSource()
     runner = Runner(cfg, run_dir, sink=sink, controls=controls,
                     resume=bool(args.resume), keep_knobs=overridden)
+    if world.is_main and runner.cfg.episode.agents:   # where agents call (docs/agents.md)
+        from trainer.agents.endpoint import ADDRESS_FILE, TOKEN_ENV, read_address
+        address = read_address(run_dir)
+        print(f"agents' endpoint: {address['base_url']} (token: "
+              + (f"{run_dir / ADDRESS_FILE}" if "token" in address else f"${TOKEN_ENV}") + ")",
+              flush=True)
     try:
         with runner:
             status = runner.run()

@@ -84,6 +84,7 @@ def check(cfg: Config) -> None:
     if cfg.episode.feedback and not cfg.episode.multi_turn:
         errors["episode.feedback"] = ("feedback needs a turn after the answer: set "
                                       "episode.max_turns > 1")
+    errors.update(_agent_problems(cfg))
     if cfg.lora.rank:
         try:
             parse_target_modules(cfg.lora.target_modules)
@@ -101,6 +102,23 @@ def check(cfg: Config) -> None:
                                     f"exactly 1: nearly every token would be masked; widen it")
     if errors:
         raise ConfigError(errors)
+
+
+def _agent_problems(cfg: Config) -> dict[str, str]:
+    """Agents' episodes (`episode.agents`) come from the agents, not from a driver that draws
+    prompts: the drivers' own techniques and a configured environment do not apply."""
+    if not cfg.episode.agents:
+        return {}
+    errors = {}
+    for key, on in (("april.enabled", cfg.april.enabled), ("async.enabled", cfg.async_.enabled),
+                    ("greso.enabled", cfg.greso.enabled)):
+        if on:
+            errors[key] = ("episode.agents: your agents start the episodes, not a driver that "
+                           "draws prompts; set it to false")
+    if cfg.episode.environment.strip():
+        errors["episode.environment"] = ("episode.agents: your agents are the environment; leave "
+                                         "episode.environment empty")
+    return errors
 
 
 def _task_source_problems(cfg: Config) -> dict[str, str]:

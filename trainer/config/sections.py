@@ -315,6 +315,16 @@ class EpisodeConfig:
                              "(docs/episodes.md): it starts, answers and scores each episode "
                              "instead of the built-in tools and feedback; needs max_turns > 1 "
                              "(empty = the built-in environment)")
+    agents: bool = param(False, help="the episodes come from your agents: an OpenAI-compatible "
+                         "endpoint (/v1/chat/completions) served from the run's engine records "
+                         "each call's tokens, and an agent's calls with one session id are an "
+                         "episode it rewards (docs/agents.md); no prompts are drawn from data.task")
+    agent_port: int = param(0, min=0, max=65535, help="agents: the endpoint's port on 127.0.0.1 "
+                            "(0 = a free one, written to RUN_DIR/agents.json)")
+    agent_timeout_s: float = param(300.0, min=0.1, max=86_400.0, tunable=True,
+                                   help="agents: an episode whose agent neither calls again nor "
+                                   "posts its reward within this many seconds of its last reply "
+                                   "is dropped (its tokens: rollout/waste/agent_timeout)")
 
     @property
     def multi_turn(self) -> bool:

@@ -48,8 +48,16 @@ SCALARS: dict[str, str] = {
     "rollout/waste/surplus": "tokens dropped: complete groups no step will take",
     "rollout/waste/aborted": "tokens dropped: samples aborted and not kept",
     "rollout/waste/mismatch": "tokens dropped: masked out by the mismatch correction (mask, band)",
+    "rollout/waste/agent_timeout": "tokens dropped: agents' episodes timed out (episode.agent_timeout_s)",
     "rollout/waste/total": "tokens dropped this step, every reason",
     "rollout/waste/share_total": "share of the run's generated tokens dropped so far",
+    # agents' episodes over the OpenAI-compatible endpoint (episode.agents, trainer/agents/)
+    "agents/calls": "chat completions the endpoint answered this step",
+    "agents/open": "agents' episodes open at the step's end (called, not yet rewarded)",
+    "agents/rewarded": "agents' episodes rewarded this step",
+    "agents/timeouts": "agents' episodes dropped this step: no call nor reward in "
+                       "episode.agent_timeout_s",
+    "agents/waiting": "rewarded episodes waiting for the rest of their group",
     # multi-turn episodes (trainer/episode/; rollout/base.py episode_metrics): the step's scored
     # episodes, reported by multi-turn runs only
     "episode/turns": "model turns per episode, mean",
@@ -208,6 +216,9 @@ CHARTS: list[dict] = [
      "y2": ["episode/tool_use_rate", "episode/max_turns_ratio", "eval/tool_use_rate"]},
     {"id": "tools", "title": "Tool calls and tool errors per step",
      "keys": ["episode/tool_calls", "episode/tool_errors"]},
+    {"id": "agents", "title": "Agents: calls answered, episodes rewarded, timed out, open",
+     "keys": ["agents/calls", "agents/rewarded", "agents/timeouts", "agents/open",
+              "agents/waiting"]},
     {"id": "tool-time", "title": "Tool seconds per step, and environment tokens (right axis)",
      "keys": ["episode/tool_s", "episode/env_tokens"], "y2": 1},
     # the engine's own disagreement: tokens the current policy sampled (age 0); a run that mixes
@@ -242,7 +253,8 @@ CHARTS: list[dict] = [
     {"id": "tokens", "title": "Where the generated tokens went (per step)",
      "keys": ["rollout/tokens/generated", "rollout/tokens/trained", "rollout/tokens/waiting",
               "rollout/waste/version_span", "rollout/waste/stale", "rollout/waste/zero_variance",
-              "rollout/waste/surplus", "rollout/waste/aborted", "rollout/waste/mismatch"]},
+              "rollout/waste/surplus", "rollout/waste/aborted", "rollout/waste/mismatch",
+              "rollout/waste/agent_timeout"]},
     {"id": "zero-var", "title": "Zero-variance group ratio",
      "keys": ["rollout/zero_var_ratio", "rollout/zero_var_ratio/all_correct",
               "rollout/zero_var_ratio/all_wrong"]},

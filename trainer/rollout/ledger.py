@@ -16,6 +16,8 @@ Every token the engine generates for a rollout (evaluations excluded) ends in ex
     aborted        samples aborted and not kept
     mismatch       tokens the rollout correction masked out of the loss (`mismatch.correction`
                    mask or band: the engine's and the trainer's probabilities too far apart)
+    agent_timeout  an agent's episode that neither called again nor was rewarded in
+                   `episode.agent_timeout_s`, or was still open when the run ended
 
 `generated` comes from the engine's own counter, so "waiting" is checkable: wherever nothing is
 left inside the engine (a synchronous step boundary, a stopped asynchronous run), it must equal
@@ -23,7 +25,8 @@ the tokens the driver holds (`Driver.held_tokens`). Tests check that in every mo
 """
 from __future__ import annotations
 
-REASONS = ("version_span", "stale", "zero_variance", "surplus", "aborted", "mismatch")
+REASONS = ("version_span", "stale", "zero_variance", "surplus", "aborted", "mismatch",
+           "agent_timeout")
 
 
 class TokenLedger:

@@ -22,6 +22,7 @@ import torch
 from trainer import config as config_mod
 from trainer import sandbox
 from trainer.accounting.inspector import InspectorRecorder
+from trainer.agents import endpoint
 from trainer.algo.learner import Learner
 from trainer.cluster import sharding
 from trainer.episode.engine import Episodes
@@ -97,13 +98,14 @@ def collaborators(run, resumed, tensors, *, system_telemetry: bool) -> RunParts:
     if resumes_weights and resumed[1] and not run.sharded:   # sharded before, whole now
         tensors["optimizer"] = sharding.read_whole(resumed[0], model)
     task = prompts = engine = None
+    max_seq_len = 0
     if controller:   # before the learner: generation processes copy the model whole, which sharding splits
-        task, prompts, engine = _generation(run, model, tokenizer, device, dtype)
+        task, prompts, engine, max_seq_len = _generation(run, model, tokenizer, device, dtype)
     learner = Learner(model, lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay,
                       track_reference=track_reference(cfg), reference=reference,
                       dist=run.dist, sharded=run.sharded)
     parts = RunParts(device, dtype, tokenizer, model, learner, task=task, prompts=prompts,
-                     engine=engine)
+                     engine=engine, max_seq_len=max_seq_len)
     if controller:
         _rollout(run, parts, system_telemetry)
     return parts
@@ -120,10 +122,12 @@ def _generation(run, model, tokenizer, device, dtype):
         served, adapter = lora.base_copy(model), lora.adapter_update(model)
     elif lora.enabled(cfg):
         served = lora.merged_copy(model)
-    engine = build_engine(cfg, served, tokenizer, device, dtype,
-                          task.max_sequence_len(tokenizer, cfg),
+    max_seq_len = task.max_sequence_len(tokenizer, cfg)
+    if cfg.episode.agents:   # agents' conversations: as long as the model takes
+        max_seq_len = endpoint.max_positions(model, max_seq_len)
+    engine = build_engine(cfg, served, tokenizer, device, dtype, max_seq_len,
                           weights_dir=run.run_dir / "engine_weights", adapter=adapter)
-    return task, PromptSource(task), engine
+    return task, PromptSource(task), engine, max_seq_len
 
 
 def _rollout(run, parts: RunParts, system_telemetry: bool) -> None:
@@ -136,7 +140,11 @@ def _rollout(run, parts: RunParts, system_telemetry: bool) -> None:
     p.greso = p.selector.filter  # the GRESO state (checkpoints, tests)
     p.rewards = RewardService(workers=cfg.run.reward_workers, timeout_s=cfg.run.reward_timeout_s)
     p.scorer = Scorer(p.rewards, p.tokenizer, lambda: run.cfg, run.totals, p.lock)  # live knobs
-    p.rollout = build_driver(cfg, p.engine, p.tokenizer, p.selector, p.scorer, p.lock)
+    if cfg.episode.agents:   # the groups come from agents over the endpoint
+        p.rollout = endpoint.build(cfg, p.engine, p.tokenizer, p.scorer, run.run_dir,
+                                   p.max_seq_len, lambda: run.cfg, token=run.agent_token)
+    else:
+        p.rollout = build_driver(cfg, p.engine, p.tokenizer, p.selector, p.scorer, p.lock)
     p.samples = InspectorRecorder(p.tokenizer, cfg.run.seed)  # the rollout inspector's
     timeline = p.timeline = Timeline(fill={CONTROLLER: "bookkeeping"})
     if isinstance(p.engine, Episodes):   # each tool call, on the timeline's tools lane

@@ -15,6 +15,7 @@ from trainer.engine import engine_dtype, generation_device
 from trainer.episode.engine import Episodes
 from trainer.episode.environments import Environment, parse_tools
 from trainer.episode.interface import UserEnvironment, load_environment
+from trainer.episode.tools import TOOLS
 from trainer.episode.tools import stop_strings as tool_stop_strings
 from trainer.episode.turns import TurnFormat
 from trainer.models.loading import stop_token_ids
@@ -59,7 +60,12 @@ def build_engine(cfg, model, tokenizer, device, dtype, max_seq_len: int, *,
     dtype = engine_dtype(r.dtype, dtype)
     eos = stop_token_ids(model, tokenizer)  # the tokenizer's eos and the generation config's
     stops = stop_strings(r.stop)
-    if cfg.episode.multi_turn:
+    if cfg.episode.agents:   # agents answer the turns (trainer/agents/): a call ends a turn
+        fmt = TurnFormat.for_renderer(PromptRenderer.from_config(cfg, tokenizer))
+        calls = [s for s in tool_stop_strings(fmt.syntax, TOOLS) if s not in stops]
+        engine = _engine(cfg, model, tokenizer, device, dtype, max_seq_len, weights_dir, eos,
+                         stops + calls, adapter)
+    elif cfg.episode.multi_turn:
         engine = with_episodes(cfg, tokenizer, lambda tool_stops: _engine(
             cfg, model, tokenizer, device, dtype, max_seq_len, weights_dir, eos,
             stops + [s for s in tool_stops if s not in stops], adapter))

@@ -40,6 +40,7 @@ class RunParts:
     task: Task | None = None       # the problems and their prompts
     prompts: PromptSource | None = None       # the data cursor
     engine: RolloutEngine | None = None       # generates (embedded, its processes, SGLang)
+    max_seq_len: int = 0                      # the engine's positions per sequence
     lock: threading.RLock | None = None       # prompts, GRESO and reward totals, shared with
                                               # the asynchronous generation worker
     selector: PromptSelector | None = None    # which prompt comes next (GRESO's pre-filter)

@@ -76,8 +76,10 @@ class Runner:
 
     def __init__(self, cfg: config_mod.Config, run_dir: str | Path, *,
                  sink: MetricsSink | None = None, controls: ControlSource | None = None,
-                 resume: bool = False, keep_knobs=(), system_telemetry: bool = True, log=print):
+                 resume: bool = False, keep_knobs=(), system_telemetry: bool = True, log=print,
+                 agent_token: str | None = None):
         self.cfg = cfg.copy()
+        self.agent_token = agent_token   # episode.agents: the endpoint's token (trainer/agents/)
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         # K training processes under torchrun (trainer/cluster/distributed.py); K = 1 otherwise. Rank 0
@@ -159,7 +161,10 @@ class Runner:
                          # a resume holds no KV cache: how its parked samples go on
                          **({"kv_cache": april.resume_kv_note(self.cfg)} if self.step else {}),
                          # how many prompts' GRESO history came from another run
-                         **({"greso_warm_start": self.greso_warm} if self.greso_warm else {})})
+                         **({"greso_warm_start": self.greso_warm} if self.greso_warm else {}),
+                         # where the agents call (episode.agents; the token is never written)
+                         **({"agents_url": self.rollout.server.base_url}
+                            if self.cfg.episode.agents else {})})
         # said at every start and resume, as the run page and the report keep saying
         for warning in filter(None, (weak_isolation_warning(self.cfg), lora.dropout_warning(self.cfg))):
             self.sink.event(self.step, "warning", {"message": warning})

@@ -31,7 +31,7 @@ from trainer.run.runner import RunFailed, Runner  # imported in the worker's par
 from webapp.dashboard import actions, lifecycle
 from webapp.dashboard.access import validation
 from webapp.dashboard.actions import run_dir
-from webapp.dashboard.models import Desired, Run, Status
+from webapp.dashboard.models import ApiToken, Desired, Run, Status
 from webapp.dashboard.worker import sweep
 from webapp.dashboard.worker.telemetry import DbControlSource, DbSink, Heartbeat
 
@@ -111,7 +111,7 @@ def train_here(rid: int, cfg: config_mod.Config, directory, resume_from_ckpt: bo
     final, summary, error = Status.FAILED, None, None
     try:
         with Runner(cfg, directory, sink=sink, controls=controls, resume=resume_from_ckpt,
-                    log=log.info) as runner:
+                    log=log.info, agent_token=agent_token(rid, cfg)) as runner:
             heartbeat.phase = lambda: runner.phase
             status = runner.run()
             summary = runner.summary()
@@ -133,6 +133,16 @@ def train_here(rid: int, cfg: config_mod.Config, directory, resume_from_ckpt: bo
             actions.end_run(rid, final, final_summary=summary, error=error)
             close_old_connections()
     return final
+
+
+def agent_token(rid: int, cfg: config_mod.Config) -> str | None:
+    """An agents run's endpoint token (`episode.agents`, docs/agents.md): its owner's API token,
+    one made for them when they have none, so that their agents, and no one else's, call it."""
+    if not cfg.episode.agents:
+        return None
+    owner = Run.objects.get(pk=rid).owner
+    token = ApiToken.objects.filter(user=owner).order_by("id").first()
+    return (token or ApiToken.objects.create(user=owner)).key
 
 
 def train_rank_argv(rid: int, resume_from_ckpt: bool) -> list[str]:
