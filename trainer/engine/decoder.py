@@ -353,6 +353,15 @@ class Decoder:
             x = x + F.linear(a, L["o"], L["o_b"])
             x = x + self._mlp(self._norm(x, L["ln2"]), L)
 
+    def prefill_batch(self, rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The KV entries of `rows` (right-padded into one batch) in tensors of their own:
+        keys, values [layers, rows, kv heads, longest row, head dim] (row b's first len(rows[b])
+        positions are its own; the rest is padding)."""
+        out = KVCache(self.n_layers, len(rows), self.n_kv, max(len(r) for r in rows),
+                      self.head_dim, self.device, self.dtype)
+        self.prefill(out, list(range(len(rows))), rows)
+        return out.k, out.v
+
     @torch.no_grad()
     def extend(self, cache: KVCache, slot: int, start: int, tokens: list[int]) -> None:
         """Write the KV entries of `tokens` at positions start.. of `slot`, after the `start`

@@ -143,6 +143,7 @@ class ParkedCaches:
         if kept < need:
             self.decoder.extend(self.cache, n, kept, tokens[kept:need])
             self.stats.prefill_tokens += need - kept
+            self.stats.prefill_calls += 1
         self.stats.kv_kept_tokens += kept
         self.slots.append(s)
         self.cached.append(need)
