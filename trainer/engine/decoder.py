@@ -69,11 +69,10 @@ class KVCache:
             t[:, dst, :, :length] = t[:, src, :, :length]
 
     def copy_rows(self, src: list[int], dst: list[int], length: int) -> None:
-        """Slot dst[k] gets the first `length` entries of slot src[k] (every layer)."""
-        s = torch.tensor(src, device=self.k.device)
-        d = torch.tensor(dst, device=self.k.device)
-        for t in (self.k, self.v):
-            t[:, d, :, :length] = t[:, s, :, :length]
+        """Slot dst[k] gets the first `length` entries of slot src[k] (every layer). A plain
+        slice copy per pair: on CPU an indexed copy of a few rows costs ~15x as much."""
+        for a, b in zip(src, dst):
+            self.move(a, b, length)
 
     def swap(self, a: int, b: int, len_a: int, len_b: int) -> None:
         for t in (self.k, self.v):

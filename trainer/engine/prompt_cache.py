@@ -30,24 +30,12 @@ Entry = tuple[torch.Tensor, torch.Tensor, int, int]   # keys, values, row, lengt
 def copy_entries(items: list[tuple[Entry, int]], k_cache: torch.Tensor,
                  v_cache: torch.Tensor) -> None:
     """For each (entry, slot): write the entry's positions into positions 0..length-1 of `slot`
-    (caches [layers, slots, kv heads, positions, head dim]). One indexed copy per prefill batch
-    the entries come from (past a row's own length the copy writes the batch's padding:
-    positions the slot's decode never reads before writing them)."""
-    by_batch: dict[int, list] = {}
+    (caches [layers, slots, kv heads, positions, head dim]). A plain slice copy per row: on CPU
+    one costs ~13 us where an indexed copy of 3 rows into the cache cost ~160 us (and more
+    with two threads on a busy machine)."""
     for (keys, values, row, n), slot in items:
-        b = by_batch.setdefault(id(keys), [keys, values, [], [], 0])
-        b[2].append(row)
-        b[3].append(slot)
-        b[4] = max(b[4], n)
-    for keys, values, rows, slots, n in by_batch.values():
-        if len(rows) == 1:
-            k_cache[:, slots[0], :, :n] = keys[:, rows[0], :, :n]
-            v_cache[:, slots[0], :, :n] = values[:, rows[0], :, :n]
-            continue
-        src = torch.tensor(rows, device=keys.device)
-        dst = torch.tensor(slots, device=k_cache.device)
-        k_cache[:, dst, :, :n] = keys[:, src, :, :n]
-        v_cache[:, dst, :, :n] = values[:, src, :, :n]
+        k_cache[:, slot, :, :n] = keys[:, row, :, :n]
+        v_cache[:, slot, :, :n] = values[:, row, :, :n]
 
 
 class PromptCache:
