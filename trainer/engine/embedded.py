@@ -18,6 +18,10 @@ the tokens added since (an environment's turn) are prefilled (trainer/engine/par
 bound, eviction, counting). Parked caches are dropped when the weights change with
 `recompute_kv` (the sample is prefilled again under the new weights).
 
+A new sample's prompt entries come from the prompt cache (trainer/engine/prompt_cache.py:
+each prompt computed once per weights version, the queued ones in the same batch) or a running
+sibling; only what neither holds is prefilled.
+
 Per decode step the Python work is O(active rows), never O(sequence length): the pending token
 is the sample's last one, the cached lengths are a list kept in step. When a sequence finishes
 is decided in one place, `_finish_reason` (end-of-sequence tokens: `self.eos`).
