@@ -239,13 +239,21 @@ class EmbeddedEngine(ParkedCaches, RolloutEngine):
         done, new = [], []
         budget = self.prefill_budget
         if self.parked and self.queue:  # queued samples with a parked cache go first: no prefill
-            keep: deque[Sample] = deque()
-            for s in self.queue:
-                if (s.request_id in self.parked and s.finish_reason != LENGTH
-                        and len(self.slots) < self.max_slots and self._unpark(s)):
-                    continue
-                keep.append(s)
-            self.queue = keep
+            # the one whose cache already sits at the next active slot first (no copy), else
+            # the next in queue order (its cache is swapped in)
+            todo = {s.request_id: s for s in self.queue
+                    if s.request_id in self.parked and s.finish_reason != LENGTH}
+            order, k, resumed = list(todo), 0, set()
+            while todo and len(self.slots) < self.max_slots:
+                rid = self._parked_at(len(self.slots))
+                if rid not in todo:
+                    while order[k] not in todo:
+                        k += 1
+                    rid = order[k]
+                if self._unpark(todo.pop(rid)):
+                    resumed.add(rid)
+            if resumed:
+                self.queue = deque(s for s in self.queue if s.request_id not in resumed)
         while self.queue and len(self.slots) < self.max_slots:
             s = self.queue[0]
             if s.finish_reason == LENGTH:  # submitted with no budget left
