@@ -87,6 +87,35 @@ def test_a_group_admitted_over_several_steps_borrows_its_prompt_from_a_running_s
     assert torch.allclose(torch.tensor(late.logprobs), full_forward_logprobs(other, late), atol=1e-4)
 
 
+@pytest.mark.parametrize("cache_tokens", [-1, 0])
+def test_queued_prompts_are_prefilled_with_the_first_in_one_batch_and_copied_later(builtin,
+                                                                                    cache_tokens):
+    """Two slots, three prompts of three samples: the first admission computes all three
+    prompts in one forward pass (the queued ones with it) and every later sample copies them;
+    without a prompt cache each group's first sample is prefilled when admitted. Log-probs
+    equal a plain forward pass either way, and a weight update gives the cached prompts up."""
+    model, tok = builtin
+    eng = EmbeddedEngine(model, eos_token_ids=[], max_slots=2, max_seq_len=200, seed=6,
+                         prompt_cache_tokens=cache_tokens)
+    group = prompts(tok, ["[2,7,1,8]=", "[3,1,4,1,5]=", "[9,9]="])
+    samples = [Sample(p, SamplingParams(temperature=1.0, max_new_tokens=n))
+               for p in group for n in (6, 9, 4)]
+    eng.generate(samples)
+    ctx = [len(p) - 1 for p in group]
+    if cache_tokens:
+        assert eng.stats.prefill_calls == 1
+        assert eng.stats.prefill_tokens == sum(ctx)
+        assert eng.stats.prefill_shared_tokens == 3 * sum(ctx) - ctx[0]
+    else:   # siblings running alongside still lend theirs; a group's first is computed alone
+        assert eng.stats.prefill_calls >= 3
+    for s in samples:
+        assert torch.allclose(torch.tensor(s.logprobs), full_forward_logprobs(model, s), atol=1e-4)
+    if cache_tokens:
+        assert len(eng.prompts) == 3
+        eng.update_weights(model.state_dict(), version=1)
+        assert len(eng.prompts) == 0
+
+
 @pytest.mark.parametrize("config_cls, extra", [
     (LlamaConfig, {}), (Qwen2Config, {}), (Qwen3Config, {"head_dim": 16}),
 ])

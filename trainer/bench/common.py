@@ -81,6 +81,7 @@ def train_variant(name: str, preset: str, overrides: list[str], *, steps: int, e
         # again, when its KV cache was not kept), and cached positions resumed samples kept
         "prefill_tokens": engine.prefill_tokens,
         "prefill_shared_tokens": engine.prefill_shared_tokens,
+        "prefill_calls": engine.prefill_calls,
         "resumed_prefill_tokens": engine.resumed_prefill_tokens,
         "kv_kept_tokens": engine.kv_kept_tokens, "kv_evicted": engine.kv_evicted,
         "reward_mean": round(_mean(s("reward/mean")), 4),

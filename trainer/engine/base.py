@@ -166,6 +166,7 @@ class EngineStats:
     kv_evicted: int = 0
     parked_kv_tokens: int = 0
     kv_store_tokens: int = 0
+    prefill_calls: int = 0        # forward passes admissions ran (batches of prefilled rows)
 
     def idle_slot_frac(self) -> float:
         if self.slot_steps_capacity == 0:
@@ -183,7 +184,7 @@ class EngineStats:
         return (self.decode_steps, self.slot_steps_used, self.slot_steps_capacity,
                 self.generated_tokens, self.prefill_tokens, self.prefill_shared_tokens,
                 self.decode_s, self.admit_s, self.resumed_prefill_tokens, self.kv_kept_tokens,
-                self.kv_evicted, self.parked_kv_tokens, self.kv_store_tokens)
+                self.kv_evicted, self.parked_kv_tokens, self.kv_store_tokens, self.prefill_calls)
 
 
 class RolloutEngine:

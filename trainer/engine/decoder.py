@@ -57,11 +57,10 @@ class KVCache:
             t[:, dst, :, :length] = t[:, src, :, :length]
 
     def copy_rows(self, src: list[int], dst: list[int], length: int) -> None:
-        """Slot dst[k] gets the first `length` entries of slot src[k] (every layer)."""
-        s = torch.tensor(src, device=self.k.device)
-        d = torch.tensor(dst, device=self.k.device)
-        for t in (self.k, self.v):
-            t[:, d, :, :length] = t[:, s, :, :length]
+        """Slot dst[k] gets the first `length` entries of slot src[k] (every layer). A plain
+        slice copy per pair: on CPU an indexed copy of a few rows costs ~15x as much."""
+        for a, b in zip(src, dst):
+            self.move(a, b, length)
 
     def swap(self, a: int, b: int, len_a: int, len_b: int) -> None:
         for t in (self.k, self.v):
@@ -273,6 +272,15 @@ class Decoder:
         x = self._causal(ids, cos_t[:T].unsqueeze(1), sin_t[:T].unsqueeze(1))
         logp = torch.log_softmax(self._logits(x[0, :-1]).float(), dim=-1)
         return logp.gather(1, ids[0, 1:].unsqueeze(1)).squeeze(1).tolist()
+
+    def prefill_batch(self, rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The KV entries of `rows` (right-padded into one batch) in tensors of their own:
+        keys, values [layers, rows, kv heads, longest row, head dim] (row b's first len(rows[b])
+        positions are its own; the rest is padding)."""
+        out = KVCache(self.n_layers, len(rows), self.n_kv, max(len(r) for r in rows),
+                      self.head_dim, self.device, self.dtype)
+        self.prefill(out, list(range(len(rows))), rows)
+        return out.k, out.v
 
     @torch.no_grad()
     def extend(self, cache: KVCache, slot: int, start: int, tokens: list[int]) -> None:

@@ -18,6 +18,10 @@ the tokens added since (an environment's turn) are prefilled (trainer/engine/par
 bound, eviction, counting). Parked caches are dropped when the weights change with
 `recompute_kv` (the sample is prefilled again under the new weights).
 
+A new sample's prompt entries come from the prompt cache (trainer/engine/prompt_cache.py:
+each prompt computed once per weights version, the queued ones in the same batch) or a running
+sibling; only what neither holds is prefilled.
+
 Per decode step the Python work is O(active rows), never O(sequence length): the pending token
 is the sample's last one, the cached lengths are a list kept in step. When a sequence finishes
 is decided in one place, `_finish_reason` (end-of-sequence tokens: `self.eos`).
@@ -36,6 +40,7 @@ import torch
 from trainer.engine.base import ABORT, LENGTH, SEGMENT, STOP, EngineStats, RolloutEngine, Sample
 from trainer.engine.decoder import Decoder
 from trainer.engine.parking import ParkedCaches
+from trainer.engine.prompt_cache import PromptCache, copy_entries
 from trainer.observe import clock
 from trainer.observe.timeline import BusyRecorder
 
@@ -61,7 +66,8 @@ class EmbeddedEngine(ParkedCaches, RolloutEngine):
                  max_seq_len: int = 512, seed: int = 0, device: torch.device | None = None,
                  dtype: torch.dtype | None = None, prefill_tokens: int = 8192,
                  kv_memory_fraction: float = 0.5, slots_cap: int = 1024,
-                 attn_bucket_overhead: float | None = None, park_tokens: int = -1):
+                 attn_bucket_overhead: float | None = None, park_tokens: int = -1,
+                 prompt_cache_tokens: int = -1):
         params = next(model.parameters())
         self.device = device or params.device
         self.dtype = dtype or params.dtype
@@ -96,6 +102,9 @@ class EmbeddedEngine(ParkedCaches, RolloutEngine):
         self.parked: dict[int, tuple[int, int, int]] = {}
         self.stored: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.park_tokens = self.max_slots * max_seq_len if park_tokens < 0 else park_tokens
+        # prompts' KV entries under today's weights (trainer/engine/prompt_cache.py), at most
+        # prompt_cache_tokens positions (-1: 8 x max_seq_len)
+        self.prompts = PromptCache(8 * max_seq_len if prompt_cache_tokens < 0 else prompt_cache_tokens)
         # request id -> the weights version that computed its prompt's KV entries (a running
         # sample of the same prompt may lend them to a new one only when that is today's)
         self.prompt_kv_version: dict[int, int] = {}
@@ -176,6 +185,7 @@ class EmbeddedEngine(ParkedCaches, RolloutEngine):
         with self.lock:
             self.last_sync_bytes = self.decoder.load(named_tensors)
             self.version = version
+            self.prompts.clear()  # computed by the old weights: never lent to a new sample
             if recompute_kv:
                 self._forget_all()  # stale: resumed samples are prefilled under the new weights
                 if self.slots:
@@ -193,6 +203,7 @@ class EmbeddedEngine(ParkedCaches, RolloutEngine):
             self.cached.clear()
             self._forget_all()
             self.prompt_kv_version.clear()
+            self.prompts.clear()
 
     # --- memory (engine and trainer sharing one GPU) ----------------------------------------------
     def release_memory(self) -> bool:
@@ -206,6 +217,7 @@ class EmbeddedEngine(ParkedCaches, RolloutEngine):
             if self.cache is None:
                 return True
             self._forget_all()
+            self.prompts.clear()
             self.cache.release()
             self.cache = None
             if self.device.type == "cuda":
@@ -232,13 +244,21 @@ class EmbeddedEngine(ParkedCaches, RolloutEngine):
         done, new = [], []
         budget = self.prefill_budget
         if self.parked and self.queue:  # queued samples with a parked cache go first: no prefill
-            keep: deque[Sample] = deque()
-            for s in self.queue:
-                if (s.request_id in self.parked and s.finish_reason != LENGTH
-                        and len(self.slots) < self.max_slots and self._unpark(s)):
-                    continue
-                keep.append(s)
-            self.queue = keep
+            # the one whose cache already sits at the next active slot first (no copy), else
+            # the next in queue order (its cache is swapped in)
+            todo = {s.request_id: s for s in self.queue
+                    if s.request_id in self.parked and s.finish_reason != LENGTH}
+            order, k, resumed = list(todo), 0, set()
+            while todo and len(self.slots) < self.max_slots:
+                rid = self._parked_at(len(self.slots))
+                if rid not in todo:
+                    while order[k] not in todo:
+                        k += 1
+                    rid = order[k]
+                if self._unpark(todo.pop(rid)):
+                    resumed.add(rid)
+            if resumed:
+                self.queue = deque(s for s in self.queue if s.request_id not in resumed)
         while self.queue and len(self.slots) < self.max_slots:
             s = self.queue[0]
             if s.finish_reason == LENGTH:  # submitted with no budget left
@@ -259,51 +279,85 @@ class EmbeddedEngine(ParkedCaches, RolloutEngine):
 
     def _prefill(self, slot_ids: list[int]) -> None:
         rows = [self._tokens(self.slots[i])[:-1] for i in slot_ids]
-        # the samples of a GRPO group start from the same prompt: run each distinct context
-        # through the model once and copy its KV entries to the other slots, also from a sample
-        # of the group already running (its siblings are admitted a few at a time)
+        # the samples of a GRPO group start from the same prompt: each distinct context runs
+        # through the model once and its KV entries are copied to the other slots: new samples
+        # (no response yet) take them from the prompt cache (trainer/engine/prompt_cache.py),
+        # else from a sample of the group already running (its siblings are admitted a few at a
+        # time); a prompt that must be computed takes the queued new prompts with it
         first: dict[tuple, int] = {}
-        unique, src, dst, shared_len = [], [], [], 0
-        donors = None
+        fresh: dict[tuple, list[int]] = {}
+        resumed, src, dst, shared_len = [], [], [], 0
         for i, r in zip(slot_ids, rows):
             if not r:
                 continue
             key = tuple(r)
-            j = first.get(key)
-            if j is None and not self.slots[i].response_ids:
-                if donors is None:
-                    donors = self._prompt_donors(set(slot_ids))
-                j = donors.get(key)
-            if j is None:
-                first[key] = i
-                unique.append((i, r))
-            else:
-                first[key] = j
-                src.append(j)
+            if not self.slots[i].response_ids:
+                fresh.setdefault(key, []).append(i)
+            elif key in first:
+                src.append(first[key])
                 dst.append(i)
                 shared_len = max(shared_len, len(r))
                 self.stats.prefill_shared_tokens += len(r)
-        todo = sorted(unique, key=lambda x: len(x[1]))
-        # length-sorted batches with little padding: a long row must not pad many short ones
-        batch: list = []
-        for item in todo + [None]:
-            if batch and (item is None or (len(batch) + 1) * len(item[1])
-                          > 1.25 * (sum(len(r) for _, r in batch) + len(item[1])) + 32):
-                self.decoder.prefill(self.cache, [i for i, _ in batch], [r for _, r in batch])
-                batch = []
-            if item is not None:
-                batch.append(item)
+            else:
+                first[key] = i
+                resumed.append((i, r))
+        copies = []
+        missing = [k for k in fresh if k not in self.prompts]
+        donors = self._prompt_donors(set(slot_ids)) if missing else {}
+        compute = [k for k in missing if k not in donors]
+        if compute:
+            compute += self._lookahead(set(fresh), self.prefill_budget - sum(map(len, compute)))
+        batches = {}
+        for batch in _length_batches(compute):
+            keys, values = self.decoder.prefill_batch([list(k) for k in batch])
+            self.stats.prefill_calls += 1
+            for b, key in enumerate(batch):
+                batches[key] = (keys, values, b, len(key))
+                self.prompts.put(key, keys, values, b)
+        self.stats.prefill_tokens += sum(map(len, compute))
+        for key, slots in fresh.items():
+            entry = batches.get(key) or self.prompts.get(key)
+            if entry is None:       # a running sibling's
+                src.extend([donors[key]] * len(slots))
+                dst.extend(slots)
+                shared_len = max(shared_len, len(key))
+            else:
+                copies.extend((entry, i) for i in slots)
+            self.stats.prefill_shared_tokens += len(key) * (len(slots) - (key in batches))
+        for batch in _length_batches(resumed, len_of=lambda x: len(x[1])):
+            self.decoder.prefill(self.cache, [i for i, _ in batch], [r for _, r in batch])
+            self.stats.prefill_calls += 1
+        if copies:
+            copy_entries(copies, self.cache.k, self.cache.v)
         if dst:  # positions past a row's own length are garbage its decode never reads
             self.cache.copy_rows(src, dst, shared_len)
-        self.stats.prefill_tokens += sum(len(r) for _, r in todo)
-        self.stats.resumed_prefill_tokens += sum(len(r) for i, r in todo
-                                                 if self.slots[i].response_ids)
+        self.stats.prefill_tokens += sum(len(r) for _, r in resumed)
+        self.stats.resumed_prefill_tokens += sum(len(r) for _, r in resumed)
         for i, r in zip(slot_ids, rows):
             self.cached[i] = len(r)
             self.prompt_kv_version[self.slots[i].request_id] = self.version
         if len(self.prompt_kv_version) > 4 * self.max_slots:  # forget samples long gone
             keep = {s.request_id for s in self.slots} | set(self.parked)
             self.prompt_kv_version = {k: v for k, v in self.prompt_kv_version.items() if k in keep}
+
+    def _lookahead(self, exclude: set[tuple], budget: int) -> list[tuple]:
+        """Distinct prompts of queued new samples (prompt less its last token) that the prompt
+        cache lacks, in queue order, within `budget` tokens and half the cache's bound: computed
+        with the prompts an admission must prefill, one batch instead of a call each later."""
+        budget = min(budget, self.prompts.max_tokens // 2)
+        out, seen = [], set(exclude)
+        for s in self.queue:
+            if s.response_ids or len(s.prompt_ids) < 2:
+                continue
+            key = tuple(s.prompt_ids[:-1])
+            if key in seen or key in self.prompts:
+                continue
+            seen.add(key)
+            if len(key) > budget:
+                break
+            budget -= len(key)
+            out.append(key)
+        return out
 
     def _prompt_donors(self, exclude: set[int]) -> dict[tuple, int]:
         """Running slots (not in `exclude`) whose first cached positions hold their prompt's KV
@@ -394,6 +448,21 @@ class EmbeddedEngine(ParkedCaches, RolloutEngine):
                 choice = torch.where(torch.tensor(greedy, device=self.device),
                                      logits.argmax(dim=-1), choice)
         return choice, logp.gather(1, choice.unsqueeze(1)).squeeze(1)
+
+
+def _length_batches(items: list, len_of=len) -> list[list]:
+    """Length-sorted batches with little padding: a long row must not pad many short ones."""
+    out, batch, total = [], [], 0
+    for item in sorted(items, key=len_of):
+        n = len_of(item)
+        if batch and (len(batch) + 1) * n > 1.25 * (total + n) + 32:
+            out.append(batch)
+            batch, total = [], 0
+        batch.append(item)
+        total += n
+    if batch:
+        out.append(batch)
+    return out
 
 
 def _comes_back(s: Sample) -> bool:

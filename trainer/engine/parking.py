@@ -20,6 +20,8 @@ tensors; a copy costs memory bandwidth, a prefill a forward pass). The store hol
 Resuming: the sample's tokens must extend the cached ones (lists only grow; a stop string cuts
 a response after a late report, which leaves the cache a valid longer prefix). Positions past
 the cache are prefilled on top of it (`Decoder.extend`); a cache longer than the sample is cut.
+The admission (`EmbeddedEngine._admit`) resumes first the queued sample whose cache already sits
+at the next active slot (nothing to copy), else the next in queue order (its cache is swapped in).
 
 A mixin of `EmbeddedEngine` (trainer/engine/embedded.py): it moves the same per-slot state
 (`slots`, `cached`, `cache`, `parked`, `stored`).
@@ -143,6 +145,7 @@ class ParkedCaches:
         if kept < need:
             self.decoder.extend(self.cache, n, kept, tokens[kept:need])
             self.stats.prefill_tokens += need - kept
+            self.stats.prefill_calls += 1
         self.stats.kv_kept_tokens += kept
         self.slots.append(s)
         self.cached.append(need)
