@@ -116,6 +116,23 @@ def test_queued_prompts_are_prefilled_with_the_first_in_one_batch_and_copied_lat
         assert len(eng.prompts) == 0
 
 
+def test_a_prompt_cache_too_small_for_one_admission_evicts_nothing_it_is_lending(builtin):
+    """A bound of one prompt: an admission's new prompts evict the entry that admission had
+    found cached; the samples it was lent to still get it (a KeyError before), and every
+    log-prob equals a plain forward pass."""
+    model, tok = builtin
+    group = prompts(tok, ["[2,7,1,8]=", "[3,1,4,1,5]=", "[9,9]=", "[6,0,2]=", "[4,4,4,4,4,4]=",
+                          "[1]=", "[5,3]=", "[8,8,1]="])
+    eng = EmbeddedEngine(model, eos_token_ids=[], max_slots=3, max_seq_len=200, seed=3,
+                         prompt_cache_tokens=max(map(len, group)))
+    samples = [Sample(p, SamplingParams(temperature=1.0, max_new_tokens=n))
+               for p in group for n in (2, 9)]
+    eng.generate(samples)
+    assert eng.stats.prefill_shared_tokens > 0   # the cache (or a sibling) lent something
+    for s in samples:
+        assert torch.allclose(torch.tensor(s.logprobs), full_forward_logprobs(model, s), atol=1e-4)
+
+
 @pytest.mark.parametrize("config_cls, extra", [
     (LlamaConfig, {}), (Qwen2Config, {}), (Qwen3Config, {"head_dim": 16}),
 ])

@@ -302,7 +302,9 @@ class EmbeddedEngine(ParkedCaches, RolloutEngine):
                 first[key] = i
                 resumed.append((i, r))
         copies = []
-        missing = [k for k in fresh if k not in self.prompts]
+        # taken before this admission's own puts, which may evict them (least recently used)
+        held = {k: e for k in fresh if (e := self.prompts.get(k)) is not None}
+        missing = [k for k in fresh if k not in held]
         donors = self._prompt_donors(set(slot_ids)) if missing else {}
         compute = [k for k in missing if k not in donors]
         if compute:
@@ -316,7 +318,7 @@ class EmbeddedEngine(ParkedCaches, RolloutEngine):
                 self.prompts.put(key, keys, values, b)
         self.stats.prefill_tokens += sum(map(len, compute))
         for key, slots in fresh.items():
-            entry = batches.get(key) or self.prompts.get(key)
+            entry = batches.get(key) or held.get(key)
             if entry is None:       # a running sibling's
                 src.extend([donors[key]] * len(slots))
                 dst.extend(slots)
