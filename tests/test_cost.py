@@ -6,12 +6,14 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from helpers import TINY_RUN, tiny_cli_run
 
 from trainer.accounting import cost, forecast, run_files
 from trainer.accounting.run_files import read_slices
+from trainer.run.device_account import DeviceAccount
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -107,6 +109,26 @@ def test_overlapping_asynchronous_steps_are_not_billed_twice_by_hand():
     assert per_step == {1: pytest.approx(18 * 30 / 39), 2: pytest.approx(21 * 30 / 39)}
     assert sum(per_step.values()) == pytest.approx(30.0)   # what the run held over those steps
     assert cost.drops_per_100_steps(rows, per_step, ("stale",)) == pytest.approx(150.0)
+
+
+def test_the_runs_device_account_counts_overlapping_steps_once_by_hand():
+    """The runner's account (trainer/run/device_account.py) as the steps come: step 1 covers
+    100-106, step 2 103-110 (4 s new), the pending spans 109-112 (2 s new): 3 cores hold 18, 30,
+    then 36 device-s; the layout is asked once; a price only with a rate."""
+    asked = []
+    account = DeviceAccount(lambda: asked.append(1) or DEVICES)
+    account.count([{"start": 100.0, "end": 106.0}])
+    assert account.seconds == {"gpu": 0.0, "cpu": pytest.approx(18.0)}
+    account.count([{"start": 103.0, "end": 108.0}, {"start": 108.0, "end": 110.0}])
+    assert account.seconds["cpu"] == pytest.approx(30.0)   # 3 s of step 2 were step 1's too
+    pending = [{"start": 109.0, "end": 112.0}]
+    assert account.seconds_now(pending)["cpu"] == pytest.approx(36.0)
+    assert account.seconds["cpu"] == pytest.approx(30.0)   # pending: read, not counted
+    hours = account.figures(pending, SimpleNamespace(gpu_hour=0.0, cpu_core_hour=0.0))
+    assert hours == {"cost/gpu_hours": 0.0, "cost/cpu_core_hours": pytest.approx(0.01)}
+    priced = account.figures(pending, SimpleNamespace(gpu_hour=0.0, cpu_core_hour=2.0))
+    assert priced["cost/price"] == pytest.approx(0.02)
+    assert asked == [1]   # the layout is fixed for a start of the run: read once
 
 
 def test_no_rate_means_hours_only_and_a_rate_reprices_the_whole_run():

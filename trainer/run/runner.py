@@ -9,14 +9,17 @@ Each step (`train_step`): the step boundary (trainer/run/boundary.py: knob chang
 metric record (trainer/run/step_record.py) -> the pilot's advice and autopilot -> maybe evaluate /
 checkpoint (trainer/run/state.py) -> the step's timeline (trainer/observe/timeline.py: where each
 process's time went). Its collaborators, for each rank role, and a resume's state come from
-trainer/run/build.py. The runner never imports Django; the web app gives it a database sink and
-control source.
+trainer/run/build.py. Beside it: the device-seconds and cost figures (trainer/run/device_account.py),
+the knob changes the run asks of itself and the pilot's advice (trainer/run/knob_requests.py), what
+it says at its start and end (trainer/run/run_events.py). The runner never imports Django; the web
+app gives it a database sink and control source.
 """
 from __future__ import annotations
 
 import contextlib
 import copy
 import dataclasses
+import functools
 import time
 import traceback
 from pathlib import Path
@@ -25,30 +28,25 @@ from typing import Any
 import torch
 
 from trainer import config as config_mod
-from trainer.accounting import cost
 from trainer.algo import objective
 from trainer.algo.learner import TrainSequence
 from trainer.cluster import distributed
-from trainer.engine import generation_device, rollout_precision
-from trainer.engine.base import GenerationGaveUp
 from trainer.episode.engine import apply_limits
 from trainer.episode.environments import offered_tools
 from trainer.models import lora
 from trainer.observe import clock, trackers
 from trainer.observe.metrics import MetricsSink, MultiSink
 from trainer.observe.timeline import CONTROLLER, rank_lane
-from trainer.pilot import episodes as single_turn
-from trainer.rollout import april, staleness_schedule
 from trainer.rollout.asynchronous import AsyncStall, CollectInterrupted
 from trainer.rollout.base import RolloutResult
-from trainer.run import build, checkpoint, step_record, training_ranks
+from trainer.run import build, checkpoint, knob_requests, run_events, step_record, training_ranks
 from trainer.run import state as run_state
-from trainer.run.controls import AUTO, AUTOPILOT, SCHEDULE, ControlSource
+from trainer.run.controls import ControlSource
+from trainer.run.device_account import DeviceAccount, process_layout
 from trainer.run.evaluate import evaluate
 from trainer.run.invariant_watch import InvariantWatch
 from trainer.run.parts import RunParts
 from trainer.run.step_record import StepResults
-from trainer.sandbox.preflight import weak_isolation_warning
 
 FINISHED, STOPPED, FAILED, INTERRUPTED = "finished", "stopped", "failed", "interrupted"
 
@@ -56,17 +54,6 @@ FINISHED, STOPPED, FAILED, INTERRUPTED = "finished", "stopped", "failed", "inter
 class RunFailed(RuntimeError):
     """The run ended for a cause its message says whole, for a person: the CLI prints it and the
     dashboard shows it as the run's error, word for word."""
-
-
-def _gave_up(e: BaseException) -> GenerationGaveUp | None:
-    """The GenerationGaveUp behind `e` (the asynchronous worker's error wraps it), or None."""
-    seen = set()
-    while e is not None and id(e) not in seen:   # a chain may loop back
-        if isinstance(e, GenerationGaveUp):
-            return e
-        seen.add(id(e))
-        e = e.__cause__ or e.__context__
-    return None
 
 
 class Runner:
@@ -95,9 +82,9 @@ class Runner:
         self.totals = {"samples": 0, "gen_tokens": 0, "trained_tokens": 0, "reward_errors": 0,
                        "reward_timeouts": 0}
         self.best_eval: float | None = None
-        self.device_s: dict[str, float] = {}   # device-seconds held so far, by kind (cost/*)
-        self._reach = float("-inf")             # the latest time they count to
-        self._held: dict | None = None
+        # device-seconds held, by kind, and the cost figures (trainer/run/device_account.py)
+        self.device_account = DeviceAccount(lambda: process_layout(
+            self.engine, self.device, self.dist.size, self.cfg.async_.worker_threads))
         self.last_eval: float | None = None
         self.last_eval_result: dict | None = None   # the last evaluation's figures (benches)
         # what the run is doing between two steps ("evaluating", "saving a checkpoint"), else
@@ -124,7 +111,7 @@ class Runner:
         self._hold(build.collaborators(self, resumed, ckpt_tensors,
                                        system_telemetry=system_telemetry))
         if self.is_controller:
-            self.boundary.on_knobs = self._knobs_changed
+            self.boundary.on_knobs = functools.partial(knob_requests.tell_autopilot, self.pilot)
             # a step waiting for asynchronous groups gives way to a stop or pause within a second,
             # and says at once what its engine reports (e.g. every generator gone: it waits)
             self.rollout.interrupted = self._waiting
@@ -148,25 +135,11 @@ class Runner:
         if self.system is not None:
             self.system.start()
             step_record.process_metrics(self, [])   # the first readings: step 1 reports its CPU shares
-        self.sink.event(self.step, "run_started" if self.step == 0 else "run_resumed",
-                        {"max_steps": self.cfg.run.max_steps, "device": str(self.device),
-                         # the trainer's precision and the engine's (the mismatch metrics' cause)
-                         "model_dtype": str(self.dtype).removeprefix("torch."),
-                         "rollout_dtype": rollout_precision(self.engine, self.cfg.rollout.dtype,
-                                                            self.dtype),
-                         # what trains: every parameter, or LoRA's adapters (their file's bytes)
-                         **lora.sizes(self.model),
-                         # what each process holds, for the cost account (trainer/accounting/cost.py)
-                         "devices": self._held_devices(),
-                         # a resume holds no KV cache: how its parked samples go on
-                         **({"kv_cache": april.resume_kv_note(self.cfg)} if self.step else {}),
-                         # how many prompts' GRESO history came from another run
-                         **({"greso_warm_start": self.greso_warm} if self.greso_warm else {}),
-                         # where the agents call (episode.agents; the token is never written)
-                         **({"agents_url": self.rollout.server.base_url}
-                            if self.cfg.episode.agents else {})})
-        # said at every start and resume, as the run page and the report keep saying
-        for warning in filter(None, (weak_isolation_warning(self.cfg), lora.dropout_warning(self.cfg))):
+        self.sink.event(self.step, "run_started" if self.step == 0 else "run_resumed", run_events.start(
+            self.cfg, self.step, device=self.device, dtype=self.dtype, engine=self.engine,
+            model=self.model, devices=self.device_account.held(), greso_warm=self.greso_warm,
+            rollout=self.rollout))
+        for warning in run_events.start_warnings(self.cfg):
             self.sink.event(self.step, "warning", {"message": warning})
         status = FINISHED
         try:
@@ -216,8 +189,9 @@ class Runner:
             status = FAILED
             with contextlib.suppress(Exception):   # what the engine said on the way (each death)
                 self._relay_engine_warnings()
-            lost = _gave_up(e)
-            message = self.lost_generation(lost) if lost else f"{type(e).__name__}: {e}"
+            lost = run_events.gave_up(e)
+            message = (run_events.lost_generation(lost, self.step + 1, self.run_dir) if lost
+                       else f"{type(e).__name__}: {e}")
             self.sink.event(self.step, "error", {"message": message,
                                                  "traceback": traceback.format_exc(limit=8)})
             if lost:
@@ -231,18 +205,11 @@ class Runner:
                 self.system.close()
             self.sink.flush()
 
-    def lost_generation(self, lost: GenerationGaveUp) -> str:
-        """Why the run ends when its generation processes were given up, for a person: which,
-        how, after how many restarts, in which step, and where a resume continues."""
-        saved = checkpoint.latest_step(self.run_dir)
-        resume = (f"resume continues from the checkpoint at step {saved}" if saved is not None
-                  else "no checkpoint was written: a resume starts over")
-        return f"{lost.during(self.step + 1)}; {resume}"
-
     def _cross_boundary(self):
         """The step boundary: the config to go on with (knob changes applied), None to stop;
         the time it held the run paused goes to the timeline."""
-        self._schedule_point()
+        self.schedule_through = knob_requests.schedule_point(self.boundary, self.cfg,
+                                                             self.schedule_through, self.step)
         cfg = self.boundary.cross(self.step, self.cfg)
         for start, end in self.boundary.pauses:
             self.timeline.add(CONTROLLER, "paused", start, end)
@@ -326,10 +293,10 @@ class Runner:
         m = step_record.record(self, cfg, results)
         m.update(self.invariants.after_step(self, cfg, results.seqs, results.rollout,
                                             results.version))
-        self._retune(results.train_metrics)
-        m.update(self._cost_figures())
+        knob_requests.retune(self.rollout, self.boundary, self.cfg, results.train_metrics)
+        m.update(self.device_account.figures(self.timeline.pending(), self.cfg.cost))
         self.sink.scalars(self.step, m)
-        self._pilot_after_step(m)
+        knob_requests.pilot_after_step(self.pilot, self.sink, self.boundary, self.step, m, self.cfg)
         return m
 
     def _collect(self, cfg, stats0) -> RolloutResult:
@@ -407,50 +374,7 @@ class Runner:
         return self.ranks.logprobs(self.learner, seqs, self.tokenizer.pad_token_id,
                                    self.cfg.optim.micro_batch_tokens, reference=reference)
 
-    # --- the trainer's own knob changes and the pilot -------------------------------------------------
-    def _retune(self, train_metrics: dict) -> None:
-        """The driver's own knob change (e.g. async.auto_staleness moves eta), queued for the next
-        boundary like a person's."""
-        proposal = self.rollout.retune(self.cfg, train_metrics)
-        if proposal:
-            changes = proposal.pop("changes")
-            self.boundary.request({k: ch["new"] for k, ch in changes.items()},
-                                  reason={"rule": proposal.pop("kind"), **proposal})
-
-    def _schedule_point(self) -> None:
-        """async.staleness_schedule's point due at this boundary, if any, queued like any knob
-        change (trainer/rollout/staleness_schedule.py: each point once, also across a resume)."""
-        text = self.cfg.async_.staleness_schedule
-        point = staleness_schedule.due(staleness_schedule.parse(text), self.schedule_through,
-                                       self.step) if text.strip() else None
-        self.schedule_through = self.step
-        if point is not None:
-            self.boundary.request({"async.max_staleness": point.eta}, requested_by=SCHEDULE,
-                                  reason={"rule": "staleness_schedule", "point": f"{point.step}:{point.eta}",
-                                          "schedule": text})
-
-    def _pilot_after_step(self, m: dict) -> None:
-        """Announce new advice; queue the autopilot's move for the next boundary."""
-        advice, move = self.pilot.after_step(self.step, m, self.cfg)
-        for a in advice:
-            self.sink.event(self.step, "advice", a.as_json())
-            if a.reason == single_turn.REASON:   # no silent fallback: an event too (an alert)
-                self.sink.event(self.step, single_turn.EVENT, {"message": a.message})
-        if move is not None:
-            self.boundary.request(move.knobs, reason=move.reason, requested_by=AUTOPILOT)
-
-    def _knobs_changed(self, cmd, applied: bool) -> None:
-        if cmd.requested_by == AUTO:   # async.auto_staleness: neither a person nor the autopilot
-            return
-        if cmd.requested_by == SCHEDULE:   # a point set at launch: not a person's knob from now on
-            if applied:
-                self.pilot.autopilot.knob_scheduled(list(cmd.knobs))
-            return
-        if applied:
-            self.pilot.autopilot.knob_applied(list(cmd.knobs), cmd.requested_by == AUTOPILOT)
-        elif cmd.requested_by == AUTOPILOT:
-            self.pilot.autopilot.knob_refused(list(cmd.knobs))
-
+    # --- the timeline and the device account -------------------------------------------------------
     def _record_timeline(self) -> None:
         """The spans since the last call, the generators' busy spans among them, to the sink."""
         for lane, start, end, occupancy in getattr(self.engine, "take_busy_spans", list)():
@@ -458,27 +382,7 @@ class Runner:
         spans = self.timeline.take()
         if spans:
             self.sink.timeline(self.step, spans)
-            wall, self._reach = cost.new_cover(spans, self._reach)
-            for kind, n in cost.kind_counts(self._held_devices()).items():
-                self.device_s[kind] = self.device_s.get(kind, 0.0) + wall * n
-
-    def device_seconds_now(self) -> dict[str, float]:
-        """Device-seconds held so far by kind, as the cost account counts them (the union of the
-        steps' timelines: asynchronous steps overlap): the timelines recorded and the spans not
-        yet recorded. Checkpoints carry it, so a resumed run counts on from its checkpoint."""
-        wall, _ = cost.new_cover(self.timeline.pending(), self._reach)
-        return {k: self.device_s.get(k, 0.0) + wall * n for k, n in cost.kind_counts(self._held_devices()).items()}
-
-    def _cost_figures(self) -> dict[str, float]:
-        """The step row's device-hours so far by kind (cost/gpu_hours, cost/cpu_core_hours; its
-        evaluation and checkpoint count in the next step's row) and their price at the run's own
-        rates (cost/price, only when its [cost] section sets one)."""
-        held = self.device_seconds_now()
-        m = {"cost/gpu_hours": held["gpu"] / 3600, "cost/cpu_core_hours": held["cpu"] / 3600}
-        money = cost.price(held, cost.run_rates(self.cfg.cost.gpu_hour, self.cfg.cost.cpu_core_hour))
-        if money is not None:
-            m["cost/price"] = money
-        return m
+            self.device_account.count(spans)
 
     # --- evaluation ---------------------------------------------------------------------------------
     def evaluate(self) -> float:
@@ -507,21 +411,6 @@ class Runner:
         return {"steps": self.step, "policy_version": self.version, **{
             f"{k}_total": v for k, v in self.totals.items()},
             "eval_accuracy_last": self.last_eval, "eval_accuracy_best": self.best_eval}
-
-    def _held_devices(self) -> dict:
-        """What each process holds in this start of the run (read once: the layout is fixed)."""
-        if self._held is None:
-            self._held = self._devices()
-        return self._held
-
-    def _devices(self) -> dict:
-        """What each process holds, for the cost account (trainer/accounting/cost.py)."""
-        lanes = getattr(self.engine, "lane_pids", dict)()
-        # generation processes on CUDA share the trainer's GPU when the machine has too few
-        own_gpu = self.device.type != "cuda" or generation_device(self.device, 0, max(len(lanes), 1)) != self.device
-        return cost.layout_devices(self.device.type, self.dist.size, torch.get_num_threads(), lanes,
-                                   self.cfg.async_.worker_threads, len(getattr(self.engine, "servers", ())),
-                                   engine_own_gpu=own_gpu)
 
     # --- checkpoints --------------------------------------------------------------------------------
     def save_checkpoint(self) -> Path:

@@ -98,7 +98,8 @@ def held_groups(path: Path) -> int:
 def save(runner) -> Path:
     state = {"step": runner.step, "version": runner.version, "cursor": runner.prompts.cursor,
              "totals": runner.totals, "best_eval": runner.best_eval, "last_eval": runner.last_eval,
-             "device_s": runner.device_seconds_now(), "config": runner.cfg.to_dict(), "knobs": runner.cfg.knob_values(),
+             "device_s": runner.device_account.seconds_now(runner.timeline.pending()),
+             "config": runner.cfg.to_dict(), "knobs": runner.cfg.knob_values(),
              "ledger": runner.rollout.ledger.state_dict(),
              "pilot": runner.pilot.state_dict(runner.cfg),
              "schedule_through": runner.schedule_through,
@@ -121,7 +122,7 @@ def restore(runner, state: dict, tensors: dict) -> None:
     runner.prompts.cursor = state["cursor"]
     runner.totals.update(state["totals"])
     runner.best_eval, runner.last_eval = state.get("best_eval"), state.get("last_eval")
-    runner.device_s = dict(state.get("device_s") or {})   # a checkpoint from before: counted from here
+    runner.device_account.seconds = dict(state.get("device_s") or {})   # a checkpoint from before: counted from here
     if not runner.sharded:   # sharded: every rank takes its part (build.resume_state)
         runner.learner.load_state_dict(tensors["optimizer"])
     checkpoint.set_rng_state(tensors["rng"], runner.engine.generator)
