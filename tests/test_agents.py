@@ -148,6 +148,18 @@ def test_an_openai_agent_s_calls_are_trained_token_for_token(tmp_path):
     assert not [e for e in sink.events if e.get("kind") in ("invariant_violated", "error")]
     started = next(e for e in sink.events if e["kind"] == "run_started")
     assert started["agents_url"] == read_address(tmp_path)["base_url"]   # on the run page's log
+    # the inspector's rows: an agent's episode turn by turn, as a built-in episode's (the tool
+    # messages a turn of their own, never trained), with the turns the agent took
+    by_text = {tok.decode(list(s.response_ids), skip_special_tokens=True): s for s in samples}
+    shown = [r for r in sink.sample_rows if r["completion"] in by_text]
+    assert len(shown) == len(samples) and all(r.get("turns") and r.get("episode") for r in shown)
+    for r in shown:
+        s = by_text[r["completion"]]
+        assert [t["role"] for t in r["turns"]][::2] == ["model"] * len(r["turns"][::2])   # model first
+        assert [t["trained"] for t in r["turns"]] == [t["role"] == "model" for t in r["turns"]]
+        assert r["turns"][-1]["end"] == len(s.response_ids)
+        assert r["episode"]["turns"] == len(log[s.meta["agent_session"]]["replies"])
+    assert any(t["role"] == "tool" for r in shown for t in r["turns"])   # (tool_turns > 0 above)
 
 
 def test_another_token_is_refused_and_bad_calls_are_named(tmp_path):

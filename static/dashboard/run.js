@@ -82,6 +82,8 @@
     const title = document.getElementById("alerts-title");   // an ended run's alerts are history
     if (title) title.textContent = ACTIVE.indexOf(status) >= 0 ? "Alerts" : "Alerts active when the run ended";
     forecast.status(ACTIVE.indexOf(status) >= 0);   // an ended run has nothing to go
+    const agents = document.getElementById("agents-panel");   // the endpoint ends with the run
+    if (agents) agents.hidden = ACTIVE.indexOf(status) < 0;
     updateButtons();
   }
   function rewind(step) {
@@ -143,6 +145,11 @@
       setAllowed(m.allowed_actions);
     }
     logEvent(m.step, m.kind, m.text);
+    if ((m.kind === "run_started" || m.kind === "run_resumed") && d.agents_url) {
+      // where the agents call (episode.agents; a resume may serve on another port)
+      const url = document.getElementById("agents-url");
+      if (url) { url.textContent = d.agents_url; url.classList.remove("muted"); }
+    }
     if (m.kind === "knob_applied") {
       for (const k in (d.changes || {})) state.knobs[k] = d.changes[k].new;
       state.annotations.push({ step: m.step, text: m.text });

@@ -15,6 +15,7 @@ from webapp.dashboard import actions, formatting
 from webapp.dashboard.access import validation
 from webapp.dashboard.api.endpoints import filter_runs
 from webapp.dashboard.models import ACTIVE, RESUMABLE, Run, RunEvent, Status
+from webapp.dashboard.pages import agents
 from webapp.dashboard.reports import advice, comparison, cost, exports, summary
 from webapp.dashboard.worker import sweep
 
@@ -224,6 +225,7 @@ def run_page(request, run_id: int):
             "april_context": advice.april_context(run)}
     return render(request, "dashboard/run.html", {"run": run, "page": page, "active_alerts": active_alerts(run),
                                                   "tracker_links": tracker_links(run),
+                                                  "agents": agents.panel(run, request.user),
                                                   "trains": summary.trains(run),
                                                   "sandbox_warning": summary.sandbox_warning(run),
                                                   "invariants": summary.invariants(run),
