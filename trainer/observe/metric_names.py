@@ -162,6 +162,16 @@ SCALARS: dict[str, str] = {
     "surplus beyond a lowered N'; not a breach)",
     "invariants/bound": "the token-age bound in force this step (eta, or the version span)",
     "timing/invariants_s": "seconds the step's invariant checks took",
+    # the weight probe after each sync (trainer/invariants/probe.py)
+    "invariants/weights_not_applied": "generators whose probe log-probabilities left the band: "
+    "they sample with weights other than those just sent",
+    "invariants/probe_dlogp": "the probe's mean |delta log p|, engine vs trainer (the worst generator)",
+    "invariants/probe_max_dlogp": "the probe's largest single-token |delta log p| (the worst generator)",
+    "invariants/probe_band": "the band the probe's mean |delta log p| must stay in (set by precision)",
+    "invariants/probe_adapter_dlogp": "LoRA: the probe's mean |delta log p|, policy vs the base "
+    "(adapters off)",
+    "invariants/probe_adapters_shown": "LoRA: 1 when the probe shows the engines apply the adapters",
+    "timing/probe_s": "seconds the weight probe took",
     # the machine
     "system/cpu_util": "CPU utilisation (% of all cores)", "system/ram_gb": "trainer RSS (GB)",
     "system/gpu_util": "GPU utilisation (%), mean over devices",
