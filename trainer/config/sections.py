@@ -141,6 +141,13 @@ class EngineConfig:
                                 "outside the engine's slots (copied out; the oldest are given up "
                                 "beyond it and prefilled again when resumed); -1 = as many as "
                                 "the slots hold (max_slots x max_seq_len), 0 = free slots only")
+    prompt_cache_tokens: int = param(-1, min=-1, max=1 << 30,
+                                     help="embedded engine: most positions the prompt cache holds "
+                                     "(a group's prompt prefilled once per weights version, its "
+                                     "KV copied to each sample: saves prefill time; costs memory, "
+                                     "one more copy of each cached prompt's KV, least recently "
+                                     "used given up beyond it); -1 = 8 x max_seq_len, 0 = off "
+                                     "(a running sibling still lends its prompt)")
 
 
 @dataclass

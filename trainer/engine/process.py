@@ -224,7 +224,7 @@ class ProcessEngine(RolloutEngine):
                  device: torch.device | None = None, dtype: torch.dtype | None = None,
                  slots_cap: int = 1024, start_timeout_s: float = 120.0,
                  weights: dict[str, torch.Tensor] | None = None, stops: Iterable[str] = (),
-                 tokenizer=None, park_tokens: int = -1):
+                 tokenizer=None, park_tokens: int = -1, prompt_cache_tokens: int = -1):
         """`weights`: the tensors to start from instead of `model`'s (a generation process
         restarted mid-run starts from the policy the others hold, not from a model the trainer
         may be updating at that moment); `model` still gives the architecture. `stops`: stop
@@ -265,7 +265,8 @@ class ProcessEngine(RolloutEngine):
         self._finalizer = weakref.finalize(self, _shutdown, self.proc, self.conn, self.weights)
         kwargs = dict(eos_token_ids=list(eos_token_ids), max_slots=max_slots, slots_cap=slots_cap,
                       max_seq_len=max_seq_len, seed=seed, device=str(device),
-                      dtype=str(dtype).removeprefix("torch."), park_tokens=park_tokens)
+                      dtype=str(dtype).removeprefix("torch."), park_tokens=park_tokens,
+                      prompt_cache_tokens=prompt_cache_tokens)
         try:
             self._send(("start", model.config, self.weights.spec(), kwargs, threads,
                         list(stops), tokenizer if stops else None))

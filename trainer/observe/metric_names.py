@@ -106,6 +106,9 @@ SCALARS: dict[str, str] = {
     "timing/gen_s": "generation (asynchronous: waiting for groups)", "timing/reward_s": "rewards",
     "timing/train_s": "update", "timing/weight_sync_s": "weights to the engine",
     "engine/prefill_tokens": "tokens the engine prefilled (prompts, resumed histories, new turns)",
+    "engine/prefill_shared_tokens": "prompt tokens copied from the prompt cache or a running "
+    "sibling instead of prefilled (engine.prompt_cache_tokens)",
+    "engine/prefill_calls": "forward passes the engine's admissions ran (batches of prefilled rows)",
     "engine/resumed_prefill_tokens": "prefill tokens of samples admitted with a response (a "
     "history prefilled again: no kept KV cache)",
     "engine/kv_kept_tokens": "cached positions resumed samples went on from instead of a prefill",

@@ -305,6 +305,8 @@ def step_metrics(cfg, result: RolloutResult, engine_stats) -> dict[str, float]:
         "rollout/samples": c.groups_started * cfg.rollout.n_samples_per_prompt,
         "timing/gen_s": result.gen_seconds,
         "engine/prefill_tokens": engine_stats.prefill_tokens,
+        "engine/prefill_shared_tokens": engine_stats.prefill_shared_tokens,
+        "engine/prefill_calls": engine_stats.prefill_calls,
         "engine/resumed_prefill_tokens": engine_stats.resumed_prefill_tokens,
         "engine/kv_kept_tokens": engine_stats.kv_kept_tokens,
         "engine/kv_evicted": engine_stats.kv_evicted,

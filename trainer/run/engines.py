@@ -95,7 +95,8 @@ def _engine(cfg, model, tokenizer, device, dtype, max_seq_len, weights_dir, eos,
         raise ValueError(f"rollout.engine: unknown engine {r.engine!r}")
     on_cuda = getattr(device, "type", str(device)) == "cuda"
     slots = dict(max_slots="auto" if on_cuda else r.max_slots, slots_cap=r.max_slots,
-                 park_tokens=cfg.engine.kv_park_tokens)
+                 park_tokens=cfg.engine.kv_park_tokens,
+                 prompt_cache_tokens=cfg.engine.prompt_cache_tokens)
     procs = cfg.cluster.gen_procs or (cfg.async_.enabled and cfg.async_.worker == "process")
     if procs:
         return _with_stops(tokenizer, stops, _process_pool(
