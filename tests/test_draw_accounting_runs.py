@@ -55,3 +55,22 @@ def test_a_resume_that_forgets_the_held_groups_is_caught(tmp_path, monkeypatch):
                 and e["rule"] == "prompts_skipped"]
     assert sorted(map(int, event["samples"])) == sorted(held)
     assert sum(figures(sink, "prompts_skipped")) == len(held)
+
+
+@pytest.mark.slow
+def test_an_asynchronous_resume_counts_the_queued_groups_scored_before_the_checkpoint(tmp_path):
+    # groups scored after the last step and queued at the checkpoint: no step of the resumed
+    # run reports their scoring, the step that trains them settles them
+    cfg = ["rollout.n_samples_per_prompt=4", "rollout.max_response_len=32", "rollout.max_slots=16",
+           "run.reward_workers=0", "model.threads=1", "run.eval_every=0", "run.log_samples=0",
+           "run.checkpoint_every=1", "rollout.rollout_batch_size=4"]
+    with Runner(C.load("async", cfg + ["run.max_steps=2"]), tmp_path, sink=MemorySink()) as r:
+        r.run()
+    sink = MemorySink()
+    with Runner(C.load("async", cfg + ["run.max_steps=4"]), tmp_path, sink=sink, resume=True,
+                keep_knobs=("run.max_steps",)) as r:
+        queued = set(r.rollout.held_draws()) & {g.draw for g in r.rollout.state.queue}
+        assert queued, "the checkpoint holds scored groups queued for the trainer"
+        r.run()
+    assert figures(sink, "prompts_skipped") == [0, 0]
+    assert sum(figures(sink, "prompts_repeated")) == 0

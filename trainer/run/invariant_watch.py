@@ -97,7 +97,10 @@ class InvariantWatch:
         t0 = time.monotonic()
         limit = bounds(cfg, version)
         found = rules.check(run.step, trained_samples(seqs, result.groups), limit, self.seen)
-        accounted = self.draws.step(run.prompts.cursor, [g.draw for g in result.scored],
+        # a trained group was scored, in this step or before: an asynchronous group scored
+        # between the last step and a checkpoint is reported scored by no step of the resumed run
+        scored = [g.draw for g in result.scored] + [g.draw for g in result.groups]
+        accounted = self.draws.step(run.prompts.cursor, scored,
                                     result.counts.greso_draws, result.counts.dropped_draws,
                                     run.rollout.held_draws())
         found += data_violations(run.step, accounted)
