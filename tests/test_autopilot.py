@@ -14,6 +14,7 @@ from trainer import config as config_mod
 from trainer.observe.metrics import MetricsSink
 from trainer.pilot.autopilot import Autopilot, guard_trips, inside
 from trainer.pilot.live import LivePilot
+from trainer.run import knob_requests
 from trainer.run.boundary import StepBoundary
 from trainer.run.controls import AUTO, AUTOPILOT, SCHEDULE, SET_KNOBS, Command, ControlSource
 
@@ -64,19 +65,8 @@ def simulate(cfg, steps: int, *, throughput=lambda eta, step: 100.0 * (1 + eta),
     source = People(dict(people or {}))
     boundary = StepBoundary(source, sink, Driver())
 
-    def changed(cmd, applied):
-        if cmd.requested_by == AUTO:
-            return
-        if cmd.requested_by == SCHEDULE:
-            if applied:
-                pilot.autopilot.knob_scheduled(list(cmd.knobs))
-            return
-        if applied:
-            pilot.autopilot.knob_applied(list(cmd.knobs), cmd.requested_by == AUTOPILOT)
-        elif cmd.requested_by == AUTOPILOT:
-            pilot.autopilot.knob_refused(list(cmd.knobs))
-
-    boundary.on_knobs = changed
+    # the runner's own rule for telling the autopilot what became of a change
+    boundary.on_knobs = lambda cmd, applied: knob_requests.tell_autopilot(pilot, cmd, applied)
     etas = []
     for step in range(1, steps + 1):
         source.step = step - 1
