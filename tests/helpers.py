@@ -98,3 +98,14 @@ def check_rows(rows, waiting=0, generated=0, trained=0, dropped=0):
         assert generated == trained + waiting + dropped
         assert r["rollout/waste/share_total"] * generated == pytest.approx(dropped)
     return waiting, generated, trained, dropped
+
+
+def new_weights(model, scale=1.05):
+    """A deep copy of `model` with every parameter scaled: other weights to send an engine."""
+    import copy
+
+    other = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.mul_(scale)
+    return other

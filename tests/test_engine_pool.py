@@ -1,7 +1,6 @@
 """Several generation processes behind one engine (trainer/engine/pool.py): balanced by
 outstanding tokens, every member at the policy it was given, and a member SIGKILLed mid-run
 costs no sample and no step."""
-import copy
 import os
 import signal
 import time
@@ -9,7 +8,7 @@ import time
 import psutil
 import pytest
 import torch
-from helpers import TINY_RUN, full_forward_logprobs
+from helpers import TINY_RUN, full_forward_logprobs, new_weights
 
 from trainer import config as C
 from trainer.engine.base import SEGMENT, Sample, SamplingParams
@@ -38,14 +37,6 @@ def make_pool(model, size, eos=(), slots=4, **kw):
 
 def prompt(tok, text="[3,5,7,1]="):
     return tok(text).input_ids
-
-
-def new_weights(model, scale=1.05):
-    other = copy.deepcopy(model)
-    with torch.no_grad():
-        for p in other.parameters():
-            p.mul_(scale)
-    return other
 
 
 def drain(pool, deadline_s=120):

@@ -1,11 +1,11 @@
 """The probe of the weights each sync sent (trainer/invariants/probe.py): every generator's
 log-probabilities of a fixed sequence against the trainer's. Pure judging, each engine's
 `probe_logprobs` against a plain forward pass, and real runs whose weight sync silently fails."""
-import copy
 
 import pytest
 import torch
 from fakes.sglang_standin import StandinServer
+from helpers import new_weights
 
 from trainer import config as C
 from trainer.cli.main import main
@@ -37,14 +37,6 @@ def reference(model, ids):
     with torch.no_grad():
         logp = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
     return logp[:-1].gather(1, torch.tensor(ids[1:]).unsqueeze(1)).squeeze(1)
-
-
-def scaled(model, factor=1.05):
-    other = copy.deepcopy(model)
-    with torch.no_grad():
-        for p in other.parameters():
-            p.mul_(factor)
-    return other
 
 
 # --- judging (pure) -------------------------------------------------------------------------------
@@ -106,7 +98,7 @@ def test_embedded_engine_scores_as_a_plain_forward_pass_and_follows_its_weights(
     eng = EmbeddedEngine(model, eos_token_ids=[tok.eos_token_id], max_slots=2, max_seq_len=64)
     (got,) = eng.probe_logprobs(ids).values()
     assert torch.allclose(torch.tensor(got), reference(model, ids), atol=1e-5)
-    other = scaled(model)
+    other = new_weights(model)
     eng.update_weights(other.state_dict(), version=1)
     (after,) = eng.probe_logprobs(ids).values()
     assert torch.allclose(torch.tensor(after), reference(other, ids), atol=1e-5)
@@ -127,7 +119,7 @@ def test_generation_processes_each_score_with_their_own_weights(builtin):
         assert sorted(got) == ["member 0", "member 1"]
         for lp in got.values():
             assert torch.allclose(torch.tensor(lp), reference(model, ids), atol=1e-5)
-        other = scaled(model)
+        other = new_weights(model)
         pool.update_weights(other.state_dict(), version=1)
         for lp in pool.probe_logprobs(ids).values():
             assert torch.allclose(torch.tensor(lp), reference(other, ids), atol=1e-5)
